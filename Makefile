@@ -1,0 +1,32 @@
+# moescope: `make test` and `make demo` each set everything up first (idempotent).
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup install test demo bench clean help
+
+help:
+	@echo "make setup    install system packages, kernel headers, venv, project (idempotent, root)"
+	@echo "make install  setup + put 'agent' on root's PATH (/usr/local/bin/agent)"
+	@echo "make test     setup + run the whole test suite (BPF tests must run: needs root)"
+	@echo "make demo     setup + reference MoE runtime under load with the agent and its TUI"
+	@echo "make bench    setup + overhead benchmarks (JSON under bench-results/)"
+
+setup:
+	bash scripts/setup.sh
+
+install: setup
+	ln -sfn "$(CURDIR)/$(VENV)/bin/agent" /usr/local/bin/agent
+	@echo "agent installed: /usr/local/bin/agent -> $(CURDIR)/$(VENV)/bin/agent"
+
+test: setup
+	MOESCOPE_REQUIRE_BPF=1 $(PY) -m pytest $(PYTEST_ARGS)
+
+demo: setup
+	bash scripts/demo.sh
+
+bench: setup
+	$(PY) -m benchmarks.run_all
+
+clean:
+	rm -rf build *.egg-info bench-results

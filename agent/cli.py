@@ -1,0 +1,68 @@
+"""`agent` command line: one subcommand per module, each exposing add_arguments(p) and run(args) -> int."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from agent import errors
+
+# (name, module, one-line help). Each module defines add_arguments(parser) and run(args) -> int.
+SUBCOMMANDS: list[tuple[str, str, str]] = [
+    ("start", "agent.start", "attach to a serving process and observe it (needs root)"),
+]
+
+EPILOG = """\
+exit codes: 0 ok, 1 internal error, 2 usage, 3 not permitted (root needed), 4 bcc missing,
+5 probe compile/load failed (kernel headers?), 6 no such process, 7 nothing listening on port,
+8 target exited, 9 data source unavailable.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="agent",
+        description="moescope: eBPF/NVTX observability and policy agent for MoE inference serving.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, module_name, help_text in SUBCOMMANDS:
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            description=(module.__doc__ or help_text).strip(),
+            epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING - 10 * min(args.verbose, 2),
+        format="agent: %(levelname)s: %(message)s",
+    )
+    try:
+        return int(args._run(args))
+    except errors.MoescopeError as exc:
+        print(f"agent: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,94 @@
+"""The agent's typed errors: each carries a one-line message for users and a documented exit code.
+
+Exit codes (also in README "Exit codes"):
+    0  success
+    1  unexpected internal error (a bug: please report it)
+    2  bad usage: flags, config or arguments
+    3  not permitted: needs root (or CAP_BPF + CAP_PERFMON)
+    4  bcc (Debian's python3-bpfcc) not importable
+    5  kernel headers missing or the eBPF program failed to compile/load/attach
+    6  no such process
+    7  nothing is listening on the given port
+    8  the target process exited
+    9  a required data source is unavailable (NVTX ring, NVML, control socket)
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_USAGE = 2
+EXIT_NOT_PERMITTED = 3
+EXIT_BCC_MISSING = 4
+EXIT_PROBE_LOAD = 5
+EXIT_NO_SUCH_PROCESS = 6
+EXIT_PORT_NOT_LISTENING = 7
+EXIT_TARGET_EXITED = 8
+EXIT_SOURCE_UNAVAILABLE = 9
+
+
+class MoescopeError(Exception):
+    """Base of every error the agent reports to users as one line and an exit code."""
+
+    exit_code = EXIT_INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class UsageError(MoescopeError):
+    exit_code = EXIT_USAGE
+
+
+class ConfigError(UsageError):
+    """A config file or value is invalid."""
+
+
+class NotPermitted(MoescopeError):
+    exit_code = EXIT_NOT_PERMITTED
+
+
+class BccMissing(MoescopeError):
+    exit_code = EXIT_BCC_MISSING
+
+
+class ProbeLoadError(MoescopeError):
+    """Kernel headers missing, or the eBPF program failed to compile or load."""
+
+    exit_code = EXIT_PROBE_LOAD
+
+
+class AttachError(ProbeLoadError):
+    """The program loaded but a tracepoint/uprobe could not be attached."""
+
+
+class NoSuchProcess(MoescopeError):
+    exit_code = EXIT_NO_SUCH_PROCESS
+
+
+class PortNotListening(MoescopeError):
+    exit_code = EXIT_PORT_NOT_LISTENING
+
+
+class TargetExited(MoescopeError):
+    exit_code = EXIT_TARGET_EXITED
+
+
+class SourceUnavailable(MoescopeError):
+    exit_code = EXIT_SOURCE_UNAVAILABLE
+
+
+class NvtxUnavailable(SourceUnavailable):
+    """The target was not started with the moescope NVTX injection library."""
+
+
+class NvmlUnavailable(SourceUnavailable):
+    """No NVIDIA driver / NVML on this host."""
+
+
+class ControlError(SourceUnavailable):
+    """The runtime's control socket is unreachable, refused a command, or timed out."""
