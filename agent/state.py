@@ -1,0 +1,574 @@
+"""Live state snapshot: what the agent knows right now, for `agent top` and `agent start --tui`.
+
+The daemon fills one `Snapshot` (typed dataclasses below) from its pipeline, and a `StatePublisher`
+writes it, atomically, as JSON to ``<state dir>/agent-<pid>.state.json`` (default state dir
+``/run/moescope``; ``MOESCOPE_STATE_DIR`` overrides it). `agent top` finds the running agent(s) with
+`find_agents` and reads the file with `read_snapshot`; it needs no privilege beyond reading that
+file. The file is mode 0644 by default (world-readable: it carries only aggregate numbers, pids and
+process names); pass ``mode=0o640`` and ``group=`` to restrict it to one group.
+
+Conventions: every number is in the unit its field name says (``_ms``, ``_bytes``, ``_per_s``,
+``_pct`` is 0..100); ``None`` means "not measured" and is shown as ``N/A`` (NaN is written as
+``null``). The JSON carries ``"version": SCHEMA_VERSION``; a reader refuses another version with a
+one-line error and ignores keys it does not know, so fields may be added without a version bump.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+import threading
+import time
+import types
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from agent import errors
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+DEFAULT_STATE_DIR = "/run/moescope"
+STATE_DIR_ENV = "MOESCOPE_STATE_DIR"
+STATE_FILE_RE = re.compile(r"^agent-(\d+)\.state\.json$")
+# Per-layer expert shares are binned to at most this many values so a 16384-expert model stays small.
+MAX_EXPERT_BINS = 256
+
+RuleState = Literal["armed", "pending", "firing", "cooling"]
+RULE_STATES: tuple[str, ...] = typing.get_args(RuleState)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A process the agent is attached to."""
+
+    pid: int
+    comm: str
+
+
+@dataclass(frozen=True, slots=True)
+class SourceStats:
+    """One event source (ingress probe, NVTX ring, NVML sampler, ...)."""
+
+    name: str
+    events_per_s: float | None = None
+    drops_total: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    agent_pid: int
+    started_unix_s: float
+    targets: list[Target] = field(default_factory=list)
+    probes_attached: list[str] = field(default_factory=list)
+    sources: list[SourceStats] = field(default_factory=list)
+    dry_run: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Requests:
+    """Kernel-measured requests (first byte read → last byte written) over a sliding window."""
+
+    window_s: float | None = None
+    rate_per_s: float | None = None
+    latency_p50_ms: float | None = None
+    latency_p95_ms: float | None = None
+    latency_p99_ms: float | None = None
+    errors_total: int | None = None
+    errors_per_s: float | None = None
+    in_flight: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HotExpert:
+    expert: int
+    share: float  # fraction of the layer's routed tokens
+
+
+@dataclass(frozen=True, slots=True)
+class MoeLayer:
+    """Routing health of one MoE layer over the MoE window.
+
+    ``expert_token_share[i]`` is the fraction of routed tokens that went to experts
+    ``[i * experts_per_bin, (i + 1) * experts_per_bin)``; the shares sum to 1 (or the list is empty
+    when no tokens were routed). Use `bin_expert_shares` to build it from per-expert counts.
+    """
+
+    layer: int
+    num_experts: int
+    experts_per_bin: int = 1
+    expert_token_share: list[float] = field(default_factory=list)
+    # the few most loaded experts, hottest first (binning can hide them; see `hottest_experts`)
+    hot_experts: list[HotExpert] = field(default_factory=list)
+    tokens_total: int | None = None
+    entropy_bits: float | None = None
+    gini: float | None = None
+    capacity_drops: int | None = None
+    precision: str | None = None
+    # expert id (as a string: JSON keys) → precision, only where it differs from `precision`
+    expert_precision: dict[str, str] = field(default_factory=dict)
+    resident_device: int | None = None
+    resident_host: int | None = None
+
+    @property
+    def entropy_norm(self) -> float | None:
+        """Entropy divided by log2(E): 1.0 is a perfectly uniform router."""
+        if self.entropy_bits is None or self.num_experts < 2:
+            return None
+        return self.entropy_bits / math.log2(self.num_experts)
+
+
+@dataclass(frozen=True, slots=True)
+class Moe:
+    window_s: float | None = None
+    layers: list[MoeLayer] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class NvLink:
+    link: int
+    tx_bytes_per_s: float | None = None
+    rx_bytes_per_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    index: int
+    name: str | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    utilization_pct: float | None = None
+    nvlinks: list[NvLink] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class HostBudget:
+    """The memory signal when there is no GPU: `source` says where it comes from (e.g. cgroup)."""
+
+    source: str
+    used_bytes: int | None = None
+    total_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Devices:
+    gpus: list[Gpu] = field(default_factory=list)
+    host_budget: HostBudget | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RuleStatus:
+    """One policy rule. `progress` is how far its condition is through its window, 0..1
+    (while cooling: how far through the cooldown)."""
+
+    name: str
+    state: RuleState
+    progress: float | None = None
+    signal: str | None = None
+    value: float | None = None
+    threshold: float | None = None
+    unit: str | None = None
+    comparison: Literal[">", "<"] = ">"
+
+
+@dataclass(frozen=True, slots=True)
+class ActionRecord:
+    """One audited policy action (see the policy engine's audit log for the full record)."""
+
+    at_unix_s: float
+    rule: str
+    action: str
+    outcome: str
+    latency_ms: float | None = None
+    detail: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    rules: list[RuleStatus] = field(default_factory=list)
+    recent_actions: list[ActionRecord] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class SelfCost:
+    cpu_pct: float | None = None
+    rss_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    header: Header
+    taken_unix_s: float
+    seq: int = 0
+    publish_interval_s: float | None = None
+    requests: Requests = field(default_factory=Requests)
+    moe: Moe = field(default_factory=Moe)
+    devices: Devices = field(default_factory=Devices)
+    policy: Policy = field(default_factory=Policy)
+    self_cost: SelfCost = field(default_factory=SelfCost)
+    version: int = SCHEMA_VERSION
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers for the producer
+
+
+def bin_expert_shares(
+    tokens_per_expert: Sequence[float], *, max_bins: int = MAX_EXPERT_BINS
+) -> tuple[list[float], int]:
+    """Turn per-expert token counts into (shares, experts_per_bin) with at most `max_bins` bins.
+
+    The last bin may hold fewer experts. No tokens at all gives an empty list.
+    """
+    if max_bins < 1:
+        raise ValueError("max_bins must be >= 1")
+    n = len(tokens_per_expert)
+    total = float(sum(tokens_per_expert))
+    if n == 0 or total <= 0.0:
+        return [], 1
+    per_bin = max(1, math.ceil(n / max_bins))
+    shares = [sum(tokens_per_expert[i : i + per_bin]) / total for i in range(0, n, per_bin)]
+    return shares, per_bin
+
+
+def hottest_experts(tokens_per_expert: Sequence[float], *, k: int = 3) -> list[HotExpert]:
+    """The `k` experts with the most tokens (ties: lower id first), as shares of all tokens."""
+    total = float(sum(tokens_per_expert))
+    if total <= 0.0 or k < 1:
+        return []
+    order = sorted(range(len(tokens_per_expert)), key=lambda i: (-tokens_per_expert[i], i))[:k]
+    return [HotExpert(expert=i, share=tokens_per_expert[i] / total) for i in order]
+
+
+class SelfCostMeter:
+    """The agent's own cost: CPU % of one core (all threads) since the previous sample, and RSS."""
+
+    def __init__(self) -> None:
+        self._page_bytes = os.sysconf("SC_PAGE_SIZE")
+        self._last_wall_s = time.monotonic()
+        self._last_cpu_s = self._cpu_s()
+
+    @staticmethod
+    def _cpu_s() -> float:
+        t = os.times()
+        return t.user + t.system
+
+    def _rss_bytes(self) -> int | None:
+        try:
+            with open("/proc/self/statm", "rb") as f:
+                return int(f.read().split()[1]) * self._page_bytes
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def sample(self) -> SelfCost:
+        wall_s, cpu_s = time.monotonic(), self._cpu_s()
+        elapsed_s = wall_s - self._last_wall_s
+        cpu_pct = (cpu_s - self._last_cpu_s) / elapsed_s * 100.0 if elapsed_s > 0 else None
+        self._last_wall_s, self._last_cpu_s = wall_s, cpu_s
+        return SelfCost(cpu_pct=cpu_pct, rss_bytes=self._rss_bytes())
+
+
+# ----------------------------------------------------------------------------------------------
+# JSON (de)serialisation
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _to_tree(value: Any) -> Any:
+    """Dataclass tree → JSON-ready tree; NaN/inf become null. (Faster than dataclasses.asdict,
+    which deep-copies: this runs at the publish rate inside the agent.)"""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        cls = type(value)
+        names = _FIELD_NAMES.get(cls)
+        if names is None:
+            names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+        return {name: _to_tree(getattr(value, name)) for name in names}
+    if isinstance(value, (list, tuple)):
+        if value and type(value[0]) is float:
+            isfinite = math.isfinite
+            return [v if type(v) is float and isfinite(v) else _to_tree(v) for v in value]
+        return [_to_tree(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _to_tree(v) for k, v in value.items()}
+    return value
+
+
+def to_dict(snapshot: Snapshot) -> dict[str, Any]:
+    return typing.cast(dict[str, Any], _to_tree(snapshot))
+
+
+def to_json(snapshot: Snapshot) -> str:
+    return json.dumps(to_dict(snapshot), separators=(",", ":"), allow_nan=False)
+
+
+class _FormatError(ValueError):
+    pass
+
+
+def _decode(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise _FormatError(f"{where}: null not allowed")
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _decode(arg, value, where)
+            except _FormatError:
+                continue
+        raise _FormatError(f"{where}: unexpected {type(value).__name__}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise _FormatError(f"{where}: {value!r} not one of {typing.get_args(tp)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise _FormatError(f"{where}: expected a list")
+        (item_tp,) = typing.get_args(tp)
+        if item_tp is float:
+            # fast path (expert shares are most of the bytes); null is a NaN written by to_json
+            if not all(v is None or type(v) is float or type(v) is int for v in value):
+                raise _FormatError(f"{where}: expected a list of numbers")
+            return [math.nan if v is None else float(v) for v in value]
+        return [_decode(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _FormatError(f"{where}: expected an object")
+        _, val_tp = typing.get_args(tp)
+        return {str(k): _decode(val_tp, v, f"{where}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return _decode_dataclass(tp, value, where)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _FormatError(f"{where}: expected a number")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _FormatError(f"{where}: expected an integer")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise _FormatError(f"{where}: expected a string")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise _FormatError(f"{where}: expected true/false")
+        return value
+    raise _FormatError(f"{where}: unsupported type {tp!r}")
+
+
+def _decode_dataclass(cls: type, value: Any, where: str) -> Any:
+    if not isinstance(value, dict):
+        raise _FormatError(f"{where}: expected an object")
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in value:
+            kwargs[f.name] = _decode(hints[f.name], value[f.name], f"{where}.{f.name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise _FormatError(f"{where}: missing {f.name!r}")
+    return cls(**kwargs)
+
+
+def from_dict(data: Any) -> Snapshot:
+    """JSON tree → Snapshot; raises SourceUnavailable (one line) on another version or bad shape."""
+    if not isinstance(data, dict):
+        raise errors.SourceUnavailable("agent state: not a JSON object")
+    version = data.get("version")
+    if version != SCHEMA_VERSION:
+        raise errors.SourceUnavailable(
+            f"agent state: schema version {version!r}, this reader understands {SCHEMA_VERSION}"
+        )
+    try:
+        return typing.cast(Snapshot, _decode_dataclass(Snapshot, data, "state"))
+    except _FormatError as exc:
+        raise errors.SourceUnavailable(f"agent state: bad format: {exc}") from None
+
+
+def from_json(text: str) -> Snapshot:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise errors.SourceUnavailable(f"agent state: not JSON ({exc.msg} at char {exc.pos})") from None
+    return from_dict(data)
+
+
+# ----------------------------------------------------------------------------------------------
+# publisher (daemon side) and reader (`agent top` side)
+
+
+def state_dir_default() -> Path:
+    return Path(os.environ.get(STATE_DIR_ENV) or DEFAULT_STATE_DIR)
+
+
+def state_file_for(state_dir: Path, pid: int) -> Path:
+    return state_dir / f"agent-{pid}.state.json"
+
+
+class StatePublisher:
+    """Writes snapshots atomically (temp file + rename in the same directory) to one state file.
+
+    Readers never see a half-written file. `close()` removes the file so `agent top` stops
+    finding an agent that has exited cleanly; a crashed agent's file is ignored because its pid
+    is gone (see `find_agents`).
+    """
+
+    def __init__(
+        self,
+        *,
+        state_dir: Path | None = None,
+        pid: int | None = None,
+        mode: int = 0o644,
+        group: int | None = None,
+    ) -> None:
+        self.state_dir = state_dir if state_dir is not None else state_dir_default()
+        self.path = state_file_for(self.state_dir, pid if pid is not None else os.getpid())
+        self.mode = mode
+        self.group = group
+        self.published = 0
+        self.failures = 0
+        try:
+            if not self.state_dir.is_dir():
+                self.state_dir.mkdir(parents=True, exist_ok=True)
+                os.chmod(self.state_dir, 0o755)  # readable by `agent top` whatever our umask
+        except OSError as exc:
+            raise errors.SourceUnavailable(f"cannot create state dir {self.state_dir}: {exc.strerror}") from None
+
+    def publish(self, snapshot: Snapshot) -> None:
+        data = to_json(snapshot).encode()
+        fd, tmp = tempfile.mkstemp(prefix=".agent-", suffix=".tmp", dir=self.state_dir)
+        try:
+            os.fchmod(fd, self.mode)
+            if self.group is not None:
+                os.fchown(fd, -1, self.group)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, self.path)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        self.published += 1
+
+    def close(self) -> None:
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class PeriodicPublisher:
+    """Calls `get_snapshot()` every `interval_s` on a daemon thread and publishes the result.
+
+    Failures (in get_snapshot or in writing) are logged once and counted, never raised: the
+    snapshot is a side channel and must not disturb the agent.
+    """
+
+    def __init__(
+        self, publisher: StatePublisher, get_snapshot: Callable[[], Snapshot], *, interval_s: float = 0.25
+    ) -> None:
+        if interval_s <= 0:
+            raise errors.UsageError("publish interval must be > 0")
+        self.publisher = publisher
+        self.get_snapshot = get_snapshot
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="moescope-state", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                snapshot = self.get_snapshot()
+                if snapshot.publish_interval_s is None:  # readers judge staleness by it
+                    snapshot = dataclasses.replace(snapshot, publish_interval_s=self.interval_s)
+                self.publisher.publish(snapshot)
+            except Exception as exc:  # why: a failing side channel is counted, never fatal
+                if self.publisher.failures == 0:
+                    log.warning("state snapshot not published: %s", exc)
+                self.publisher.failures += 1
+            self._stop.wait(self.interval_s)
+
+    def stop(self, *, timeout_s: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self.publisher.close()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else (root agent, unprivileged reader)
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class AgentFile:
+    pid: int
+    path: Path
+
+
+def find_agents(state_dir: Path) -> list[AgentFile]:
+    """Running agents' state files in `state_dir`, newest first; files of dead pids are ignored."""
+    try:
+        names = os.listdir(state_dir)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise errors.SourceUnavailable(f"cannot list state dir {state_dir}: {exc.strerror}") from None
+    found: list[tuple[float, AgentFile]] = []
+    for name in names:
+        m = STATE_FILE_RE.match(name)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        path = state_dir / name
+        try:
+            mtime = path.stat().st_mtime
+        except OSError:
+            continue
+        if pid_alive(pid):
+            found.append((mtime, AgentFile(pid=pid, path=path)))
+    found.sort(key=lambda item: (-item[0], item[1].pid))
+    return [agent for _, agent in found]
+
+
+def read_snapshot(path: Path) -> Snapshot:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise errors.SourceUnavailable(f"agent state file {path} not found (agent not running?)") from None
+    except OSError as exc:
+        raise errors.SourceUnavailable(f"cannot read agent state file {path}: {exc.strerror}") from None
+    try:
+        return from_json(text)
+    except errors.SourceUnavailable as exc:
+        raise errors.SourceUnavailable(f"{path}: {exc}") from None

@@ -1,0 +1,147 @@
+"""Formatting shared by the panels: N/A for missing values, units, healthy bands, bars."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+NA = "N/A"
+
+# Healthy bands for display (DESIGN.md): router entropy 8.2–8.7 bits at E=16384, scaled by log2 E,
+# i.e. normalised entropy H / log2(E) in [8.2/14, 8.7/14]; expert-load Gini 0.08–0.12.
+ENTROPY_NORM_HEALTHY = (8.2 / 14.0, 8.7 / 14.0)
+ENTROPY_NORM_COLLAPSE = 7.5 / 14.0  # router_collapse rule default
+GINI_HEALTHY = (0.08, 0.12)
+GINI_MONOPOLY = 0.15  # expert_monopoly rule default
+
+STYLE_OK = "green"
+STYLE_WARN = "yellow"
+STYLE_BAD = "bold red"
+STYLE_DIM = "dim"
+STYLE_NA = "dim"
+
+
+def missing(value: float | int | None) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def num(value: float | int | None, spec: str = ".1f", *, suffix: str = "") -> str:
+    """`value` formatted with `spec`, or N/A when None/NaN."""
+    if missing(value):
+        return NA
+    assert value is not None
+    if isinstance(value, float) and math.isinf(value):
+        return ("-" if value < 0 else "") + "inf" + suffix
+    return f"{value:{spec}}{suffix}"
+
+
+def count(value: float | int | None) -> str:
+    """Compact count: 950, 12.3k, 4.5M."""
+    if missing(value):
+        return NA
+    assert value is not None
+    v = float(value)
+    for limit, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(v) >= limit:
+            return f"{v / limit:.1f}{unit}"
+    return f"{v:.0f}" if float(v).is_integer() else f"{v:.1f}"
+
+
+def gib(value_bytes: float | int | None) -> str:
+    return num(None if missing(value_bytes) else float(value_bytes) / 2**30, ".1f")  # type: ignore[arg-type]
+
+
+def mib(value_bytes: float | int | None) -> str:
+    return num(None if missing(value_bytes) else float(value_bytes) / 2**20, ".1f", suffix=" MiB")  # type: ignore[arg-type]
+
+
+def gbps(value_bytes_per_s: float | None) -> str:
+    return num(None if missing(value_bytes_per_s) else float(value_bytes_per_s) / 1e9, ".1f")  # type: ignore[arg-type]
+
+
+def duration(seconds: float | None) -> str:
+    """3d04h / 1h02m03s / 4m05s / 12s."""
+    if missing(seconds):
+        return NA
+    assert seconds is not None
+    s = max(0, int(seconds))
+    if s >= 2 * 86400:
+        d, rem = divmod(s, 86400)
+        return f"{d}d{rem // 3600:02d}h"
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    if h:
+        return f"{h}h{m:02d}m{sec:02d}s"
+    if m:
+        return f"{m}m{sec:02d}s"
+    return f"{sec}s"
+
+
+def ratio(used: float | int | None, total: float | int | None) -> float | None:
+    if missing(used) or missing(total) or not total:
+        return None
+    return float(used) / float(total)  # type: ignore[arg-type]
+
+
+def bar(fraction: float | None, width: int) -> str:
+    """A fixed-width bar ████░░░░ for 0..1; N/A padded when missing."""
+    if width <= 0:
+        return ""
+    if fraction is None or math.isnan(fraction):
+        return NA.center(width)[:width]
+    filled = round(max(0.0, min(1.0, fraction)) * width)
+    return "█" * filled + "░" * (width - filled)
+
+
+@dataclass(frozen=True, slots=True)
+class Judgement:
+    """A value judged against a healthy band: a text marker (readable without colour) and a style."""
+
+    marker: str
+    style: str
+
+
+NO_JUDGEMENT = Judgement(" ", STYLE_NA)
+
+
+def judge_entropy_norm(value: float | None) -> Judgement:
+    if missing(value):
+        return NO_JUDGEMENT
+    assert value is not None
+    lo, hi = ENTROPY_NORM_HEALTHY
+    if value < ENTROPY_NORM_COLLAPSE:
+        return Judgement("!", STYLE_BAD)
+    if value < lo:
+        return Judgement("↓", STYLE_WARN)
+    if value > hi:
+        return Judgement("↑", STYLE_WARN)
+    return Judgement("✓", STYLE_OK)
+
+
+def judge_gini(value: float | None) -> Judgement:
+    if missing(value):
+        return NO_JUDGEMENT
+    assert value is not None
+    lo, hi = GINI_HEALTHY
+    if value > GINI_MONOPOLY:
+        return Judgement("!", STYLE_BAD)
+    if value > hi:
+        return Judgement("↑", STYLE_WARN)
+    if value < lo:
+        return Judgement("↓", STYLE_WARN)
+    return Judgement("✓", STYLE_OK)
+
+
+def severity(j: Judgement) -> int:
+    """0 healthy or unknown, 1 out of band, 2 past a rule's fire threshold."""
+    return {"!": 2, "↓": 1, "↑": 1}.get(j.marker, 0)
+
+
+def fraction_style(fraction: float | None, *, warn: float = 0.9, bad: float = 0.95) -> str:
+    if fraction is None or math.isnan(fraction):
+        return STYLE_NA
+    if fraction >= bad:
+        return STYLE_BAD
+    if fraction >= warn:
+        return STYLE_WARN
+    return STYLE_OK

@@ -1,0 +1,107 @@
+"""Header bar (no border, 2 lines): agent, targets, uptime, probes, per-source events/s and drops,
+agent self-cost, and the data status (live / stale / error)."""
+
+from __future__ import annotations
+
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.table import Table
+from rich.text import Text
+
+from agent.state import Header, SelfCost
+from agent.tui import fmt
+from agent.tui.self_cost import SelfCostText
+
+HEADER_ROWS = 2
+# Data older than this many publish intervals (and at least STALE_MIN_S) is flagged stale.
+STALE_INTERVALS = 3
+STALE_MIN_S = 2.0
+
+
+class HeaderBar:
+    def __init__(
+        self,
+        header: Header | None,
+        self_cost: SelfCost | None,
+        *,
+        taken_unix_s: float | None,
+        now_unix_s: float,
+        seq: int | None = None,
+        publish_interval_s: float | None = None,
+        error: str | None = None,
+    ) -> None:
+        self.header = header
+        self.self_cost = self_cost
+        self.taken_unix_s = taken_unix_s
+        self.now_unix_s = now_unix_s
+        self.seq = seq
+        self.publish_interval_s = publish_interval_s
+        self.error = error
+
+    def _line1(self) -> Text:
+        t = Text(no_wrap=True, overflow="ellipsis")
+        t.append("moescope", style="bold cyan")
+        h = self.header
+        if h is None:
+            t.append("  waiting for agent data", style=fmt.STYLE_DIM)
+            return t
+        targets = ", ".join(f"{tg.pid} {tg.comm}" for tg in h.targets) or fmt.NA
+        t.append("  target ")
+        t.append(targets, style="bold")
+        uptime = None if self.taken_unix_s is None else self.taken_unix_s - h.started_unix_s
+        t.append(f"  up {fmt.duration(uptime)}")
+        if h.probes_attached:
+            t.append("  probes: " + ",".join(h.probes_attached), style=fmt.STYLE_DIM)
+        return t
+
+    def _right1(self) -> Text:
+        t = Text(no_wrap=True)
+        h = self.header
+        if h is not None:
+            if h.dry_run:
+                t.append("DRY-RUN ", style=fmt.STYLE_WARN)
+            t.append(f"agent {h.agent_pid} ")
+        t.append_text(SelfCostText(self.self_cost).text())
+        return t
+
+    def _line2(self) -> Text:
+        t = Text(no_wrap=True, overflow="ellipsis")
+        h = self.header
+        probes = fmt.NA if h is None else str(len(h.probes_attached))
+        t.append(f"probes {probes}")
+        if h is None or not h.sources:
+            t.append("  │ events N/A", style=fmt.STYLE_NA)
+            return t
+        for src in h.sources:
+            t.append("  │ ", style=fmt.STYLE_DIM)
+            t.append(f"{src.name} {fmt.count(src.events_per_s)}/s")
+            drops = src.drops_total
+            t.append(" drop ", style=fmt.STYLE_DIM)
+            t.append(fmt.count(drops), style=fmt.STYLE_WARN if drops else "")
+        return t
+
+    def _status(self) -> Text:
+        """Empty while the data is fresh; otherwise why it is not."""
+        if self.error:
+            return Text(f"⚠ {self.error}", style=fmt.STYLE_BAD, no_wrap=True, overflow="ellipsis")
+        if self.taken_unix_s is None:
+            return Text("no data", style=fmt.STYLE_NA)
+        age_s = self.now_unix_s - self.taken_unix_s
+        limit_s = max(STALE_MIN_S, STALE_INTERVALS * (self.publish_interval_s or 0.0))
+        if age_s > limit_s:
+            return Text(f"STALE {fmt.duration(age_s)}", style=fmt.STYLE_BAD)
+        return Text("")
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        status = self._status()
+        if self.error:
+            # An error gets the whole second line: it matters more than the rates.
+            rows = [(self._line1(), self._right1()), (status, Text(""))]
+        else:
+            rows = [(self._line1(), self._right1()), (self._line2(), status)]
+        for left, right in rows:
+            # One grid per line so each line's right part takes only the room it needs.
+            grid = Table.grid(expand=True, padding=(0, 1))
+            grid.add_column(ratio=1, no_wrap=True, overflow="ellipsis")
+            grid.add_column(justify="right", no_wrap=True)
+            grid.add_row(left, right)
+            yield grid

@@ -1,0 +1,136 @@
+"""The whole screen: panels stacked when narrow (< WIDE_MIN_COLUMNS), a grid when wide; rows are
+shared out so the screen is filled but never overflows (panels cut their own content to fit and
+say how much they hid)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
+from rich.table import Table
+
+from agent.state import Snapshot
+from agent.tui.devices import DevicesPanel
+from agent.tui.header import HEADER_ROWS, HeaderBar
+from agent.tui.moe import MoePanel
+from agent.tui.policy import PolicyPanel
+from agent.tui.requests import RequestsPanel
+
+WIDE_MIN_COLUMNS = 120
+# Policy rules and actions side by side only from here: each table needs ~90 columns.
+POLICY_SIDE_BY_SIDE_MIN_COLUMNS = 190
+
+
+def share_rows(total: int, mins: Sequence[int], naturals: Sequence[int]) -> list[int]:
+    """Give each panel its minimum, then one row at a time, round robin, up to its natural height.
+
+    The result may exceed `total` when even the minimums do not fit (the screen then crops).
+    """
+    heights = [min(m, n) for m, n in zip(mins, naturals, strict=True)]
+    left = total - sum(heights)
+    while left > 0:
+        grew = False
+        for i, natural in enumerate(naturals):
+            if left > 0 and heights[i] < natural:
+                heights[i] += 1
+                left -= 1
+                grew = True
+        if not grew:
+            break
+    return heights
+
+
+class Dashboard:
+    """Renders one snapshot (or nothing yet) to the console's width and the given/terminal height."""
+
+    def __init__(
+        self,
+        snapshot: Snapshot | None,
+        *,
+        now_unix_s: float,
+        error: str | None = None,
+        height: int | None = None,
+        fit_height: bool = True,
+    ) -> None:
+        """`height`: rows to fill; None: the rows the console offers (the terminal's under Live),
+        or, with `fit_height=False`, each panel's natural height (printing to a pipe)."""
+        self.snapshot = snapshot
+        self.now_unix_s = now_unix_s
+        self.error = error
+        self.height = height
+        self.fit_height = fit_height
+
+    def header(self) -> HeaderBar:
+        s = self.snapshot
+        return HeaderBar(
+            None if s is None else s.header,
+            None if s is None else s.self_cost,
+            taken_unix_s=None if s is None else s.taken_unix_s,
+            now_unix_s=self.now_unix_s,
+            seq=None if s is None else s.seq,
+            publish_interval_s=None if s is None else s.publish_interval_s,
+            error=self.error,
+        )
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        height = self.height
+        if height is None and self.fit_height:
+            # a parent (rich's Screen, Group) resets `height` for children but keeps `max_height`
+            height = options.height if options.height is not None else options.max_height
+        if options.max_width >= WIDE_MIN_COLUMNS:
+            yield from self._wide(height, options.max_width)
+        else:
+            yield from self._narrow(height)
+
+    def _narrow(self, height: int | None) -> list[RenderableType]:
+        s = self.snapshot
+        moe = MoePanel(None if s is None else s.moe)
+        devices = DevicesPanel(None if s is None else s.devices)
+        policy = PolicyPanel(None if s is None else s.policy, taken_unix_s=None if s is None else s.taken_unix_s)
+        if height is not None:
+            flex = height - HEADER_ROWS - RequestsPanel.natural_rows()
+            # devices first: short, and it answers "is the GPU full"
+            dev_h, moe_h, pol_h = share_rows(
+                flex,
+                [devices.min_rows(), moe.min_rows(), policy.min_rows()],
+                [devices.natural_rows(), moe.natural_rows(), policy.natural_rows()],
+            )
+            moe.height, devices.height, policy.height = moe_h, dev_h, pol_h
+        return [
+            self.header(),
+            RequestsPanel(None if s is None else s.requests),
+            moe,
+            devices,
+            policy,
+        ]
+
+    def _wide(self, height: int | None, width: int) -> list[RenderableType]:
+        s = self.snapshot
+        moe = MoePanel(None if s is None else s.moe)
+        devices = DevicesPanel(None if s is None else s.devices)
+        policy = PolicyPanel(
+            None if s is None else s.policy,
+            taken_unix_s=None if s is None else s.taken_unix_s,
+            side_by_side=width >= POLICY_SIDE_BY_SIDE_MIN_COLUMNS,
+        )
+        requests = RequestsPanel(None if s is None else s.requests)
+        top_natural = max(RequestsPanel.natural_rows(), devices.natural_rows())
+        top_min = max(RequestsPanel.natural_rows(), devices.min_rows())
+        top_h: int | None = None
+        if height is not None:
+            flex = height - HEADER_ROWS
+            top_h, moe_h, pol_h = share_rows(
+                flex,
+                [top_min, moe.min_rows(), policy.min_rows()],
+                [top_natural, moe.natural_rows(), policy.natural_rows()],
+            )
+            moe.height, policy.height = moe_h, pol_h
+        else:
+            top_h = top_natural
+        requests.height = top_h
+        devices.height = top_h
+        top = Table.grid(expand=True, padding=(0, 0))
+        top.add_column(ratio=2)
+        top.add_column(ratio=3)
+        top.add_row(requests, devices)
+        return [self.header(), top, moe, policy]

@@ -1,0 +1,200 @@
+"""Layout and panel logic: sizes from 80×24 up, narrow vs wide, N/A, healthy bands, heat-map
+maths (computed independently here), and run_live in a real pseudo-terminal."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import termios
+import threading
+import time
+
+import pytest
+from rich.console import Console
+from rich.screen import Screen
+
+from agent import errors
+from agent.state import HotExpert, MoeLayer, Snapshot
+from agent.tui import fmt
+from agent.tui.app import run_live
+from agent.tui.layout import WIDE_MIN_COLUMNS, Dashboard, share_rows
+from agent.tui.moe import heat_cells, heat_text
+from agent.tui.requests import RequestsPanel
+
+from .conftest import FIXTURE_NAMES, load_fixture, render
+
+SIZES = [(80, 24), (100, 30), (119, 24), (120, 30), (160, 40), (240, 60), (80, 60), (200, 20)]
+
+
+@pytest.mark.parametrize(("width", "height"), SIZES)
+@pytest.mark.parametrize("fixture", FIXTURE_NAMES)
+def test_screen_fills_exactly_and_never_overflows(fixture: str, width: int, height: int) -> None:
+    s = load_fixture(fixture)
+    # As Live(screen=True) renders it: Screen passes the terminal height down.
+    text = render(Screen(Dashboard(s, now_unix_s=s.taken_unix_s)), width=width, height=height)
+    lines = text.split("\n")
+    assert len(lines) == height
+    assert all(len(line) == width for line in lines)
+    # every panel made it onto the screen, bottom border included
+    assert "Requests" in text and "MoE routing" in text and "Devices" in text and "Policy" in text
+    assert lines[-1].strip() == "" or lines[-1].rstrip().endswith("╯")
+    assert sum(line.count("╰") for line in lines) == 4  # four boxed panels, none cut off
+
+
+def test_narrow_stacks_wide_puts_requests_beside_devices() -> None:
+    s = load_fixture("gpu_busy")
+    narrow = render(Dashboard(s, now_unix_s=s.taken_unix_s, height=40), width=WIDE_MIN_COLUMNS - 1, height=40)
+    wide = render(Dashboard(s, now_unix_s=s.taken_unix_s, height=40), width=WIDE_MIN_COLUMNS, height=40)
+    assert not any("Requests" in line and "Devices" in line for line in narrow.splitlines())
+    assert any("Requests" in line and "Devices" in line for line in wide.splitlines())
+
+
+def test_missing_values_show_na() -> None:
+    s = load_fixture("just_started")
+    text = render(RequestsPanel(s.requests), width=80)
+    values_row = text.splitlines()[2]
+    assert values_row.split("│")[1].split() == ["N/A"] * 7
+    nan_requests = dataclasses.replace(s.requests, rate_per_s=math.nan, latency_p50_ms=12.0)
+    row = render(RequestsPanel(nan_requests), width=80).splitlines()[2].split("│")[1].split()
+    assert row[:2] == ["N/A", "12.0"]
+
+
+def test_bands_follow_design_numbers() -> None:
+    # 8.2–8.7 bits at E=16384 (log2 E = 14); router_collapse below 7.5 bits; Gini 0.08–0.12, monopoly > 0.15
+    def norm(bits: float) -> float:
+        return bits / 14.0
+
+    assert fmt.judge_entropy_norm(norm(8.2)).marker == "✓"
+    assert fmt.judge_entropy_norm(norm(8.7)).marker == "✓"
+    assert fmt.judge_entropy_norm(norm(8.1)).marker == "↓"
+    assert fmt.judge_entropy_norm(norm(8.8)).marker == "↑"
+    assert fmt.judge_entropy_norm(norm(7.4)).marker == "!"
+    assert fmt.judge_entropy_norm(None).marker == " "
+    assert [fmt.judge_gini(g).marker for g in (0.05, 0.08, 0.1, 0.12, 0.13, 0.16)] == ["↓", "✓", "✓", "✓", "↑", "!"]
+    assert fmt.judge_gini(0.16).style == fmt.STYLE_BAD and fmt.judge_gini(0.1).style == fmt.STYLE_OK
+    assert fmt.judge_gini(math.nan).marker == " "
+
+
+def test_heat_cells_against_hand_computed_ratios() -> None:
+    # 8 experts, shares per expert; ratio = share / (1/8)
+    shares = [0.05, 0.05, 0.1, 0.1, 0.2, 0.3, 0.1, 0.1]
+    layer = MoeLayer(layer=0, num_experts=8, expert_token_share=shares)
+    assert heat_cells(layer, 8) == pytest.approx([0.4, 0.4, 0.8, 0.8, 1.6, 2.4, 0.8, 0.8])
+    # 3 cells: groups of ceil(8/3) = 3 experts, hottest wins
+    assert heat_cells(layer, 3) == pytest.approx([0.8, 2.4, 0.8])
+    assert str(heat_text(heat_cells(layer, 8), 10)) == "░░▒▒▓▓▒▒  "
+    # binned snapshot: 16 experts in 4 bins of 4; expert 13 alone carries 40 % (6.4× uniform)
+    binned = MoeLayer(
+        layer=1,
+        num_experts=16,
+        experts_per_bin=4,
+        expert_token_share=[0.2, 0.2, 0.1, 0.5],
+        hot_experts=[HotExpert(expert=13, share=0.4)],
+    )
+    assert heat_cells(binned, 4) == pytest.approx([0.8, 0.8, 0.4, 6.4])
+    assert str(heat_text(heat_cells(binned, 4), 4)) == "▒▒░█"
+    assert str(heat_text([], 5)) == "N/A  "
+    assert str(heat_text([math.nan, 1.0], 3)) == "?▒ "
+
+
+def test_share_rows() -> None:
+    assert share_rows(10, [3, 3, 3], [4, 10, 4]) == [4, 3, 3]
+    assert share_rows(20, [3, 5, 5], [4, 12, 6]) == [4, 10, 6]
+    assert share_rows(100, [3, 5, 5], [4, 12, 6]) == [4, 12, 6]
+    assert share_rows(5, [3, 5, 5], [4, 12, 6]) == [3, 5, 5]  # too small: minimums, screen crops
+
+
+def test_stale_and_error_status_in_header() -> None:
+    s = load_fixture("gpu_busy")
+    fresh = render(Dashboard(s, now_unix_s=s.taken_unix_s + 0.5, height=24), width=80, height=24)
+    stale = render(Dashboard(s, now_unix_s=s.taken_unix_s + 75, height=24), width=80, height=24)
+    gone = render(
+        Dashboard(s, now_unix_s=s.taken_unix_s, error="agent 4242 has exited", height=24), width=80, height=24
+    )
+    assert "STALE" not in fresh and "STALE 1m15s" in stale.splitlines()[1]
+    assert "⚠ agent 4242 has exited" in gone.splitlines()[1]
+    assert "Requests" in gone  # last data stays on screen
+
+
+def test_run_live_in_a_pty_quits_on_q_and_restores_termios() -> None:
+    """run_live as `agent start --tui` calls it: in-process, a real terminal (pty), keys from it."""
+    master, slave = os.openpty()
+    try:
+        before = termios.tcgetattr(slave)
+        out = open(slave, "w", encoding="utf-8", closefd=False)
+        stdin = open(slave, encoding="utf-8", closefd=False)
+        console = Console(file=out, force_terminal=True, width=100, height=30, color_system="standard")
+        base = load_fixture("gpu_busy")
+        calls: list[int] = []
+        three_calls = threading.Event()
+
+        def get_snapshot() -> Snapshot:
+            calls.append(1)
+            if len(calls) == 2:
+                raise errors.SourceUnavailable("state file vanished")  # shown, not fatal
+            if len(calls) >= 3:
+                three_calls.set()
+            return dataclasses.replace(base, seq=len(calls))
+
+        screen = bytearray()
+        stop_draining = threading.Event()
+
+        def drain() -> None:  # the "terminal" side: read what the view draws, then press q
+            pressed = False
+            while not stop_draining.is_set():
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:
+                    return
+                screen.extend(chunk)
+                if not pressed and three_calls.is_set():
+                    os.write(master, b"q")
+                    pressed = True
+
+        drainer = threading.Thread(target=drain, daemon=True)
+        drainer.start()
+        rc = run_live(get_snapshot, 0.02, console=console, stdin=stdin)
+        assert rc == 0
+        assert len(calls) >= 3
+        after = termios.tcgetattr(slave)
+        assert after[3] == before[3]  # lflag (ICANON, ECHO) restored
+        deadline = time.monotonic() + 10
+        while b"\x1b[?1049l" not in screen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        text = screen.decode("utf-8", errors="replace")
+        assert "\x1b[?1049h" in text and "\x1b[?1049l" in text  # entered and left the alternate screen
+        assert "state file vanished" in text
+        assert "MoE routing" in text
+        stop_draining.set()
+    finally:
+        os.close(slave)
+        os.close(master)
+
+
+def test_run_live_rejects_bad_interval() -> None:
+    with pytest.raises(errors.UsageError):
+        run_live(lambda: load_fixture("just_started"), 0.0)
+
+
+def test_formatting_helpers() -> None:
+    assert [fmt.duration(v) for v in (None, math.nan, 0.4, 75, 3723, 2 * 86400 + 3 * 3600 + 5)] == [
+        "N/A",
+        "N/A",
+        "0s",
+        "1m15s",
+        "1h02m03s",
+        "2d03h",
+    ]
+    assert [fmt.count(v) for v in (None, 0, 950, 1520, 412_000, 96_000_000, 2.5)] == [
+        "N/A",
+        "0",
+        "950",
+        "1.5k",
+        "412.0k",
+        "96.0M",
+        "2.5",
+    ]
+    assert fmt.gib(int(139.8 * 2**30)) == "139.8" and fmt.gib(None) == "N/A"
+    assert fmt.bar(0.5, 4) == "██░░" and fmt.bar(None, 5) == " N/A " and fmt.bar(1.7, 2) == "██"
+    assert fmt.num(math.inf, ".1f") == "inf" and fmt.num(3, "d") == "3"
