@@ -1,0 +1,464 @@
+"""Prometheus metrics: declared once in ``METRICS`` (a typed table) and generated from it.
+
+Every family the agent exports is one ``MetricSpec`` row; ``Metrics`` builds the prometheus_client
+objects from the table into its own ``CollectorRegistry`` (never the global one) and is the only way
+to update them. ``MetricsServer`` serves ``/metrics`` on ``--metrics-port`` (default bind 127.0.0.1).
+
+Cardinality is bounded twice:
+* per-expert families (``layer``, ``expert`` labels) go through ``ExpertLabels``: at most
+  ``max_layers`` layer values and ``max_experts_per_layer`` expert values per layer get their own
+  series; an expert is admitted when it is among the step's top ``max_experts_per_layer`` by tokens
+  and a slot is free, and keeps its series for the agent's life (counters must stay monotonic).
+  Every other expert is summed into ``expert="other"``, every other layer into ``layer="other"``,
+  so no token is lost from the totals;
+* every family has ``max_series``: a label set past it is not created, the update is dropped and
+  counted in ``moescope_agent_metric_series_dropped_total{metric}``.
+The label sets and their bounds are listed in docs/traces-and-metrics.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import resource
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.registry import Collector
+
+from agent import errors
+from agent.routing_health import LayerHealth, StepHealth
+
+log = logging.getLogger(__name__)
+
+MetricKind = Literal["counter", "gauge", "histogram"]
+
+DEFAULT_METRICS_PORT = 9464  # the port OpenTelemetry's Prometheus exporters conventionally use
+DEFAULT_METRICS_ADDR = "127.0.0.1"
+DEFAULT_MAX_LAYERS = 128
+DEFAULT_MAX_EXPERTS_PER_LAYER = 64
+OTHER = "other"
+
+# Request latency: the policy thresholds (0.43 s fp16 fallback, 0.8/0.87 s SLO) are bucket bounds.
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.43, 0.5, 0.8, 0.87, 1.0, 2.5, 5.0, 10.0)
+STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.43, 0.5, 1.0, 2.5)
+LOAD_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One exported family. ``name`` is the exposition base name (counters gain ``_total``)."""
+
+    name: str
+    kind: MetricKind
+    help: str
+    labels: tuple[str, ...] = ()
+    unit: str = ""
+    buckets: tuple[float, ...] = ()
+    max_series: int = 1  # bound on label sets; 1 for unlabelled families
+
+    def sample_name(self) -> str:
+        """The series name a query uses (``_total`` for counters, ``_bucket`` etc. for histograms)."""
+        return f"{self.name}_total" if self.kind == "counter" else self.name
+
+
+_L = DEFAULT_MAX_LAYERS
+_X = DEFAULT_MAX_LAYERS * (DEFAULT_MAX_EXPERTS_PER_LAYER + 1) + DEFAULT_MAX_EXPERTS_PER_LAYER + 1
+_DEV = 64  # GPUs per node, plus "host"
+_LINKS = _DEV * 18  # NVLink links per GPU (18 on H100)
+_RULES = 64
+_SOURCES = 16
+_REASONS = 8
+
+METRICS: tuple[MetricSpec, ...] = (
+    # --- requests (kernel-timed ingress) ---
+    MetricSpec("moescope_request_duration_seconds", "histogram",
+               "Request latency measured in the kernel: first request byte read to last response byte written.",
+               unit="seconds", buckets=LATENCY_BUCKETS_S),
+    MetricSpec("moescope_request_queue_wait_seconds", "histogram",
+               "Time from a request's first byte to the start of the first step that served it.",
+               unit="seconds", buckets=LATENCY_BUCKETS_S),
+    MetricSpec("moescope_requests", "counter", "Requests completed (server span ended)."),
+    MetricSpec("moescope_request_received_bytes", "counter", "Bytes read from client sockets (requests).",
+               unit="bytes"),
+    MetricSpec("moescope_response_sent_bytes", "counter", "Bytes written to client sockets (responses).",
+               unit="bytes"),
+    # --- MoE steps ---
+    MetricSpec("moescope_steps", "counter", "MoE forward steps (moe.step ranges) completed."),
+    MetricSpec("moescope_step_tokens", "counter", "Tokens in completed steps (moe.step payload)."),
+    MetricSpec("moescope_step_duration_seconds", "histogram", "Duration of one moe.step range (expert compute).",
+               unit="seconds", buckets=STEP_BUCKETS_S),
+    MetricSpec("moescope_expert_load_duration_seconds", "histogram",
+               "Duration of moe.expert.load ranges (bringing a non-resident expert's weights in).",
+               unit="seconds", buckets=LOAD_BUCKETS_S),
+    MetricSpec("moescope_expert_load_bytes", "counter", "Bytes moved by moe.expert.load ranges.", unit="bytes"),
+    # --- routing health, per layer (agent/routing_health.py has the formulas) ---
+    MetricSpec("moescope_router_entropy_bits", "gauge", "Router mean token entropy of the latest step, bits.",
+               labels=("layer",), unit="bits", max_series=_L + 1),
+    MetricSpec("moescope_router_entropy_normalized", "gauge", "Router mean token entropy / log2(experts).",
+               labels=("layer",), max_series=_L + 1),
+    MetricSpec("moescope_expert_load_gini", "gauge", "Gini coefficient of tokens per expert, latest step.",
+               labels=("layer",), max_series=_L + 1),
+    MetricSpec("moescope_expert_load_gini_window", "gauge",
+               "Gini coefficient of tokens per expert summed over the policy's sliding window.",
+               labels=("layer",), max_series=_L + 1),
+    MetricSpec("moescope_expert_load_entropy_bits", "gauge", "Entropy of the expert-load distribution, bits.",
+               labels=("layer",), unit="bits", max_series=_L + 1),
+    MetricSpec("moescope_expert_load_entropy_normalized", "gauge", "Expert-load entropy / log2(experts).",
+               labels=("layer",), max_series=_L + 1),
+    MetricSpec("moescope_expert_load_max_share", "gauge", "Share of the layer's tokens taken by its busiest expert.",
+               labels=("layer",), max_series=_L + 1),
+    MetricSpec("moescope_expert_load_cv", "gauge", "Coefficient of variation of tokens per expert.",
+               labels=("layer",), max_series=_L + 1),
+    MetricSpec("moescope_step_router_entropy_normalized", "gauge",
+               "Token-weighted mean over layers of normalised router entropy, latest step."),
+    MetricSpec("moescope_step_expert_load_gini", "gauge", "Token-weighted mean over layers of Gini, latest step."),
+    MetricSpec("moescope_step_expert_load_gini_max", "gauge", "Highest per-layer Gini of the latest step."),
+    MetricSpec("moescope_experts", "gauge", "Experts per MoE layer (E)."),
+    # --- per expert (bounded: see ExpertLabels) ---
+    MetricSpec("moescope_expert_tokens", "counter", "Tokens routed to an expert (before capacity).",
+               labels=("layer", "expert"), max_series=_X),
+    MetricSpec("moescope_expert_dropped_tokens", "counter", "Tokens over an expert's capacity (dropped/rerouted).",
+               labels=("layer", "expert"), max_series=_X),
+    # --- devices ---
+    MetricSpec("moescope_device_memory_used_bytes", "gauge",
+               "Device memory used; device is the GPU index, or 'host' for the no-GPU memory signal.",
+               labels=("device",), unit="bytes", max_series=_DEV + 1),
+    MetricSpec("moescope_device_memory_total_bytes", "gauge",
+               "Device memory total; device is the GPU index, or 'host' for the no-GPU memory signal.",
+               labels=("device",), unit="bytes", max_series=_DEV + 1),
+    MetricSpec("moescope_target_memory_bytes", "gauge",
+               "Target process memory: resident set, or GPU memory the process holds on a device.",
+               labels=("device",), unit="bytes", max_series=_DEV + 1),
+    MetricSpec("moescope_nvlink_transmit_bytes", "counter", "NVLink bytes transmitted per link.",
+               labels=("device", "link"), unit="bytes", max_series=_LINKS),
+    MetricSpec("moescope_nvlink_receive_bytes", "counter", "NVLink bytes received per link.",
+               labels=("device", "link"), unit="bytes", max_series=_LINKS),
+    MetricSpec("moescope_pcie_transmit_bytes_per_second", "gauge", "PCIe transmit throughput (NVML sample).",
+               labels=("device",), max_series=_DEV),
+    MetricSpec("moescope_pcie_receive_bytes_per_second", "gauge", "PCIe receive throughput (NVML sample).",
+               labels=("device",), max_series=_DEV),
+    # --- policy ---
+    MetricSpec("moescope_policy_actions", "counter", "Policy actions by rule, action and outcome.",
+               labels=("rule", "action", "outcome"), max_series=_RULES * 16),
+    MetricSpec("moescope_policy_rule_state", "gauge",
+               "1 for the rule's current state (ok, pending, firing, cooldown), 0 for the others.",
+               labels=("rule", "state"), max_series=_RULES * 4),
+    MetricSpec("moescope_policy_rule_signal", "gauge", "Latest value of the signal a rule watches.",
+               labels=("rule",), max_series=_RULES),
+    # --- agent self-metrics ---
+    MetricSpec("moescope_agent_events", "counter", "Events received per source (rate() gives events/s).",
+               labels=("source",), max_series=_SOURCES),
+    MetricSpec("moescope_agent_events_dropped", "counter", "Events dropped per source and reason.",
+               labels=("source", "reason"), max_series=_SOURCES * _REASONS),
+    MetricSpec("moescope_agent_collector_duration_seconds", "gauge", "Duration of a collector's last run.",
+               labels=("collector",), unit="seconds", max_series=_SOURCES),
+    MetricSpec("moescope_agent_collector_success", "gauge", "1 if the collector's last run succeeded, else 0.",
+               labels=("collector",), max_series=_SOURCES),
+    MetricSpec("moescope_agent_cpu_seconds", "counter", "CPU time used by the agent process (user + system).",
+               unit="seconds"),
+    MetricSpec("moescope_agent_resident_memory_bytes", "gauge", "Resident set size of the agent process.",
+               unit="bytes"),
+    MetricSpec("moescope_agent_metric_series_dropped", "counter",
+               "Metric updates dropped because a family reached its series bound.",
+               labels=("metric",), max_series=64),
+    MetricSpec("moescope_export_spans", "counter", "Spans handed to the trace exporter, by outcome.",
+               labels=("outcome",), max_series=4),
+    MetricSpec("moescope_export_spans_dropped", "counter", "Spans dropped before export, by reason.",
+               labels=("reason",), max_series=4),
+    MetricSpec("moescope_export_queue_spans", "gauge", "Spans waiting in the export queue."),
+    MetricSpec("moescope_build_info", "gauge", "Always 1; the agent's version as a label.",
+               labels=("version",), max_series=1),
+)
+
+SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
+assert len(SPECS) == len(METRICS), "duplicate metric name in METRICS"
+
+POLICY_STATES = ("ok", "pending", "firing", "cooldown")
+
+
+def exported_sample_names() -> frozenset[str]:
+    """Every series name a PromQL query may use (histograms: _bucket, _sum, _count)."""
+    names: set[str] = set()
+    for spec in METRICS:
+        if spec.kind == "histogram":
+            names.update({f"{spec.name}_bucket", f"{spec.name}_sum", f"{spec.name}_count"})
+        elif spec.kind == "counter":
+            names.add(f"{spec.name}_total")
+        else:
+            names.add(spec.name)
+    return frozenset(names)
+
+
+def _build(spec: MetricSpec, registry: CollectorRegistry) -> Counter | Gauge | Histogram:
+    common = {"labelnames": spec.labels, "unit": spec.unit, "registry": registry}
+    if spec.kind == "counter":
+        return Counter(spec.name, spec.help, **common)
+    if spec.kind == "gauge":
+        return Gauge(spec.name, spec.help, **common)
+    return Histogram(spec.name, spec.help, buckets=spec.buckets, **common)
+
+
+@dataclass(slots=True)
+class ExpertLabels:
+    """Maps (layer, expert) to bounded label values: admitted experts keep their own series."""
+
+    max_layers: int = DEFAULT_MAX_LAYERS
+    max_experts_per_layer: int = DEFAULT_MAX_EXPERTS_PER_LAYER
+    _layers: dict[int, set[int]] = field(default_factory=dict)
+
+    def layer_label(self, layer: int) -> str:
+        if layer in self._layers:
+            return str(layer)
+        if len(self._layers) < self.max_layers:
+            self._layers[layer] = set()
+            return str(layer)
+        return OTHER
+
+    def admit(self, layer: int, tokens_by_expert: Mapping[int, int]) -> dict[int, str]:
+        """Label value per expert for one step's counts; admits the step's hottest while slots remain."""
+        layer_label = self.layer_label(layer)
+        if layer_label == OTHER:
+            return {expert: OTHER for expert in tokens_by_expert}
+        admitted = self._layers[layer]
+        free = self.max_experts_per_layer - len(admitted)
+        if free > 0:
+            hottest = sorted(
+                (e for e, n in tokens_by_expert.items() if n > 0 and e not in admitted),
+                key=lambda e: (-tokens_by_expert[e], e),
+            )
+            admitted.update(hottest[:free])
+        return {expert: (str(expert) if expert in admitted else OTHER) for expert in tokens_by_expert}
+
+    def expert_label(self, layer: int, expert: int) -> str:
+        """The label an expert already has (``other`` unless it was admitted)."""
+        return str(expert) if expert in self._layers.get(layer, ()) else OTHER
+
+
+class Metrics:
+    """The agent's metric families, generated from ``METRICS`` into a private registry."""
+
+    def __init__(
+        self,
+        *,
+        specs: Sequence[MetricSpec] = METRICS,
+        max_layers: int = DEFAULT_MAX_LAYERS,
+        max_experts_per_layer: int = DEFAULT_MAX_EXPERTS_PER_LAYER,
+        version: str = "",
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._specs = {spec.name: spec for spec in specs}
+        self._families = {spec.name: _build(spec, self.registry) for spec in specs}
+        self._series: dict[str, set[tuple[str, ...]]] = {name: set() for name in self._specs}
+        self._counter_totals: dict[tuple[str, tuple[str, ...]], float] = {}
+        self._lock = threading.Lock()
+        self.expert_labels = ExpertLabels(max_layers=max_layers, max_experts_per_layer=max_experts_per_layer)
+        if version and "moescope_build_info" in self._specs:
+            self.set("moescope_build_info", 1.0, version=version)
+
+    # --- generic, bounded updates -----------------------------------------------------------
+    def _child(self, name: str, labels: Mapping[str, str]) -> Counter | Gauge | Histogram | None:
+        spec = self._specs[name]
+        if set(labels) != set(spec.labels):
+            raise ValueError(f"{name}: labels {sorted(labels)} != declared {list(spec.labels)}")
+        family = self._families[name]
+        if not spec.labels:
+            return family
+        key = tuple(str(labels[label]) for label in spec.labels)
+        with self._lock:
+            series = self._series[name]
+            if key not in series:
+                if len(series) >= spec.max_series:
+                    self._count_series_drop(name)
+                    return None
+                series.add(key)
+        return family.labels(*key)
+
+    def _count_series_drop(self, name: str) -> None:
+        drop = "moescope_agent_metric_series_dropped"
+        if name == drop or drop not in self._families:
+            return
+        key = (name,)
+        series = self._series[drop]
+        if key in series or len(series) < self._specs[drop].max_series:
+            series.add(key)
+            self._families[drop].labels(name).inc()
+
+    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
+        child = self._child(name, labels)
+        if child is not None:
+            child.inc(amount)  # type: ignore[union-attr]
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        child = self._child(name, labels)
+        if child is not None:
+            child.set(value)  # type: ignore[union-attr]
+
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        child = self._child(name, labels)
+        if child is not None:
+            child.observe(value)  # type: ignore[union-attr]
+
+    def set_counter_total(self, name: str, total: float, **labels: str) -> None:
+        """Advance a counter to a cumulative ``total`` read from a source (NVLink, CPU time).
+
+        A total below the last one means the source reset: the new total is added as is.
+        """
+        key = (name, tuple(str(labels[k]) for k in sorted(labels)))
+        with self._lock:
+            last = self._counter_totals.get(key, 0.0)
+            self._counter_totals[key] = total
+        delta = total - last if total >= last else total
+        self.inc(name, max(delta, 0.0), **labels)  # inc(0) creates the series: a zero is visible
+
+    # --- domain helpers ----------------------------------------------------------------------
+    def record_expert_counts(
+        self, *, layer: int, tokens: Mapping[int, int], dropped: Mapping[int, int] | None = None
+    ) -> None:
+        """Per-expert token and drop counters for one layer of one step (bounded labels)."""
+        labels = self.expert_labels.admit(layer, tokens)
+        layer_label = self.expert_labels.layer_label(layer)
+        # Sum per label first: with many experts most fall into "other", one update instead of thousands.
+        token_sums: dict[str, int] = {}
+        for expert, n in tokens.items():
+            if n > 0:
+                token_sums[labels[expert]] = token_sums.get(labels[expert], 0) + n
+        drop_sums: dict[str, int] = {}
+        for expert, n in (dropped or {}).items():
+            if n > 0:
+                label = labels.get(expert) or self.expert_labels.expert_label(layer, expert)
+                drop_sums[label] = drop_sums.get(label, 0) + n
+        for label, n in token_sums.items():
+            self.inc("moescope_expert_tokens", n, layer=layer_label, expert=label)
+        for label, n in drop_sums.items():
+            self.inc("moescope_expert_dropped_tokens", n, layer=layer_label, expert=label)
+
+    def set_layer_health(self, health: LayerHealth) -> None:
+        """Routing-health gauges for one layer of the latest step."""
+        layer = self.expert_labels.layer_label(health.layer)
+        load = health.load
+        for name, value in (
+            ("moescope_router_entropy_bits", health.router_entropy_bits),
+            ("moescope_router_entropy_normalized", health.router_entropy_normalised),
+            ("moescope_expert_load_gini", load.gini),
+            ("moescope_expert_load_entropy_bits", load.entropy_bits),
+            ("moescope_expert_load_entropy_normalized", load.entropy_normalised),
+            ("moescope_expert_load_max_share", load.max_share),
+            ("moescope_expert_load_cv", load.cv),
+        ):
+            self.set(name, value, layer=layer)
+
+    def set_step_health(self, step: StepHealth) -> None:
+        """Step aggregates (token-weighted over layers; worst-layer Gini)."""
+        self.set("moescope_step_router_entropy_normalized", step.router_entropy_normalised)
+        self.set("moescope_step_expert_load_gini", step.gini)
+        self.set("moescope_step_expert_load_gini_max", step.gini_max)
+
+    def set_policy_state(self, *, rule: str, state: str) -> None:
+        if state not in POLICY_STATES:
+            raise ValueError(f"unknown policy state {state!r}; expected one of {POLICY_STATES}")
+        for candidate in POLICY_STATES:
+            self.set("moescope_policy_rule_state", 1.0 if candidate == state else 0.0, rule=rule, state=candidate)
+
+    def refresh_self(self) -> None:
+        """Agent CPU seconds and RSS from the kernel (getrusage, /proc/self/statm)."""
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self.set_counter_total("moescope_agent_cpu_seconds", usage.ru_utime + usage.ru_stime)
+        self.set("moescope_agent_resident_memory_bytes", float(_rss_bytes()))
+
+    def get(self, name: str, **labels: str) -> float:
+        """Current value of one series (counters: the total; histograms: the count) — for tests and the TUI."""
+        spec = self._specs[name]
+        wanted = {"_total": "counter", "_count": "histogram", "": "gauge"}
+        for metric in self._families[name].collect():
+            for sample in metric.samples:
+                suffix = sample.name[len(spec.name):]
+                if wanted.get(suffix) == spec.kind and sample.labels == labels:
+                    return float(sample.value)
+        return math.nan
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class _RefreshOnScrape(Collector):
+    """Registered first in the registry: refreshes self-metrics just before each scrape."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[object]:
+        try:
+            self._metrics.refresh_self()
+        except OSError as exc:
+            log.warning("self-metrics refresh failed: %s", exc)
+        return []
+
+    def describe(self) -> Iterable[object]:
+        return []
+
+
+class MetricsServer:
+    """Serves ``metrics.registry`` at ``http://ADDR:PORT/metrics`` from a daemon thread."""
+
+    def __init__(self, metrics: Metrics, *, port: int = DEFAULT_METRICS_PORT, addr: str = DEFAULT_METRICS_ADDR) -> None:
+        self.metrics = metrics
+        self.addr = addr
+        self.requested_port = port
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> int:
+        """Start serving; returns the bound port (useful with port 0). ``UsageError`` if it cannot bind."""
+        refresher = _RefreshOnScrape(self.metrics)
+        # A fresh registry that consults the refresher before the families, in that order.
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(refresher)
+        registry.register(_Delegate(self.metrics.registry))
+        try:
+            self._server, self._thread = start_http_server(self.requested_port, addr=self.addr, registry=registry)
+        except OSError as exc:
+            raise errors.UsageError(f"cannot serve /metrics on {self.addr}:{self.requested_port}: {exc.strerror}") from exc
+        return self.port
+
+    @property
+    def port(self) -> int:
+        if self._server is None:
+            raise RuntimeError("MetricsServer not started")
+        return int(self._server.server_port)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+
+class _Delegate(Collector):
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterable[object]:
+        return self._registry.collect()
+
+
+def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--metrics-port`` / ``--metrics-addr`` for subcommands that serve /metrics."""
+    parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT, metavar="PORT",
+                        help=f"serve Prometheus /metrics on this port (default {DEFAULT_METRICS_PORT}; 0 = off)")
+    parser.add_argument("--metrics-addr", default=DEFAULT_METRICS_ADDR, metavar="ADDR",
+                        help=f"address to bind /metrics to (default {DEFAULT_METRICS_ADDR})")

@@ -1,0 +1,518 @@
+"""Routing-health math for Mixture-of-Experts layers: one place for every formula the agent reports.
+
+Inputs, per MoE layer of one step (the NVTX convention, docs/traces-and-metrics.md):
+
+* ``c_i`` — tokens the router sent to expert ``i`` (``moe.expert.tokens`` marks), ``i = 0 .. E-1``,
+  before capacity; experts without a mark have ``c_i = 0``. With top-k routing ``N = sum_i c_i`` is
+  k x (tokens in the batch): it counts routing decisions, and every load statistic is over them.
+* ``d_i`` — tokens over expert ``i``'s capacity (``moe.expert.dropped`` marks).
+* ``H_r`` — the router's mean token entropy in bits as the runtime reports it (``moe.router`` payload):
+  the mean over tokens of ``-sum_i g_i log2 g_i`` of the token's gate distribution ``g``.
+
+Load statistics of a count vector ``c`` of length ``E`` with ``N = sum c_i`` and ``p_i = c_i / N``:
+
+* load entropy (bits)     ``H = -sum_{i: p_i > 0} p_i log2 p_i``          range ``[0, log2 E]``
+* normalised entropy      ``H / log2 E``                                  range ``[0, 1]``, 1 = uniform
+* Gini coefficient        ``G = sum_i sum_j |c_i - c_j| / (2 E N)``       range ``[0, 1 - 1/E]``
+                          computed as ``G = 2 sum_k k x_(k) / (E N) - (E + 1) / E`` over the
+                          ascending order statistics ``x_(1) <= .. <= x_(E)`` (same value, O(E log E))
+* max share               ``max_i c_i / N``                               range ``[1/E, 1]``
+* coefficient of variation ``CV = sigma / mu`` with the population standard deviation
+                          ``sigma = sqrt(sum_i (c_i - mu)^2 / E)`` and ``mu = N / E``
+* drop fraction           ``sum_i d_i / N``
+
+Router entropy is normalised the same way: ``H_r / log2 E`` (healthy band 8.2-8.7 bits at
+E = 16384, i.e. 0.586-0.621; DESIGN.md).
+
+Edge cases (documented, tested):
+* ``N = 0`` (no tokens): every ratio above is undefined and is NaN; ``tokens = 0`` is still reported.
+* ``E = 1``: ``log2 E = 0``; a single expert is trivially balanced, so normalised entropy is 1.0
+  (consistent with ``G = 0`` and ``CV = 0``), max share 1.0; normalised router entropy is NaN (a
+  router with one choice has no distribution to measure).
+* Negative counts or a count vector of the wrong length raise ``ValueError`` (a caller bug).
+
+Per step (aggregate over the step's layers): the token-weighted mean of each per-layer statistic,
+weighted by the layer's ``N`` (layers with ``N = 0`` carry no weight). For router entropy that is
+exactly the mean entropy over all (token, layer) routing decisions of the step. Max share and Gini
+are also reported as the worst layer (``max``), because one hot layer is what a monopoly looks like.
+Summing the count vectors over layers instead would hide imbalance: expert 3 hot in layer 0 and
+expert 5 hot in layer 1 would look balanced.
+
+Sliding windows (for the policy rules): ``SlidingCounts`` keeps per-step count vectors of one layer
+for ``duration_ns`` with O(1) add/evict (a running integer sum, so no float drift) and answers the
+load statistics of the window's summed counts — "Gini per layer over 10 s" is the Gini of all tokens
+routed in that layer in the last 10 s. ``SlidingQuantile`` answers quantiles (p99 of step latency,
+of ``moe.expert.load`` durations, of request latency) over a sliding window exactly, with numpy's
+default ("linear") interpolation. ``SlidingMean`` is a weighted mean over a window (router entropy).
+A window covers ``(now - duration_ns, now]``. Timestamps are expected non-decreasing; an earlier
+one is kept and counted at the latest time seen (clamped), so eviction stays O(1).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+NAN = float("nan")
+
+CountVector = npt.NDArray[np.int64]
+
+
+def as_counts(counts: Sequence[int] | npt.ArrayLike, *, num_experts: int | None = None) -> CountVector:
+    """Validate and convert to an int64 vector (``ValueError`` on negative counts or wrong length)."""
+    arr = np.asarray(counts)
+    if arr.ndim != 1:
+        raise ValueError(f"expert counts must be a 1-D vector, got shape {arr.shape}")
+    if arr.size == 0:
+        raise ValueError("expert counts must have at least one expert")
+    if arr.dtype.kind == "f":
+        if not np.all(np.isfinite(arr)) or not np.all(arr == np.floor(arr)):
+            raise ValueError("expert counts must be whole numbers")
+    elif arr.dtype.kind not in "iu":
+        raise ValueError(f"expert counts must be integers, got dtype {arr.dtype}")
+    out = arr.astype(np.int64, copy=True)
+    if np.any(out < 0):
+        raise ValueError("expert counts must be >= 0")
+    if num_experts is not None and out.size != num_experts:
+        raise ValueError(f"expected {num_experts} experts, got {out.size}")
+    return out
+
+
+def counts_from_marks(marks: Mapping[int, int], *, num_experts: int) -> CountVector:
+    """Count vector from ``{expert: tokens}`` marks (experts without a mark have 0 tokens)."""
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    out = np.zeros(num_experts, dtype=np.int64)
+    for expert, tokens in marks.items():
+        if not 0 <= expert < num_experts:
+            raise ValueError(f"expert {expert} out of range 0..{num_experts - 1}")
+        if tokens < 0:
+            raise ValueError(f"expert {expert}: negative token count {tokens}")
+        out[expert] += tokens
+    return out
+
+
+def load_entropy_bits(counts: Sequence[int] | npt.ArrayLike) -> float:
+    """``H = -sum p_i log2 p_i`` over experts with tokens; NaN when no tokens."""
+    c = as_counts(counts)
+    total = int(c.sum())
+    if total == 0:
+        return NAN
+    p = c[c > 0].astype(np.float64) / total
+    h = float(-(p * np.log2(p)).sum())
+    return max(h, 0.0)  # -0.0 and rounding below zero for a single loaded expert
+
+
+def normalised_entropy(entropy_bits: float, num_experts: int) -> float:
+    """``H / log2 E``; 1.0 for ``E = 1`` (trivially balanced); NaN stays NaN."""
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if math.isnan(entropy_bits):
+        return NAN
+    if num_experts == 1:
+        return 1.0
+    return entropy_bits / math.log2(num_experts)
+
+
+def normalised_router_entropy(entropy_bits: float, num_experts: int) -> float:
+    """Router mean token entropy ``H_r / log2 E``; NaN for ``E = 1`` or an unreported entropy."""
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if num_experts == 1 or math.isnan(entropy_bits):
+        return NAN
+    return entropy_bits / math.log2(num_experts)
+
+
+def gini(counts: Sequence[int] | npt.ArrayLike) -> float:
+    """Gini coefficient ``sum_ij |c_i - c_j| / (2 E N)`` via sorted ranks; NaN when no tokens."""
+    c = as_counts(counts)
+    total = int(c.sum())
+    if total == 0:
+        return NAN
+    e = c.size
+    x = np.sort(c).astype(np.float64)
+    ranks = np.arange(1, e + 1, dtype=np.float64)
+    g = float(2.0 * (ranks * x).sum() / (e * total) - (e + 1) / e)
+    return min(max(g, 0.0), 1.0)  # clamp float rounding at the exact bounds
+
+
+def max_share(counts: Sequence[int] | npt.ArrayLike) -> float:
+    """``max_i c_i / N``; NaN when no tokens."""
+    c = as_counts(counts)
+    total = int(c.sum())
+    if total == 0:
+        return NAN
+    return float(c.max()) / total
+
+
+def coefficient_of_variation(counts: Sequence[int] | npt.ArrayLike) -> float:
+    """``sigma / mu`` with the population standard deviation; NaN when no tokens."""
+    c = as_counts(counts)
+    total = int(c.sum())
+    if total == 0:
+        return NAN
+    x = c.astype(np.float64)
+    mu = total / c.size
+    return float(math.sqrt(float(((x - mu) ** 2).sum()) / c.size) / mu)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStats:
+    """Load statistics of one count vector (one layer, or one layer over a window)."""
+
+    num_experts: int
+    tokens: int
+    dropped: int
+    entropy_bits: float
+    entropy_normalised: float
+    gini: float
+    max_share: float
+    cv: float
+    drop_fraction: float
+
+
+def load_stats(
+    counts: Sequence[int] | npt.ArrayLike, *, dropped: Sequence[int] | npt.ArrayLike | None = None
+) -> LoadStats:
+    """All load statistics of ``counts`` (and the drop fraction of ``dropped``, same length)."""
+    c = as_counts(counts)
+    d_total = 0 if dropped is None else int(as_counts(dropped, num_experts=c.size).sum())
+    total = int(c.sum())
+    h = load_entropy_bits(c)
+    return LoadStats(
+        num_experts=int(c.size),
+        tokens=total,
+        dropped=d_total,
+        entropy_bits=h,
+        entropy_normalised=normalised_entropy(h, int(c.size)),
+        gini=gini(c),
+        max_share=max_share(c),
+        cv=coefficient_of_variation(c),
+        drop_fraction=(d_total / total) if total else NAN,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class LayerRouting:
+    """What the runtime reported for one MoE layer in one step."""
+
+    layer: int
+    tokens_per_expert: CountVector
+    dropped_per_expert: CountVector
+    router_entropy_bits: float  # NaN when the runtime did not report it
+
+    @classmethod
+    def from_marks(
+        cls,
+        *,
+        layer: int,
+        num_experts: int,
+        tokens: Mapping[int, int],
+        dropped: Mapping[int, int] | None = None,
+        router_entropy_bits: float = NAN,
+    ) -> LayerRouting:
+        return cls(
+            layer=layer,
+            tokens_per_expert=counts_from_marks(tokens, num_experts=num_experts),
+            dropped_per_expert=counts_from_marks(dropped or {}, num_experts=num_experts),
+            router_entropy_bits=float(router_entropy_bits),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LayerHealth:
+    layer: int
+    load: LoadStats
+    router_entropy_bits: float
+    router_entropy_normalised: float
+
+
+def layer_health(routing: LayerRouting) -> LayerHealth:
+    """Load statistics plus the router's entropy (bits and normalised) for one layer."""
+    stats = load_stats(routing.tokens_per_expert, dropped=routing.dropped_per_expert)
+    return LayerHealth(
+        layer=routing.layer,
+        load=stats,
+        router_entropy_bits=routing.router_entropy_bits,
+        router_entropy_normalised=normalised_router_entropy(routing.router_entropy_bits, stats.num_experts),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StepHealth:
+    """Aggregate over one step's layers: token-weighted means, worst-layer maxima, totals."""
+
+    layers: int
+    tokens: int
+    dropped: int
+    drop_fraction: float
+    router_entropy_bits: float
+    router_entropy_normalised: float
+    entropy_bits: float
+    entropy_normalised: float
+    gini: float
+    gini_max: float
+    max_share: float  # the worst layer's
+    cv: float
+
+
+def _weighted_mean(pairs: Iterable[tuple[float, int]]) -> float:
+    """``sum w v / sum w`` over pairs with a finite value and positive weight; NaN if none."""
+    num = 0.0
+    den = 0
+    for value, weight in pairs:
+        if weight > 0 and not math.isnan(value):
+            num += value * weight
+            den += weight
+    return num / den if den else NAN
+
+
+def _nanmax(values: Iterable[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return max(finite) if finite else NAN
+
+
+def step_health(layers: Sequence[LayerHealth]) -> StepHealth:
+    """Aggregate per-layer health into one step (see the module docstring for the definition)."""
+    tokens = sum(h.load.tokens for h in layers)
+    dropped = sum(h.load.dropped for h in layers)
+    return StepHealth(
+        layers=len(layers),
+        tokens=tokens,
+        dropped=dropped,
+        drop_fraction=(dropped / tokens) if tokens else NAN,
+        router_entropy_bits=_weighted_mean((h.router_entropy_bits, h.load.tokens) for h in layers),
+        router_entropy_normalised=_weighted_mean((h.router_entropy_normalised, h.load.tokens) for h in layers),
+        entropy_bits=_weighted_mean((h.load.entropy_bits, h.load.tokens) for h in layers),
+        entropy_normalised=_weighted_mean((h.load.entropy_normalised, h.load.tokens) for h in layers),
+        gini=_weighted_mean((h.load.gini, h.load.tokens) for h in layers),
+        gini_max=_nanmax(h.load.gini for h in layers),
+        max_share=_nanmax(h.load.max_share for h in layers),
+        cv=_weighted_mean((h.load.cv, h.load.tokens) for h in layers),
+    )
+
+
+def _check_duration(duration_ns: int) -> int:
+    if duration_ns <= 0:
+        raise ValueError(f"window duration must be > 0 ns, got {duration_ns}")
+    return int(duration_ns)
+
+
+class SlidingCounts:
+    """Per-step count vectors of one layer over the last ``duration_ns``; O(1) entries per add/evict.
+
+    ``stats(now_ns)`` gives ``load_stats`` of the window's summed counts (and drops).
+    """
+
+    def __init__(self, *, duration_ns: int, num_experts: int) -> None:
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        self.duration_ns = _check_duration(duration_ns)
+        self.num_experts = num_experts
+        self._entries: deque[tuple[int, CountVector, CountVector]] = deque()
+        self._sum = np.zeros(num_experts, dtype=np.int64)
+        self._dropped_sum = np.zeros(num_experts, dtype=np.int64)
+        self._last_ns: int | None = None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(
+        self, t_ns: int, counts: Sequence[int] | npt.ArrayLike, *, dropped: Sequence[int] | npt.ArrayLike | None = None
+    ) -> None:
+        c = as_counts(counts, num_experts=self.num_experts)
+        d = (
+            np.zeros(self.num_experts, dtype=np.int64)
+            if dropped is None
+            else as_counts(dropped, num_experts=self.num_experts)
+        )
+        t = t_ns if self._last_ns is None else max(t_ns, self._last_ns)
+        self._last_ns = t
+        self._entries.append((t, c, d))
+        self._sum += c
+        self._dropped_sum += d
+        self.evict(t)
+
+    def evict(self, now_ns: int) -> None:
+        """Drop entries at or before ``now_ns - duration_ns``."""
+        horizon = now_ns - self.duration_ns
+        while self._entries and self._entries[0][0] <= horizon:
+            _, c, d = self._entries.popleft()
+            self._sum -= c
+            self._dropped_sum -= d
+
+    def totals(self, now_ns: int | None = None) -> CountVector:
+        """Summed counts in the window (a copy)."""
+        if now_ns is not None:
+            self.evict(now_ns)
+        return self._sum.copy()
+
+    def stats(self, now_ns: int | None = None) -> LoadStats:
+        if now_ns is not None:
+            self.evict(now_ns)
+        return load_stats(self._sum, dropped=self._dropped_sum)
+
+
+class SlidingQuantile:
+    """Exact quantiles of values seen in the last ``duration_ns`` (e.g. p99 of step latency).
+
+    A sorted list beside the time-ordered deque: add/evict are a binary search plus a memmove,
+    cheap at the sizes a 10 s window holds. ``max_samples`` bounds memory: past it the oldest sample
+    is evicted early and counted in ``overflow_evictions``.
+    """
+
+    def __init__(self, *, duration_ns: int, max_samples: int = 100_000) -> None:
+        if max_samples < 1:
+            raise ValueError(f"max_samples must be >= 1, got {max_samples}")
+        self.duration_ns = _check_duration(duration_ns)
+        self.max_samples = max_samples
+        self.overflow_evictions = 0
+        self._entries: deque[tuple[int, float]] = deque()
+        self._sorted: list[float] = []
+        self._last_ns: int | None = None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, t_ns: int, value: float) -> None:
+        v = float(value)
+        if math.isnan(v):
+            raise ValueError("cannot add NaN to a quantile window")
+        t = t_ns if self._last_ns is None else max(t_ns, self._last_ns)
+        self._last_ns = t
+        self._entries.append((t, v))
+        bisect.insort(self._sorted, v)
+        if len(self._entries) > self.max_samples:
+            self._pop_oldest()
+            self.overflow_evictions += 1
+        self.evict(t)
+
+    def _pop_oldest(self) -> None:
+        _, v = self._entries.popleft()
+        del self._sorted[bisect.bisect_left(self._sorted, v)]
+
+    def evict(self, now_ns: int) -> None:
+        horizon = now_ns - self.duration_ns
+        while self._entries and self._entries[0][0] <= horizon:
+            self._pop_oldest()
+
+    def quantile(self, q: float, now_ns: int | None = None) -> float:
+        """``q``-quantile (0..1) with linear interpolation (numpy's default); NaN when empty."""
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"quantile must be in [0, 1], got {q}")
+        if now_ns is not None:
+            self.evict(now_ns)
+        n = len(self._sorted)
+        if n == 0:
+            return NAN
+        h = (n - 1) * q
+        lo = math.floor(h)
+        hi = min(lo + 1, n - 1)
+        a, b = self._sorted[lo], self._sorted[hi]
+        return a + (h - lo) * (b - a)
+
+    def p99(self, now_ns: int | None = None) -> float:
+        return self.quantile(0.99, now_ns)
+
+
+class SlidingMean:
+    """Weighted mean of values over the last ``duration_ns`` (running sums, O(1) add/evict)."""
+
+    def __init__(self, *, duration_ns: int) -> None:
+        self.duration_ns = _check_duration(duration_ns)
+        self._entries: deque[tuple[int, float, float]] = deque()
+        self._num = 0.0
+        self._den = 0.0
+        self._last_ns: int | None = None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, t_ns: int, value: float, *, weight: float = 1.0) -> None:
+        """Add ``value`` with ``weight``; NaN values or non-positive weights are ignored."""
+        t = t_ns if self._last_ns is None else max(t_ns, self._last_ns)
+        self._last_ns = t
+        if not math.isnan(value) and weight > 0:
+            self._entries.append((t, float(value), float(weight)))
+            self._num += value * weight
+            self._den += weight
+        self.evict(t)
+
+    def evict(self, now_ns: int) -> None:
+        horizon = now_ns - self.duration_ns
+        while self._entries and self._entries[0][0] <= horizon:
+            _, v, w = self._entries.popleft()
+            self._num -= v * w
+            self._den -= w
+        if not self._entries:
+            self._num = 0.0  # reset float drift whenever the window empties
+            self._den = 0.0
+
+    def mean(self, now_ns: int | None = None) -> float:
+        if now_ns is not None:
+            self.evict(now_ns)
+        return self._num / self._den if self._entries else NAN
+
+
+class RoutingHealthWindow:
+    """Per-layer sliding windows of expert counts and router entropy (the policy's routing signals).
+
+    ``add_step`` takes one step's ``LayerRouting``s; ``layer_stats`` answers "Gini per layer over
+    10 s" and ``router_entropy_normalised`` the token-weighted mean router entropy over the window.
+    """
+
+    def __init__(self, *, duration_ns: int, num_experts: int) -> None:
+        self.duration_ns = _check_duration(duration_ns)
+        self.num_experts = num_experts
+        self._counts: dict[int, SlidingCounts] = {}
+        self._router: dict[int, SlidingMean] = {}
+
+    def add_step(self, t_ns: int, layers: Iterable[LayerRouting]) -> None:
+        for routing in layers:
+            counts = self._counts.get(routing.layer)
+            if counts is None:
+                counts = self._counts[routing.layer] = SlidingCounts(
+                    duration_ns=self.duration_ns, num_experts=self.num_experts
+                )
+                self._router[routing.layer] = SlidingMean(duration_ns=self.duration_ns)
+            counts.add(t_ns, routing.tokens_per_expert, dropped=routing.dropped_per_expert)
+            self._router[routing.layer].add(
+                t_ns, routing.router_entropy_bits, weight=float(routing.tokens_per_expert.sum())
+            )
+
+    def layers(self) -> list[int]:
+        return sorted(self._counts)
+
+    def layer_stats(self, layer: int, now_ns: int) -> LoadStats:
+        counts = self._counts.get(layer)
+        if counts is None:
+            return load_stats(np.zeros(self.num_experts, dtype=np.int64))
+        return counts.stats(now_ns)
+
+    def max_gini(self, now_ns: int) -> tuple[int, float]:
+        """The layer with the highest windowed Gini and that Gini; ``(-1, NaN)`` with no data."""
+        best = (-1, NAN)
+        for layer in self.layers():
+            g = self.layer_stats(layer, now_ns).gini
+            if not math.isnan(g) and (math.isnan(best[1]) or g > best[1]):
+                best = (layer, g)
+        return best
+
+    def router_entropy_bits(self, layer: int, now_ns: int) -> float:
+        mean = self._router.get(layer)
+        return NAN if mean is None else mean.mean(now_ns)
+
+    def router_entropy_normalised(self, now_ns: int) -> float:
+        """Token-weighted mean over layers and window of ``H_r / log2 E``."""
+        pairs = []
+        for layer in self.layers():
+            bits = self.router_entropy_bits(layer, now_ns)
+            weight = int(self._counts[layer].totals(now_ns).sum())
+            pairs.append((normalised_router_entropy(bits, self.num_experts), weight))
+        return _weighted_mean(pairs)
