@@ -1,0 +1,302 @@
+"""The moe/v1 NVTX convention (docs/nvtx-convention.md) -> typed MoE events.
+
+Input: NvtxBatch from collectors/nvtx.py (completed ranges and marks with parent links). Output:
+one StepEvent per completed `moe.step` range, holding its request keys and its layers; each layer
+holds its router (entropy, per-expert tokens and drops), expert loads and expert FFNs, all with
+CLOCK_MONOTONIC timestamps, thread and process ids.
+
+Nesting carries context: children always complete before their parent (push/pop), so a child waits
+in `pending` under its parent's uid until the parent completes (or is reported lost by the
+collector: its children are then counted as orphans). Steps are keyed by (pid, tid). Unknown
+`moe.*` names, malformed payloads or categories, and events in the wrong place are counted in
+stats(), never raised.
+
+| name                 | kind                    | category   | payload                    |
+|----------------------|-------------------------|------------|----------------------------|
+| moe.step             | range                   | -          | int tokens in batch        |
+| moe.request          | mark inside moe.step    | -          | int request key            |
+| moe.layer            | range                   | layer + 1  | -                          |
+| moe.router           | range                   | layer + 1  | double mean entropy (bits) |
+| moe.expert.tokens    | mark inside moe.router  | expert + 1 | int tokens routed          |
+| moe.expert.dropped   | mark inside moe.router  | expert + 1 | int tokens over capacity   |
+| moe.expert.load      | range                   | expert + 1 | int bytes moved            |
+| moe.expert.ffn       | range                   | expert + 1 | int tokens                 |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from collectors.nvtx import (
+    PAYLOAD_DOUBLE,
+    PAYLOAD_FLOAT,
+    PAYLOAD_I32,
+    PAYLOAD_I64,
+    PAYLOAD_U32,
+    PAYLOAD_U64,
+    NvtxBatch,
+)
+
+DOMAIN = "moe"
+STEP = "moe.step"
+REQUEST = "moe.request"
+LAYER = "moe.layer"
+ROUTER = "moe.router"
+EXPERT_TOKENS = "moe.expert.tokens"
+EXPERT_DROPPED = "moe.expert.dropped"
+EXPERT_LOAD = "moe.expert.load"
+EXPERT_FFN = "moe.expert.ffn"
+RANGE_NAMES = frozenset({STEP, LAYER, ROUTER, EXPERT_LOAD, EXPERT_FFN})
+MARK_NAMES = frozenset({REQUEST, EXPERT_TOKENS, EXPERT_DROPPED})
+
+# Children waiting for a parent that never completes (e.g. the process died mid-step) are bounded.
+MAX_PENDING_PARENTS = 100_000
+
+_INT_TYPES = (PAYLOAD_U64, PAYLOAD_I64, PAYLOAD_U32, PAYLOAD_I32)
+_FLOAT_TYPES = (PAYLOAD_DOUBLE, PAYLOAD_FLOAT)
+
+
+@dataclass(slots=True)
+class RouterEvent:
+    layer: int
+    start_ns: int
+    end_ns: int
+    entropy_bits: float | None
+    tokens: dict[int, int] = field(default_factory=dict)  # expert -> tokens routed (before capacity)
+    dropped: dict[int, int] = field(default_factory=dict)  # expert -> tokens over capacity
+
+
+@dataclass(slots=True)
+class ExpertLoadEvent:
+    expert: int
+    start_ns: int
+    end_ns: int
+    bytes_moved: int | None
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+@dataclass(slots=True)
+class ExpertFfnEvent:
+    expert: int
+    start_ns: int
+    end_ns: int
+    tokens: int | None
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+@dataclass(slots=True)
+class LayerEvent:
+    layer: int
+    start_ns: int
+    end_ns: int
+    router: RouterEvent | None = None
+    loads: list[ExpertLoadEvent] = field(default_factory=list)
+    ffns: list[ExpertFfnEvent] = field(default_factory=list)
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+@dataclass(slots=True)
+class StepEvent:
+    pid: int
+    tid: int
+    start_ns: int
+    end_ns: int
+    tokens: int | None
+    requests: list[int] = field(default_factory=list)  # request keys marked inside the step
+    layers: list[LayerEvent] = field(default_factory=list)
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+StepSink = Callable[[list[StepEvent]], None]
+
+_STAT_NAMES = (
+    "steps", "layers", "routers", "expert_loads", "expert_ffns", "request_marks", "expert_marks",
+    "unknown_names", "malformed_payloads", "malformed_categories", "misplaced", "orphans",
+    "pending_overflow", "sink_errors",
+)
+
+
+class MoeConventionParser:
+    """An NvtxCollector sink: feed it NvtxBatch objects; completed steps go to `sink` per batch."""
+
+    def __init__(self, *, sink: StepSink) -> None:
+        self._sink = sink
+        self._pending: dict[int, list[Any]] = {}  # parent uid -> completed children
+        self._stats: dict[str, int] = dict.fromkeys(_STAT_NAMES, 0)
+
+    def stats(self) -> dict[str, int]:
+        out = dict(self._stats)
+        out["pending_parents"] = len(self._pending)
+        return out
+
+    def __call__(self, batch: NvtxBatch) -> None:
+        domain_id = batch.strings.domain_id(DOMAIN)
+        if domain_id is None:
+            return
+        steps: list[StepEvent] = []
+        marks = batch.marks[batch.marks["domain_id"] == domain_id]
+        if len(marks):
+            self._marks(marks, batch.strings.names(marks["string_id"]))
+        ranges = batch.ranges[batch.ranges["domain_id"] == domain_id]
+        if len(ranges):
+            # deepest first: within one batch a child is filed before its parent collects it
+            ranges = ranges[np.argsort(-ranges["depth"].astype(np.int64), kind="stable")]
+            names = batch.strings.names(ranges["string_id"])
+            for row, name in zip(ranges, names, strict=True):
+                step = self._range(row, name, batch.pid)
+                if step is not None:
+                    steps.append(step)
+        for uid in batch.lost_uids.tolist():
+            # a parent whose end was lost (dropped, or its thread/process ended): its children
+            # can never be placed
+            self._stats["orphans"] += len(self._pending.pop(int(uid), []))
+        if len(self._pending) > MAX_PENDING_PARENTS:
+            self._stats["pending_overflow"] += sum(len(v) for v in self._pending.values())
+            self._pending.clear()
+        if steps:
+            steps.sort(key=lambda s: s.start_ns)
+            try:
+                self._sink(steps)
+            except Exception:  # the pipeline's code: counted, parsing goes on
+                self._stats["sink_errors"] += 1
+
+    # -- payload checks
+
+    def _int(self, row: Any) -> int | None:
+        if int(row["payload_type"]) not in _INT_TYPES:
+            self._stats["malformed_payloads"] += 1
+            return None
+        value = int(row["payload"])
+        if int(row["payload_type"]) in (PAYLOAD_I64, PAYLOAD_I32) and value >= 1 << 63:
+            value -= 1 << 64
+        return value
+
+    def _float(self, row: Any) -> float | None:
+        if int(row["payload_type"]) not in _FLOAT_TYPES:
+            self._stats["malformed_payloads"] += 1
+            return None
+        return float(np.uint64(row["payload"]).view(np.float64))
+
+    def _index(self, row: Any) -> int | None:
+        """Layer or expert index from a category (id + 1; 0 means none)."""
+        category = int(row["category"])
+        if category == 0:
+            self._stats["malformed_categories"] += 1
+            return None
+        return category - 1
+
+    def _file(self, parent_uid: int, child: Any) -> None:
+        if parent_uid == 0:
+            self._stats["orphans"] += 1
+            return
+        self._pending.setdefault(parent_uid, []).append(child)
+
+    # -- marks and ranges
+
+    def _marks(self, marks: np.ndarray, names: np.ndarray) -> None:
+        for row, name in zip(marks, names, strict=True):
+            if name is None or not name.startswith("moe."):
+                continue
+            if name not in MARK_NAMES:
+                self._stats["unknown_names"] += 1
+                continue
+            value = self._int(row)
+            if name == REQUEST:
+                self._stats["request_marks"] += 1
+                if value is not None:
+                    self._file(int(row["parent_uid"]), ("request", value))
+                continue
+            self._stats["expert_marks"] += 1
+            expert = self._index(row)
+            if value is not None and expert is not None:
+                kind = "tokens" if name == EXPERT_TOKENS else "dropped"
+                self._file(int(row["parent_uid"]), (kind, expert, value))
+
+    def _range(self, row: Any, name: str | None, pid: int) -> StepEvent | None:
+        if name is None or not name.startswith("moe."):
+            # not ours; moe.* events nested in it are in the wrong place
+            self._stats["misplaced"] += len(self._pending.pop(int(row["uid"]), []))
+            return None
+        if name not in RANGE_NAMES:
+            self._stats["unknown_names"] += 1
+            self._pending.pop(int(row["uid"]), None)
+            return None
+        uid = int(row["uid"])
+        start_ns, end_ns = int(row["start_ns"]), int(row["end_ns"])
+        children = self._pending.pop(uid, [])
+        parent = int(row["parent_uid"])
+        if name == STEP:
+            self._stats["steps"] += 1
+            step = StepEvent(pid=pid, tid=int(row["tid"]), start_ns=start_ns, end_ns=end_ns, tokens=self._int(row))
+            for child in children:
+                if isinstance(child, LayerEvent):
+                    step.layers.append(child)
+                elif isinstance(child, tuple) and child[0] == "request":
+                    step.requests.append(child[1])
+                else:
+                    self._stats["misplaced"] += 1
+            step.layers.sort(key=lambda layer: layer.start_ns)
+            return step
+        if name == LAYER:
+            self._stats["layers"] += 1
+            layer_index = self._index(row)
+            if layer_index is None:
+                return None  # a layer that does not say which: counted, left out with its children
+            layer = LayerEvent(layer=layer_index, start_ns=start_ns, end_ns=end_ns)
+            for child in children:
+                if isinstance(child, RouterEvent) and layer.router is None:
+                    layer.router = child
+                elif isinstance(child, ExpertLoadEvent):
+                    layer.loads.append(child)
+                elif isinstance(child, ExpertFfnEvent):
+                    layer.ffns.append(child)
+                else:
+                    self._stats["misplaced"] += 1
+            layer.loads.sort(key=lambda e: e.start_ns)
+            layer.ffns.sort(key=lambda e: e.start_ns)
+            self._file(parent, layer)
+            return None
+        if name == ROUTER:
+            self._stats["routers"] += 1
+            router_layer = self._index(row)
+            if router_layer is None:
+                return None
+            router = RouterEvent(layer=router_layer, start_ns=start_ns, end_ns=end_ns,
+                                 entropy_bits=self._float(row))
+            for child in children:
+                if isinstance(child, tuple) and child[0] == "tokens":
+                    router.tokens[child[1]] = router.tokens.get(child[1], 0) + child[2]
+                elif isinstance(child, tuple) and child[0] == "dropped":
+                    router.dropped[child[1]] = router.dropped.get(child[1], 0) + child[2]
+                else:
+                    self._stats["misplaced"] += 1
+            self._file(parent, router)
+            return None
+        expert = self._index(row)
+        misplaced_children = len(children)
+        self._stats["misplaced"] += misplaced_children
+        if expert is None:
+            return None
+        if name == EXPERT_LOAD:
+            self._stats["expert_loads"] += 1
+            self._file(parent, ExpertLoadEvent(expert=expert, start_ns=start_ns, end_ns=end_ns, bytes_moved=self._int(row)))
+        else:
+            self._stats["expert_ffns"] += 1
+            self._file(parent, ExpertFfnEvent(expert=expert, start_ns=start_ns, end_ns=end_ns, tokens=self._int(row)))
+        return None

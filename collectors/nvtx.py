@@ -1,0 +1,1027 @@
+"""Live NVTX capture: the agent side of moescope's NVTX injection library.
+
+A process started with NVTX_INJECTION64_PATH=<libmoescope_nvtx.so> (`agent nvtx-env` prints it)
+creates a shared-memory file `<dir>/moescope-nvtx.<pid>` on its first NVTX call. NvtxCollector
+attaches to it, drains the event ring in batches (numpy views over the mapping: no per-event
+Python callback), rebuilds per-thread range trees (push/pop nesting per thread and domain,
+start/end by range id), reads the string region, and hands completed ranges and marks to a sink
+in batches. Every anomaly is counted in stats(). The wire format is docs/nvtx-transport.md;
+collectors/nvtx_inject/ring_format.h is its C definition and this module mirrors it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import logging
+import mmap
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from agent.errors import NoSuchProcess, NvtxUnavailable
+
+log = logging.getLogger("moescope.nvtx")
+
+INJECTION_ENV = "NVTX_INJECTION64_PATH"
+RING_DIR_ENV = "MOESCOPE_NVTX_DIR"
+RING_RECORDS_ENV = "MOESCOPE_NVTX_RING_RECORDS"
+DEFAULT_RING_DIR = "/dev/shm"
+RING_FILE_PREFIX = "moescope-nvtx."
+LIBRARY_NAME = "libmoescope_nvtx.so"
+
+# --- layout mirror of ring_format.h (tests/nvtx/test_layout.py checks it against the C) --------
+MAGIC = 0x31305854564E534D
+VERSION = 1
+HEADER_BYTES = 4096
+RECORD_BYTES = 64
+STRING_ENTRY_BYTES = 24
+MAX_STRING_BYTES = 4096
+COUNTERS = 16
+
+OFF_MAGIC = 0
+OFF_VERSION = 8
+OFF_HEADER_BYTES = 12
+OFF_RECORD_BYTES = 16
+OFF_CAPACITY = 20
+OFF_RING_OFFSET = 24
+OFF_STRINGS_OFFSET = 32
+OFF_STRINGS_BYTES = 40
+OFF_PID = 48
+OFF_CREATED_NS = 56
+OFF_CONSUMER_ATTACHED = 64
+OFF_CONSUMER_PID = 68
+OFF_CONSUMER_HEARTBEAT_NS = 72
+OFF_ATTACH_COUNT = 80
+OFF_PRODUCER_EXITED = 88
+OFF_HEAD = 128
+OFF_TAIL = 192
+OFF_STRINGS_USED = 256
+OFF_STRINGS_COUNT = 264
+OFF_COUNTERS = 320
+
+# header.counters[...] names, in ring_format.h's order (enum msring_counter).
+PRODUCER_COUNTERS: tuple[str, ...] = (
+    "dropped_ring_full",
+    "dropped_string_full",
+    "strings_truncated",
+    "ext_payloads",
+    "unknown_payloads",
+    "unknown_messages",
+    "unsupported_calls",
+    "init_calls",
+    "bad_unicode",
+    "depth_shared",
+)
+
+KIND_PUSH = 1
+KIND_POP = 2
+KIND_START = 3
+KIND_END = 4
+KIND_MARK = 5
+
+PAYLOAD_NONE = 0
+PAYLOAD_U64 = 1
+PAYLOAD_I64 = 2
+PAYLOAD_DOUBLE = 3
+PAYLOAD_U32 = 4
+PAYLOAD_I32 = 5
+PAYLOAD_FLOAT = 6
+PAYLOAD_EXT = 7
+PAYLOAD_UNKNOWN = 8
+
+MSG_SOURCE_MASK = 3
+MSG_LOST = 4
+MSG_GAP = 8  # events of this thread and domain were dropped just before this record
+MAX_STACK = 32  # the library keeps push ids this deep (deeper pushes are not reported)
+
+STR_STRING = 1
+STR_DOMAIN = 2
+STR_CATEGORY = 3
+STR_THREAD = 4
+STRF_TRUNCATED = 1
+STRF_BAD_UNICODE = 2
+
+RECORD_DTYPE = np.dtype(
+    {
+        "names": [
+            "seq", "ts_ns", "payload", "range_id", "tid", "domain_id", "string_id", "category",
+            "color", "kind", "payload_type", "flags", "level",
+        ],
+        "formats": ["<u8", "<u8", "<u8", "<u8", "<u4", "<u4", "<u4", "<u4", "<u4", "<u2", "<u2", "<u4", "<i4"],
+        "offsets": [0, 8, 16, 24, 32, 36, 40, 44, 48, 52, 54, 56, 60],
+        "itemsize": RECORD_BYTES,
+    }
+)
+
+# Gathers and masks go through this opaque view: numpy copies a structured dtype field by field
+# (about 10x slower than moving 64-byte items).
+_RECORD_VOID = np.dtype((np.void, RECORD_BYTES))
+
+
+def _records_at(records: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """records[index] (integer or boolean index) for contiguous RECORD_DTYPE arrays, fast."""
+    return records.view(_RECORD_VOID)[index].view(RECORD_DTYPE)
+
+
+# What the sink receives. uid: collector-assigned id of a range; parent_uid: enclosing push range
+# on the same thread and domain (0: none). depth: nesting level (0 = outermost); -1 for start/end.
+RANGE_DTYPE = np.dtype(
+    [
+        ("uid", "<u8"), ("parent_uid", "<u8"), ("start_ns", "<u8"), ("end_ns", "<u8"),
+        ("payload", "<u8"), ("range_id", "<u8"), ("tid", "<u4"), ("domain_id", "<u4"),
+        ("string_id", "<u4"), ("category", "<u4"), ("color", "<u4"), ("depth", "<i4"),
+        ("kind", "<u2"), ("payload_type", "<u2"),
+    ]
+)
+MARK_DTYPE = np.dtype(
+    [
+        ("parent_uid", "<u8"), ("ts_ns", "<u8"), ("payload", "<u8"), ("tid", "<u4"),
+        ("domain_id", "<u4"), ("string_id", "<u4"), ("category", "<u4"), ("color", "<u4"),
+        ("payload_type", "<u2"),
+    ]
+)
+# Start/end ranges still open, carried between batches in this form (open pushes are carried as
+# their records).
+_OPEN_DTYPE = np.dtype(
+    [
+        ("uid", "<u8"), ("parent_uid", "<u8"), ("ts_ns", "<u8"), ("payload", "<u8"),
+        ("range_id", "<u8"), ("tid", "<u4"), ("domain_id", "<u4"), ("string_id", "<u4"),
+        ("category", "<u4"), ("color", "<u4"), ("kind", "<u2"), ("payload_type", "<u2"),
+    ]
+)
+
+THREAD_CHECK_PERIOD_NS = 1_000_000_000
+PROCESS_CHECK_PERIOD_NS = 200_000_000
+STALLED_SLOT_NS = 1_000_000_000  # a reserved slot never committed for this long is skipped
+DEFAULT_BATCH_RECORDS = 1 << 16
+_MAX_LEVEL = (1 << 12) - 1  # nesting deeper than this loses its parent link (packed sort key)
+
+
+# --- where things are ---------------------------------------------------------------------------
+
+
+def injection_library_path() -> Path:
+    """The built injection library (pip install -e . / scripts/setup.sh builds it)."""
+    path = Path(__file__).resolve().parent / "nvtx_inject" / LIBRARY_NAME
+    if not path.is_file():
+        raise NvtxUnavailable(
+            f"NVTX injection library not built ({path} missing): run `bash scripts/setup.sh`"
+        )
+    return path
+
+
+def injection_env() -> dict[str, str]:
+    """Environment to add to a serving process so its NVTX calls reach moescope."""
+    return {INJECTION_ENV: str(injection_library_path())}
+
+
+def ring_dir(environ: dict[str, str] | None = None) -> Path:
+    env = os.environ if environ is None else environ
+    return Path(env.get(RING_DIR_ENV) or DEFAULT_RING_DIR)
+
+
+def ring_path(pid: int, *, directory: Path | None = None) -> Path:
+    return (directory or ring_dir()) / f"{RING_FILE_PREFIX}{pid}"
+
+
+def _pid_alive(pid: int) -> bool:
+    return _stat_alive(f"/proc/{pid}/stat")
+
+
+def _task_alive(pid: int, tid: int) -> bool:
+    return _stat_alive(f"/proc/{pid}/task/{tid}/stat")
+
+
+def _stat_alive(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    # state is the field after the parenthesised command name, which may contain spaces
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    return state not in (b"Z", b"X")
+
+
+def _namespace_pid(pid: int) -> int:
+    """pid as the process itself sees it (innermost pid namespace; NSpid in /proc/PID/status)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError):
+        pass
+    return pid
+
+
+def _read_environ(pid: int) -> dict[str, str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except PermissionError:
+        return None
+    except FileNotFoundError as exc:
+        raise NoSuchProcess(f"no such process: {pid}") from exc
+    env: dict[str, str] = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode(errors="replace")] = value.decode(errors="replace")
+    return env
+
+
+def cleanup_stale_rings(*, directory: Path | None = None) -> int:
+    """Removes ring files (and half-created ones) of processes that no longer exist. Returns how
+    many were removed. A file some agent still holds locked is left alone."""
+    base = directory or ring_dir()
+    removed = 0
+    try:
+        entries = list(base.iterdir())
+    except OSError:
+        return 0
+    for entry in entries:
+        name = entry.name
+        if not name.startswith(RING_FILE_PREFIX):
+            continue
+        pid_text = name[len(RING_FILE_PREFIX) :].removesuffix(".tmp")
+        if not pid_text.isdigit() or _pid_alive(int(pid_text)):
+            continue
+        try:
+            fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            entry.unlink()
+            removed += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+# --- string tables ------------------------------------------------------------------------------
+
+
+@dataclass
+class StringTable:
+    """Texts the producer recorded once each: messages, domain names, category and thread names."""
+
+    strings: dict[int, str] = field(default_factory=dict)
+    domains: dict[int, str] = field(default_factory=lambda: {0: ""})
+    categories: dict[tuple[int, int], str] = field(default_factory=dict)
+    thread_names: dict[int, str] = field(default_factory=dict)
+    truncated: set[int] = field(default_factory=set)
+    known: np.ndarray = field(default_factory=lambda: np.zeros(1024, dtype=bool))
+
+    def add_string(self, string_id: int, text: str) -> None:
+        self.strings[string_id] = text
+        if string_id >= len(self.known):
+            grown = np.zeros(max(string_id + 1, 2 * len(self.known)), dtype=bool)
+            grown[: len(self.known)] = self.known
+            self.known = grown
+        self.known[string_id] = True
+
+    def name(self, string_id: int) -> str | None:
+        return self.strings.get(string_id)
+
+    def names(self, string_ids: np.ndarray) -> np.ndarray:
+        """Vectorised id -> text (object array; None for id 0 or unknown ids)."""
+        unique, inverse = np.unique(string_ids, return_inverse=True)
+        texts = np.array([self.strings.get(int(i)) for i in unique], dtype=object)
+        return texts[inverse] if len(unique) else np.empty(0, dtype=object)
+
+    def domain_id(self, name: str) -> int | None:
+        for domain_id, domain_name in self.domains.items():
+            if domain_name == name:
+                return domain_id
+        return None
+
+    def string_ids(self, texts: set[str]) -> dict[str, int]:
+        return {text: sid for sid, text in self.strings.items() if text in texts}
+
+
+# --- batches handed to the sink -----------------------------------------------------------------
+
+
+def payload_as_float(payload: np.ndarray, payload_type: np.ndarray) -> np.ndarray:
+    """Payloads as float64 (NaN where there is none, or it is an extension/unknown payload)."""
+    raw = payload.astype("<u8", copy=False)
+    out = np.full(len(raw), np.nan)
+    signed = (payload_type == PAYLOAD_I64) | (payload_type == PAYLOAD_I32)
+    unsigned = (payload_type == PAYLOAD_U64) | (payload_type == PAYLOAD_U32)
+    floating = (payload_type == PAYLOAD_DOUBLE) | (payload_type == PAYLOAD_FLOAT)
+    out[signed] = raw[signed].view("<i8")
+    out[unsigned] = raw[unsigned]
+    out[floating] = raw[floating].view("<f8")
+    return out
+
+
+def payload_as_int(payload: np.ndarray, payload_type: np.ndarray) -> np.ndarray:
+    """Integer payloads as int64 (0 where the payload is not an integer; check payload_type)."""
+    raw = payload.astype("<u8", copy=False)
+    integer = (payload_type >= PAYLOAD_U64) & (payload_type <= PAYLOAD_I32) & (payload_type != PAYLOAD_DOUBLE)
+    return np.where(integer, raw.view("<i8"), 0)
+
+
+@dataclass
+class NvtxBatch:
+    """One poll's completed ranges and marks of one process. Arrays are owned by the batch."""
+
+    pid: int
+    ranges: np.ndarray  # RANGE_DTYPE
+    marks: np.ndarray  # MARK_DTYPE
+    strings: StringTable
+    # uids of ranges that began but whose end is lost (dropped pop, thread or process exit): they
+    # will never be in `ranges`, though they may be the parent_uid of ranges and marks
+    lost_uids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint64))
+
+    def range_names(self) -> np.ndarray:
+        return self.strings.names(self.ranges["string_id"])
+
+    def mark_names(self) -> np.ndarray:
+        return self.strings.names(self.marks["string_id"])
+
+
+NvtxSink = Callable[[NvtxBatch], None]
+
+
+# --- the shared-memory file ---------------------------------------------------------------------
+
+
+class NvtxRing:
+    """One process's ring file, mapped read-write by the one consumer that holds its lock."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError as exc:
+            raise NvtxUnavailable(f"no NVTX ring at {path}") from exc
+        except PermissionError as exc:
+            raise NvtxUnavailable(f"cannot open {path}: permission denied (run the agent as root)") from exc
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as exc:
+                raise NvtxUnavailable(f"{path} is already drained by another moescope agent") from exc
+            size = os.fstat(fd).st_size
+            if size < HEADER_BYTES:
+                raise NvtxUnavailable(f"{path} is not a moescope NVTX ring (too small)")
+            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        magic, version, header_bytes, record_bytes, capacity = struct.unpack_from("<QIIII", self._map, 0)
+        ring_offset, strings_offset, strings_bytes, pid = struct.unpack_from("<QQQI", self._map, OFF_RING_OFFSET)
+        if magic != MAGIC or version != VERSION or record_bytes != RECORD_BYTES or header_bytes != HEADER_BYTES:
+            self.close()
+            raise NvtxUnavailable(
+                f"{path}: unsupported ring (magic {magic:#x}, version {version}); "
+                "agent and injection library versions differ"
+            )
+        if capacity & (capacity - 1) or ring_offset + capacity * RECORD_BYTES > size or strings_offset + strings_bytes > size:
+            self.close()
+            raise NvtxUnavailable(f"{path}: corrupt ring header")
+        self.pid = pid
+        self.capacity = capacity
+        self.mask = capacity - 1
+        self.strings_offset = strings_offset
+        self.strings_bytes = strings_bytes
+        self.records = np.frombuffer(self._map, dtype=RECORD_DTYPE, count=capacity, offset=ring_offset)
+        self._seq = self.records["seq"]
+        # 8-byte aligned scalars: single loads/stores on x86-64 (see docs/nvtx-transport.md)
+        self._head = ctypes.c_uint64.from_buffer(self._map, OFF_HEAD)
+        self._tail = ctypes.c_uint64.from_buffer(self._map, OFF_TAIL)
+        self._strings_used = ctypes.c_uint64.from_buffer(self._map, OFF_STRINGS_USED)
+        self._attached = ctypes.c_uint32.from_buffer(self._map, OFF_CONSUMER_ATTACHED)
+        self._consumer_pid = ctypes.c_uint32.from_buffer(self._map, OFF_CONSUMER_PID)
+        self._heartbeat = ctypes.c_uint64.from_buffer(self._map, OFF_CONSUMER_HEARTBEAT_NS)
+        self._attach_count = ctypes.c_uint64.from_buffer(self._map, OFF_ATTACH_COUNT)
+        self._exited = ctypes.c_uint32.from_buffer(self._map, OFF_PRODUCER_EXITED)
+        self._counters = np.frombuffer(self._map, dtype="<u8", count=COUNTERS, offset=OFF_COUNTERS)
+        self._strings_read = 0
+
+    # header fields
+    @property
+    def head(self) -> int:
+        return int(self._head.value)
+
+    @property
+    def tail(self) -> int:
+        return int(self._tail.value)
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._attached.value)
+
+    @property
+    def producer_exited(self) -> bool:
+        return bool(self._exited.value)
+
+    def counters(self) -> dict[str, int]:
+        values = self._counters.copy()
+        return {name: int(values[i]) for i, name in enumerate(PRODUCER_COUNTERS)}
+
+    def attach(self, *, now_ns: int) -> int:
+        """Starts receiving: skips what a previous agent left, then raises the producers' flag.
+        Returns how many records were skipped."""
+        self._heartbeat.value = now_ns
+        head = self.head
+        skipped = head - self.tail
+        self._tail.value = head
+        self._consumer_pid.value = os.getpid()
+        self._attach_count.value += 1
+        self._attached.value = 1
+        return skipped
+
+    def heartbeat(self, now_ns: int) -> None:
+        self._heartbeat.value = now_ns
+
+    def detach(self) -> None:
+        if self._map.closed:
+            return
+        self._attached.value = 0
+        self._consumer_pid.value = 0
+
+    def committed(self, max_records: int) -> tuple[int, int]:
+        """(records ready to read from tail, records reserved beyond them not yet committed)."""
+        tail = self.tail
+        avail = self.head - tail
+        n = min(avail, max_records)
+        if n <= 0:
+            return 0, 0
+        positions = tail + np.arange(n, dtype=np.uint64)
+        seqs = self._seq[(positions & np.uint64(self.mask)).astype(np.intp)]
+        ok = seqs == positions + np.uint64(1)
+        if ok.all():
+            return n, avail - n
+        ready = int(np.argmin(ok))
+        return ready, avail - ready
+
+    def read(self, n: int) -> np.ndarray:
+        """Copies n committed records from tail (committed() must have said so), then frees them."""
+        tail = self.tail
+        start = tail & self.mask
+        first = min(n, self.capacity - start)
+        out = np.empty(n, dtype=_RECORD_VOID)
+        ring = self.records.view(_RECORD_VOID)
+        out[:first] = ring[start : start + first]
+        if n > first:
+            out[first:] = ring[: n - first]
+        # release the slots only after the copy: producers reuse them once tail moves
+        self._tail.value = tail + n
+        return out.view(RECORD_DTYPE)
+
+    def skip(self, n: int) -> None:
+        self._tail.value = self.tail + n
+
+    def read_strings(self) -> list[tuple[int, int, int, int, bytes]]:
+        """New string-region entries since the last call: (kind, flags, id, domain_id, text)."""
+        used = min(int(self._strings_used.value), self.strings_bytes)
+        out: list[tuple[int, int, int, int, bytes]] = []
+        offset = self._strings_read
+        base = self.strings_offset
+        while offset + STRING_ENTRY_BYTES <= used:
+            entry_bytes, kind, flags, sid, domain_id, text_bytes = struct.unpack_from("<IHHIII", self._map, base + offset)
+            if entry_bytes < STRING_ENTRY_BYTES or offset + entry_bytes > used or text_bytes > entry_bytes - STRING_ENTRY_BYTES:
+                break  # torn or corrupt: stop; never read past what was published
+            start = base + offset + STRING_ENTRY_BYTES
+            out.append((kind, flags, sid, domain_id, bytes(self._map[start : start + text_bytes])))
+            offset += entry_bytes
+        self._strings_read = offset
+        return out
+
+    def unlink_if_present(self) -> None:
+        try:
+            if os.path.samestat(os.stat(self.path), os.fstat(self._fd)):
+                self.path.unlink()
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        for name in ("_head", "_tail", "_strings_used", "_attached", "_consumer_pid", "_heartbeat",
+                     "_attach_count", "_exited", "_counters", "records", "_seq"):
+            if hasattr(self, name):
+                delattr(self, name)
+        if hasattr(self, "_map") and not self._map.closed:
+            self._map.close()
+        if getattr(self, "_fd", -1) >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+# --- the collector ------------------------------------------------------------------------------
+
+
+_STAT_NAMES: tuple[str, ...] = (
+    "records_received", "ranges_completed", "marks", "batches", "polls",
+    "pop_without_push", "end_without_start", "unknown_string_id", "unknown_domain_id",
+    "unknown_kind", "messages_lost", "ext_payload_records", "unknown_payload_records",
+    "invalid_utf8_strings", "ranges_open_at_thread_exit", "ranges_open_at_exit",
+    "lost_uncommitted", "skipped_at_attach", "detached_by_producer", "attaches",
+    "sink_errors", "deep_nesting", "stale_rings_removed", "ranges_lost_end", "parent_unknown",
+)
+
+
+class NvtxCollector:
+    """Drains one process's NVTX ring. Source shape for the agent's daemon loop: poll(now_ns) -> int
+    (records drained), stats() -> dict[str, int], close()."""
+
+    name = "nvtx"
+
+    def __init__(
+        self,
+        pid: int,
+        *,
+        sink: NvtxSink,
+        batch_records: int = DEFAULT_BATCH_RECORDS,
+        directory: Path | None = None,
+        now_ns: int | None = None,
+    ) -> None:
+        self.pid = pid
+        self._sink = sink
+        self._batch_records = batch_records
+        self._stats: dict[str, int] = dict.fromkeys(_STAT_NAMES, 0)
+        self._producer_base: dict[str, int] = {}
+        self._producer_last: dict[str, int] = dict.fromkeys(PRODUCER_COUNTERS, 0)
+        self.strings = StringTable()
+        # push rows still open, as received, with the uid and parent uid given to them
+        self._open_pushes = np.empty(0, dtype=RECORD_DTYPE)
+        self._open_uid = np.empty(0, dtype=np.uint64)
+        self._open_parent = np.empty(0, dtype=np.uint64)
+        self._open_tainted = np.empty(0, dtype=bool)  # a drop hit its thread+domain since its push
+        self._open_starts = np.empty(0, dtype=_OPEN_DTYPE)
+        self._next_uid = 1
+        self._ring: NvtxRing | None = None
+        self._finished = False
+        self._last_thread_check_ns = 0
+        self._last_process_check_ns = 0
+        self._stall_position = -1
+        self._stall_since_ns = 0
+        # the library names its file with the pid it sees: inside a pid namespace, not ours
+        self._ring_pid = _namespace_pid(pid)
+        self._directory = directory if directory is not None else self._find_directory(pid)
+        if self._ring_pid == pid:  # file names hold pids of our namespace: liveness is checkable
+            self._stats["stale_rings_removed"] = cleanup_stale_rings(directory=self._directory)
+        self._try_attach(now_ns if now_ns is not None else _monotonic_ns(), first=True)
+
+    # -- discovery
+
+    @staticmethod
+    def _find_directory(pid: int) -> Path:
+        """The ring directory of pid: its MOESCOPE_NVTX_DIR, seen through its root (containers).
+        Raises NvtxUnavailable when pid was not started with the injection variable."""
+        if not os.path.exists(f"/proc/{pid}"):
+            raise NoSuchProcess(f"no such process: {pid}")
+        env = _read_environ(pid)
+        if env is not None:
+            injected = env.get(INJECTION_ENV)
+            if not injected:
+                raise NvtxUnavailable(
+                    f"pid {pid} was not started with {INJECTION_ENV}, so its NVTX events cannot be "
+                    f"captured; restart it with `env $(agent nvtx-env) CMD` or via `agent start -- CMD`"
+                )
+            if Path(injected).name != LIBRARY_NAME:
+                raise NvtxUnavailable(
+                    f"pid {pid} loads another NVTX tool ({INJECTION_ENV}={injected}); "
+                    "only one tool can be injected: restart it with `env $(agent nvtx-env) CMD`"
+                )
+        directory = ring_dir(env or {})
+        seen_through_root = Path(f"/proc/{pid}/root") / directory.relative_to("/") if directory.is_absolute() else directory
+        if not (directory / f"{RING_FILE_PREFIX}{_namespace_pid(pid)}").exists() and seen_through_root.exists():
+            try:
+                if not os.path.samefile(seen_through_root, directory):
+                    return seen_through_root
+            except OSError:
+                pass
+        return directory
+
+    def _try_attach(self, now_ns: int, *, first: bool = False) -> bool:
+        path = ring_path(self._ring_pid, directory=self._directory)
+        if not path.exists():
+            if not _pid_alive(self.pid):
+                self._finished = True
+                if first:
+                    raise NoSuchProcess(f"no such process: {self.pid}")
+            return False  # started with the variable but no NVTX call yet: look again next poll
+        ring = NvtxRing(path)
+        if ring.pid != self._ring_pid:
+            ring.close()
+            raise NvtxUnavailable(f"{path} belongs to pid {ring.pid}, not {self._ring_pid}")
+        self._ring = ring
+        self._stats["skipped_at_attach"] += ring.attach(now_ns=now_ns)
+        self._stats["attaches"] += 1
+        self._producer_base = ring.counters()
+        self._read_strings()
+        return True
+
+    @property
+    def attached(self) -> bool:
+        return self._ring is not None
+
+    @property
+    def finished(self) -> bool:
+        """The target exited and everything it sent has been drained."""
+        return self._finished
+
+    # -- Source protocol
+
+    def poll(self, now_ns: int) -> int:
+        self._stats["polls"] += 1
+        if self._finished:
+            return 0
+        if self._ring is None and not self._try_attach(now_ns):
+            return 0
+        ring = self._ring
+        assert ring is not None
+        ring.heartbeat(now_ns)
+        if not ring.attached:
+            # a producer saw our heartbeat stale (we were stopped) and detached us: rejoin
+            self._stats["detached_by_producer"] += 1
+            self._stats["skipped_at_attach"] += ring.attach(now_ns=now_ns)
+            # the library restarts its nesting count at each attach: what was open is lost
+            self._stats["ranges_lost_end"] += len(self._open_pushes)
+            self._open_pushes = np.empty(0, dtype=RECORD_DTYPE)
+            self._open_uid = np.empty(0, dtype=np.uint64)
+            self._open_parent = np.empty(0, dtype=np.uint64)
+            self._open_tainted = np.empty(0, dtype=bool)
+        exited = ring.producer_exited
+        if not exited and now_ns - self._last_process_check_ns >= PROCESS_CHECK_PERIOD_NS:
+            self._last_process_check_ns = now_ns
+            exited = not _pid_alive(self.pid)
+        drained = 0
+        while True:
+            ready, pending = ring.committed(self._batch_records)
+            # after seeing the records committed: a text is published before any event using it
+            self._read_strings()
+            if ready == 0:
+                if pending:
+                    self._handle_stall(ring, now_ns, exited)
+                break
+            records = ring.read(ready)
+            drained += ready
+            self._process(records)
+            if ready < self._batch_records:
+                if pending:
+                    self._handle_stall(ring, now_ns, exited)
+                break
+        self._sync_producer_counters()
+        if now_ns - self._last_thread_check_ns >= THREAD_CHECK_PERIOD_NS:
+            self._last_thread_check_ns = now_ns
+            self._close_dead_threads()
+        if exited:
+            self._finish()
+        return drained
+
+    def stats(self) -> dict[str, int]:
+        if self._ring is not None:
+            self._sync_producer_counters()
+        out = dict(self._stats)
+        out.update(self._producer_last)
+        out["open_ranges"] = len(self._open_pushes) + len(self._open_starts)
+        out["attached"] = int(self._ring is not None)
+        out["finished"] = int(self._finished)
+        return out
+
+    def close(self) -> None:
+        if self._ring is not None:
+            self._sync_producer_counters()
+            self._ring.detach()
+            self._ring.close()
+            self._ring = None
+
+    # -- internals
+
+    def _sync_producer_counters(self) -> None:
+        ring = self._ring
+        if ring is None:
+            return
+        now = ring.counters()
+        for name in PRODUCER_COUNTERS:
+            # counted since this agent attached (drops before it are another agent's business)
+            self._producer_last[name] = now[name] - self._producer_base.get(name, 0)
+
+    def _handle_stall(self, ring: NvtxRing, now_ns: int, exited: bool) -> None:
+        """A slot reserved but not committed: normal for microseconds; skipped (and counted) when
+        the producer died or a writer never came back."""
+        position = ring.tail
+        if exited:
+            lost = ring.head - position
+            self._stats["lost_uncommitted"] += lost
+            ring.skip(lost)
+            return
+        if position != self._stall_position:
+            self._stall_position = position
+            self._stall_since_ns = now_ns
+        elif now_ns - self._stall_since_ns >= STALLED_SLOT_NS:
+            self._stats["lost_uncommitted"] += 1
+            ring.skip(1)
+            self._stall_position = -1
+
+    def _read_strings(self) -> None:
+        ring = self._ring
+        if ring is None:
+            return
+        table = self.strings
+        for kind, flags, sid, domain_id, raw in ring.read_strings():
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = raw.decode("utf-8", errors="replace")
+                self._stats["invalid_utf8_strings"] += 1
+            if kind == STR_STRING:
+                table.add_string(sid, text)
+                if flags & STRF_TRUNCATED:
+                    table.truncated.add(sid)
+            elif kind == STR_DOMAIN:
+                table.domains[sid] = text
+            elif kind == STR_CATEGORY:
+                table.categories[(domain_id, sid)] = text
+            elif kind == STR_THREAD:
+                table.thread_names[sid] = text
+
+    def _process(self, records: np.ndarray) -> None:
+        self._stats["records_received"] += len(records)
+        self._stats["batches"] += 1
+        kind = records["kind"]
+        flags = records["flags"]
+        self._stats["messages_lost"] += int(np.count_nonzero(flags & MSG_LOST))
+        ptype = records["payload_type"]
+        self._stats["ext_payload_records"] += int(np.count_nonzero(ptype == PAYLOAD_EXT))
+        self._stats["unknown_payload_records"] += int(np.count_nonzero(ptype == PAYLOAD_UNKNOWN))
+        sids = records["string_id"]
+        named = sids != 0
+        if named.any():
+            known = self.strings.known
+            ids = sids[named]
+            inside = ids < len(known)
+            ok = np.zeros(len(ids), dtype=bool)
+            ok[inside] = known[ids[inside]]
+            self._stats["unknown_string_id"] += int(np.count_nonzero(~ok))
+        domains = records["domain_id"]
+        if domains.any():
+            unknown_domains = [d for d in np.unique(domains).tolist() if d not in self.strings.domains]
+            if unknown_domains:
+                self._stats["unknown_domain_id"] += int(np.count_nonzero(np.isin(domains, unknown_domains)))
+        bad_kind = (kind < KIND_PUSH) | (kind > KIND_MARK)
+        self._stats["unknown_kind"] += int(np.count_nonzero(bad_kind))
+
+        stacked = (kind == KIND_PUSH) | (kind == KIND_POP) | (kind == KIND_MARK)
+        if stacked.all():
+            ranges, marks, lost = self._nest(records)
+        else:
+            ranges, marks, lost = self._nest(_records_at(records, stacked))
+            se = (kind == KIND_START) | (kind == KIND_END)
+            if se.any():
+                ranges_se = self._pair_start_end(_records_at(records, se))
+                ranges = np.concatenate([ranges, ranges_se]) if len(ranges) else ranges_se
+        self._emit(ranges, marks, lost)
+
+    def _emit(self, ranges: np.ndarray, marks: np.ndarray, lost: np.ndarray | None = None) -> None:
+        lost = np.empty(0, dtype=np.uint64) if lost is None else lost
+        if len(ranges) == 0 and len(marks) == 0 and len(lost) == 0:
+            return
+        self._stats["ranges_completed"] += len(ranges)
+        self._stats["marks"] += len(marks)
+        try:
+            self._sink(NvtxBatch(pid=self.pid, ranges=ranges, marks=marks, strings=self.strings, lost_uids=lost))
+        except Exception:  # the sink is the pipeline's code: count and log, keep draining
+            self._stats["sink_errors"] += 1
+            log.exception("nvtx sink failed")
+
+    def _nest(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Push/pop/mark rows (ring order) -> completed push ranges and marks, with parents.
+
+        The library gives every push an id and every pop the id of the push it closes, plus the
+        nesting level on its thread and domain and a flag on the first event after a drop. So:
+        pairs are exact (by id) even when the ring dropped events; a push whose pop was dropped
+        is known closed as soon as a later event of its thread and domain is at its level or
+        above; a parent (the latest push one level up on the same thread and domain) is reported
+        only when it was provably still open, never guessed across a drop. Vectorised: one stable
+        sort groups rows by (tid, domain), everything else is array arithmetic."""
+        if len(rows) == 0:
+            return np.empty(0, dtype=RANGE_DTYPE), np.empty(0, dtype=MARK_DTYPE), np.empty(0, dtype=np.uint64)
+        opens = self._open_pushes
+        n_open = len(opens)
+        n = n_open + len(rows)
+        if n >= 1 << 32:
+            raise ValueError("batch too large")  # batch_records bounds it far below this
+
+        def take(src: np.ndarray) -> np.ndarray:
+            """Whole records by combined index (opens first): one gather, then sequential reads."""
+            if n_open == 0:
+                return _records_at(rows, src)
+            out = np.empty(len(src), dtype=_RECORD_VOID)
+            old = src < n_open
+            out[old] = opens.view(_RECORD_VOID)[src[old]]
+            out[~old] = rows.view(_RECORD_VOID)[src[~old] - n_open]
+            return out.view(RECORD_DTYPE)
+
+        def both(name: str) -> np.ndarray:
+            return np.concatenate([opens[name], rows[name]]) if n_open else rows[name]
+
+        gkey = (both("tid").astype(np.uint64) << np.uint64(32)) | both("domain_id").astype(np.uint64)
+        order = np.argsort(gkey, kind="stable")  # by group, ring order within a group
+        gk = gkey[order]
+        starts_mask = np.empty(n, dtype=bool)
+        starts_mask[0] = True
+        np.not_equal(gk[1:], gk[:-1], out=starts_mask[1:])
+        gi = np.cumsum(starts_mask, dtype=np.int64) - 1
+        group_last = (np.append(np.flatnonzero(starts_mask)[1:], n) - 1)[gi]
+        k = both("kind")[order]
+        lv = both("level")[order].astype(np.int64)
+        rid = both("range_id")[order]
+        gap = (both("flags")[order] & MSG_GAP) != 0
+        is_push = k == KIND_PUSH
+        is_pop = k == KIND_POP
+        is_mark = k == KIND_MARK
+        pos = np.arange(n, dtype=np.int64)  # sorted position: ring order within a group
+
+        uid_in = np.zeros(n, dtype=np.uint64)
+        uid_in[:n_open] = self._open_uid
+        new_push = rows["kind"] == KIND_PUSH
+        n_new_push = int(np.count_nonzero(new_push))
+        uid_in[n_open:][new_push] = np.arange(self._next_uid, self._next_uid + n_new_push, dtype=np.uint64)
+        self._next_uid += n_new_push
+        uid = uid_in[order]
+        carried_parent = np.zeros(n, dtype=np.uint64)
+        carried_parent[:n_open] = self._open_parent
+        carried_parent = carried_parent[order]
+        tainted = np.zeros(n, dtype=bool)
+        tainted[:n_open] = self._open_tainted
+        tainted = tainted[order]
+
+        # 1. pairs, by id
+        push_at = np.flatnonzero(is_push & (rid != 0))
+        by_id = np.argsort(rid[push_at])
+        push_ids = rid[push_at][by_id]
+        pop_at = np.flatnonzero(is_pop)
+        pop_ids = rid[pop_at]
+        hit = np.searchsorted(push_ids, pop_ids)
+        found = (hit < len(push_ids)) & (pop_ids != 0)
+        found[found] = push_ids[hit[found]] == pop_ids[found]
+        a = push_at[by_id[hit[found]]]
+        b = pop_at[found]
+        sane = (gi[a] == gi[b]) & (b > a)
+        a, b = a[sane], b[sane]
+        self._stats["pop_without_push"] += len(pop_at) - len(a)
+        paired = np.zeros(n, dtype=bool)
+        paired[a] = True
+        pop_pos = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+        pop_pos[a] = b
+
+        # 2. unpaired pushes: closed (their pop was dropped) once a later event of the group sits
+        # at their level or above it; otherwise still open
+        big = 2 * (int(lv.max()) - min(int(lv.min()), 0) + 2)
+        shift = (gi.max() - gi) * big  # reversed scan: later-scanned groups shifted lower
+        suffix_min = (np.minimum.accumulate((lv - shift)[::-1]) + shift[::-1])[::-1]
+        after_min = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+        after_min[:-1] = suffix_min[1:]
+        after_min[group_last] = np.iinfo(np.int64).max
+        unpaired = is_push & ~paired
+        too_deep = unpaired & (rid == 0)
+        self._stats["deep_nesting"] += int(np.count_nonzero(too_deep & (order >= n_open)))
+        closed = unpaired & ~too_deep & (after_min <= lv)
+        self._stats["ranges_lost_end"] += int(np.count_nonzero(closed))
+        still_open = unpaired & ~too_deep & ~closed
+
+        # 3. parents: the latest push one level up, if provably open at the child
+        cumgap = np.cumsum(gap, dtype=np.int64)
+        parent = np.zeros(n, dtype=np.uint64)
+        levels_ok = (lv >= 1) & (lv <= _MAX_LEVEL)
+        need = np.flatnonzero((is_push | is_mark) & levels_ok & (carried_parent == 0))
+        pushes = np.flatnonzero(is_push & (lv >= 0) & (lv <= _MAX_LEVEL))
+        if len(need) and len(pushes):
+            packed = (gi[pushes].astype(np.uint64) << np.uint64(44)) | (lv[pushes].astype(np.uint64) << np.uint64(32)) | pos[pushes].astype(np.uint64)
+            push_keys = np.sort(packed)  # pos ascending within (group, level) already; sort by group, level
+            push_of_key = pushes[np.argsort(packed)]
+            q = (gi[need].astype(np.uint64) << np.uint64(44)) | ((lv[need] - 1).astype(np.uint64) << np.uint64(32)) | pos[need].astype(np.uint64)
+            h = np.searchsorted(push_keys, q) - 1
+            cand = push_of_key[np.maximum(h, 0)]
+            ok = (h >= 0) & (gi[cand] == gi[need]) & (lv[cand] == lv[need] - 1)
+            open_at_child = np.where(
+                paired[cand],
+                pop_pos[cand] > need,
+                (cumgap[need] - cumgap[cand] == 0) & ~tainted[cand],
+            )
+            ok &= open_at_child
+            parent[need[ok]] = uid[cand[ok]]
+            self._stats["parent_unknown"] += int(np.count_nonzero(~ok & (order[need] >= n_open)))
+        parent = np.where(carried_parent != 0, carried_parent, parent)
+
+        src_a = order[a]
+        push_rec = take(src_a)
+        ranges = np.empty(len(a), dtype=RANGE_DTYPE)
+        ranges["uid"] = uid[a]
+        ranges["parent_uid"] = parent[a]
+        ranges["start_ns"] = push_rec["ts_ns"]
+        ranges["end_ns"] = take(order[b])["ts_ns"]
+        for name in ("payload", "tid", "domain_id", "string_id", "category", "color", "payload_type"):
+            ranges[name] = push_rec[name]
+        ranges["range_id"] = 0
+        ranges["depth"] = lv[a]
+        ranges["kind"] = KIND_PUSH
+
+        still = np.flatnonzero(still_open)
+        keep = np.argsort(order[still], kind="stable")  # ring order
+        still = still[keep]
+        self._open_pushes = take(order[still])
+        self._open_uid = uid[still]
+        self._open_parent = parent[still]
+        # a drop later in its group makes an open push's later children unprovable
+        self._open_tainted = tainted[still] | (cumgap[group_last[still]] - cumgap[still] > 0)
+
+        m = np.flatnonzero(is_mark)
+        m = m[np.argsort(order[m], kind="stable")]  # ring order
+        mark_rec = take(order[m])
+        marks = np.empty(len(m), dtype=MARK_DTYPE)
+        marks["parent_uid"] = parent[m]
+        for name in ("ts_ns", "payload", "tid", "domain_id", "string_id", "category", "color", "payload_type"):
+            marks[name] = mark_rec[name]
+        return ranges, marks, uid[closed]
+
+    def _pair_start_end(self, rows: np.ndarray) -> np.ndarray:
+        starts_new = np.zeros(int(np.count_nonzero(rows["kind"] == KIND_START)), dtype=_OPEN_DTYPE)
+        start_rows = rows[rows["kind"] == KIND_START]
+        for name in ("ts_ns", "payload", "range_id", "tid", "domain_id", "string_id", "category",
+                     "color", "kind", "payload_type"):
+            starts_new[name] = start_rows[name]
+        starts_new["uid"] = np.arange(self._next_uid, self._next_uid + len(starts_new), dtype=np.uint64)
+        self._next_uid += len(starts_new)
+        ends = rows[rows["kind"] == KIND_END]
+        starts = np.concatenate([self._open_starts, starts_new]) if len(self._open_starts) else starts_new
+        starts = starts[np.argsort(starts["range_id"], kind="stable")]
+        ids = starts["range_id"]
+        hit = np.searchsorted(ids, ends["range_id"])
+        found = hit < len(ids)
+        found[found] = ids[hit[found]] == ends["range_id"][found]
+        self._stats["end_without_start"] += int(np.count_nonzero(~found))
+        matched_start = hit[found]
+        matched_end = ends[found]
+        ranges = np.zeros(len(matched_start), dtype=RANGE_DTYPE)
+        s = starts[matched_start]
+        ranges["uid"] = s["uid"]
+        ranges["start_ns"] = s["ts_ns"]
+        ranges["end_ns"] = matched_end["ts_ns"]
+        for name in ("payload", "range_id", "tid", "domain_id", "string_id", "category", "color", "payload_type"):
+            ranges[name] = s[name]
+        ranges["depth"] = -1
+        ranges["kind"] = KIND_START
+        keep = np.ones(len(starts), dtype=bool)
+        keep[matched_start] = False
+        self._open_starts = starts[keep]
+        return ranges
+
+    def _close_dead_threads(self) -> None:
+        if len(self._open_pushes) == 0:
+            return
+        tids = np.unique(self._open_pushes["tid"]).tolist()
+        dead = [t for t in tids if not _task_alive(self.pid, t)]
+        if not dead:
+            return
+        gone = np.isin(self._open_pushes["tid"], dead)
+        self._stats["ranges_open_at_thread_exit"] += int(np.count_nonzero(gone))
+        lost = self._open_uid[gone]
+        self._open_pushes = _records_at(self._open_pushes, ~gone)
+        self._open_uid = self._open_uid[~gone]
+        self._open_parent = self._open_parent[~gone]
+        self._open_tainted = self._open_tainted[~gone]
+        self._emit(np.empty(0, dtype=RANGE_DTYPE), np.empty(0, dtype=MARK_DTYPE), lost)
+
+    def _finish(self) -> None:
+        """The target exited: everything committed is drained; the rest is counted, the file removed."""
+        ring = self._ring
+        if ring is not None:
+            leftover = ring.head - ring.tail
+            if leftover > 0:
+                self._stats["lost_uncommitted"] += leftover
+                ring.skip(leftover)
+            self._sync_producer_counters()
+            ring.unlink_if_present()
+            ring.detach()
+            ring.close()
+            self._ring = None
+        self._stats["ranges_open_at_exit"] += len(self._open_pushes) + len(self._open_starts)
+        lost = np.concatenate([self._open_uid, self._open_starts["uid"]])
+        if len(lost):
+            self._emit(np.empty(0, dtype=RANGE_DTYPE), np.empty(0, dtype=MARK_DTYPE), lost)
+        self._open_pushes = np.empty(0, dtype=RECORD_DTYPE)
+        self._open_uid = np.empty(0, dtype=np.uint64)
+        self._open_parent = np.empty(0, dtype=np.uint64)
+        self._open_tainted = np.empty(0, dtype=bool)
+        self._open_starts = np.empty(0, dtype=_OPEN_DTYPE)
+        self._finished = True
+
+
+def _monotonic_ns() -> int:
+    import time
+
+    return time.monotonic_ns()

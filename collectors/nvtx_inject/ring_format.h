@@ -1,0 +1,136 @@
+/* The moescope NVTX shared-memory file: one per instrumented process, written by the injection
+ * library (producer, many threads), read by the agent (one consumer). collectors/nvtx.py mirrors
+ * these layouts; tests/nvtx/test_layout.py checks the mirror against moescope_nvtx_layout().
+ * docs/nvtx-transport.md explains the protocol. All integers are little-endian host order. */
+#ifndef MOESCOPE_NVTX_RING_FORMAT_H
+#define MOESCOPE_NVTX_RING_FORMAT_H
+
+#include <stdint.h>
+
+#define MSRING_MAGIC 0x31305854564e534dULL /* "MSNVTX01" read as little-endian bytes */
+#define MSRING_VERSION 1u
+#define MSRING_HEADER_BYTES 4096u
+#define MSRING_FILE_PREFIX "moescope-nvtx."
+#define MSRING_DEFAULT_RECORDS 65536u     /* 4 MiB of 64-byte records */
+#define MSRING_DEFAULT_STRING_BYTES (1u << 20)
+#define MSRING_MAX_STRING_BYTES 4096u      /* longer texts are truncated (flagged, counted) */
+
+/* Producer-side counters, header.counters[...]. */
+enum msring_counter {
+    MSRING_DROPPED_FULL = 0,        /* ring full: event dropped, never blocked */
+    MSRING_DROPPED_STRING_FULL = 1, /* string region or intern table full: text not recorded */
+    MSRING_STRINGS_TRUNCATED = 2,   /* text longer than MSRING_MAX_STRING_BYTES */
+    MSRING_EXT_PAYLOADS = 3,        /* payload extension (schema) payloads: recorded as type EXT */
+    MSRING_UNKNOWN_PAYLOADS = 4,    /* payload type not in the ABI */
+    MSRING_UNKNOWN_MESSAGES = 5,    /* message type not in the ABI */
+    MSRING_UNSUPPORTED_CALLS = 6,   /* resource naming and other calls moescope ignores */
+    MSRING_INIT_CALLS = 7,          /* InitializeInjectionNvtx2 calls (one per instrumented object) */
+    MSRING_BAD_UNICODE = 8,         /* wide strings with invalid code points (replaced by U+FFFD) */
+    MSRING_DEPTH_SHARED = 9,        /* events of a thread using more than 16 domains (nesting shared) */
+    MSRING_COUNTERS = 16,
+};
+
+/* Record kinds. */
+enum msring_kind {
+    MSRING_KIND_PUSH = 1,
+    MSRING_KIND_POP = 2,
+    MSRING_KIND_START = 3,
+    MSRING_KIND_END = 4,
+    MSRING_KIND_MARK = 5,
+};
+
+/* Record payload_type: the ABI's values 0..6 (32-bit values widened to 64 bits, float to double),
+ * plus these two. */
+enum msring_payload {
+    MSRING_PAYLOAD_EXT = 7,
+    MSRING_PAYLOAD_UNKNOWN = 8,
+};
+
+/* Record flags: bits 0-1 say where the message came from; bit 2: its text was not recorded;
+ * bit 3: push/pop/mark events of this thread in this domain were dropped just before this one. */
+enum msring_flags {
+    MSRING_MSG_NONE = 0,
+    MSRING_MSG_REGISTERED = 1,
+    MSRING_MSG_ASCII = 2,
+    MSRING_MSG_UNICODE = 3,
+    MSRING_MSG_LOST = 4,
+    MSRING_GAP = 8,
+};
+#define MSRING_MAX_STACK 32 /* push ids are kept this deep per thread and domain */
+
+/* String-region entry kinds. */
+enum msring_string_kind {
+    MSRING_STR_STRING = 1,   /* id = string id (registered string or interned message) */
+    MSRING_STR_DOMAIN = 2,   /* id = domain id (0 is the default domain, never written) */
+    MSRING_STR_CATEGORY = 3, /* id = category value within domain_id */
+    MSRING_STR_THREAD = 4,   /* id = kernel thread id named by nvtxNameOsThread */
+};
+enum msring_string_flags {
+    MSRING_STRF_TRUNCATED = 1,
+    MSRING_STRF_BAD_UNICODE = 2,
+};
+
+struct msring_header {
+    /* line 0: identity, immutable once the file is visible (it is renamed into place) */
+    uint64_t magic;
+    uint32_t version;
+    uint32_t header_bytes;
+    uint32_t record_bytes;
+    uint32_t capacity; /* records, a power of two */
+    uint64_t ring_offset;
+    uint64_t strings_offset;
+    uint64_t strings_bytes;
+    uint32_t pid;
+    uint32_t reserved0;
+    uint64_t created_ns; /* CLOCK_MONOTONIC */
+    /* line 1: written by the consumer; producers load consumer_attached (relaxed) per event */
+    _Alignas(64) uint32_t consumer_attached;
+    uint32_t consumer_pid;
+    uint64_t consumer_heartbeat_ns;
+    uint64_t attach_count;
+    uint32_t producer_exited; /* set by the producer's exit handler */
+    uint32_t reserved1;
+    /* line 2: producers' reservation counter (records ever reserved) */
+    _Alignas(64) uint64_t head;
+    /* line 3: consumer's position (records consumed or skipped) */
+    _Alignas(64) uint64_t tail;
+    /* line 4: string region fill, published after each entry is complete */
+    _Alignas(64) uint64_t strings_used;
+    uint64_t strings_count;
+    /* lines 5-6: counters */
+    _Alignas(64) uint64_t counters[MSRING_COUNTERS];
+};
+
+/* One event: exactly one cache line. seq = position + 1, stored last (release) to commit. */
+struct msring_record {
+    uint64_t seq;
+    uint64_t ts_ns; /* CLOCK_MONOTONIC */
+    uint64_t payload;
+    uint64_t range_id; /* start/end: the range id; push: this push's id (unique in the process, 0
+                          deeper than MSRING_MAX_STACK); pop: the id of the push it closes (0: unknown) */
+    uint32_t tid;      /* kernel thread id (gettid) */
+    uint32_t domain_id;
+    uint32_t string_id; /* 0: no message */
+    uint32_t category;
+    uint32_t color;
+    uint16_t kind;
+    uint16_t payload_type;
+    uint32_t flags;
+    /* nesting on this thread in this domain, counted by the library since the agent attached:
+     * push: level of the range it opens (0 = outermost); pop: level of the range it closes, or -1
+     * when nothing pushed since the attach is open; mark: ranges open; start/end: 0 */
+    int32_t level;
+};
+
+/* One string-region entry, 8-byte aligned; text_bytes of UTF-8-ish text then a NUL, padded. */
+struct msring_string_entry {
+    uint32_t entry_bytes; /* whole entry incl. padding */
+    uint16_t kind;
+    uint16_t flags;
+    uint32_t id;
+    uint32_t domain_id;
+    uint32_t text_bytes;
+    uint32_t reserved;
+};
+
+#endif /* MOESCOPE_NVTX_RING_FORMAT_H */

@@ -1,0 +1,71 @@
+"""Fixtures for the NVTX capture tests: real producer processes loading the real injection library,
+each with its own ring directory; every process started here is killed (its group) on teardown."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from nvtx_helpers import PRODUCER, Producer
+
+from collectors.nvtx import injection_env
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    for stream in (proc.stdin, proc.stdout):
+        if stream is not None:
+            stream.close()
+
+
+@pytest.fixture
+def ring_dir() -> Iterator[Path]:
+    """A private ring directory on tmpfs, where rings live in production (/dev/shm)."""
+    path = Path(tempfile.mkdtemp(prefix="moescope-test-rings-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def start_producer(tmp_path: Path, ring_dir: Path) -> Iterator[Callable[..., Producer]]:
+    started: list[subprocess.Popen[str]] = []
+
+    def start(*args: str, inject: bool = True, extra_env: dict[str, str] | None = None) -> Producer:
+        log_path = tmp_path / f"producer-{len(started)}.json"
+        env = dict(os.environ)
+        env.pop("NVTX_INJECTION64_PATH", None)
+        env["MOESCOPE_NVTX_DIR"] = str(ring_dir)
+        if inject:
+            env.update(injection_env())
+        env.update(extra_env or {})
+        proc = subprocess.Popen(
+            [sys.executable, str(PRODUCER), "--log", str(log_path), *args],
+            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        started.append(proc)
+        return Producer(proc=proc, log_path=log_path, ring_dir=ring_dir)
+
+    try:
+        yield start
+    finally:
+        for proc in started:
+            _kill_group(proc)
+
+

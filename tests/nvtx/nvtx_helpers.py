@@ -1,0 +1,75 @@
+"""Helpers shared by the NVTX tests: the producer handle, a capturing sink, the drain loop."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from collectors.nvtx import MARK_DTYPE, RANGE_DTYPE, NvtxBatch, NvtxCollector
+
+HERE = Path(__file__).resolve().parent
+PRODUCER = HERE / "producer.py"
+WAIT_S = 90.0  # generous: only bounds waiting on a shared, noisy 2-core machine
+
+
+@dataclass
+class Producer:
+    proc: subprocess.Popen[str]
+    log_path: Path
+    ring_dir: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def expect_line(self, wanted: str) -> None:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().strip()
+        assert line == wanted, f"producer said {line!r}, expected {wanted!r}"
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def wait(self) -> int:
+        return self.proc.wait(timeout=WAIT_S)
+
+    def log(self) -> dict[str, Any]:
+        return json.loads(self.log_path.read_text())
+
+
+@dataclass
+class Capture:
+    """Sink that keeps every batch the collector hands over."""
+
+    batches: list[NvtxBatch] = field(default_factory=list)
+
+    def __call__(self, batch: NvtxBatch) -> None:
+        self.batches.append(batch)
+
+    def ranges(self) -> np.ndarray:
+        parts = [b.ranges for b in self.batches]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=RANGE_DTYPE)
+
+    def lost_uids(self) -> set[int]:
+        return {int(u) for b in self.batches for u in b.lost_uids}
+
+    def marks(self) -> np.ndarray:
+        parts = [b.marks for b in self.batches]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=MARK_DTYPE)
+
+
+def drain_until_finished(collector: NvtxCollector, *, poll_sleep_s: float = 0.002) -> None:
+    """Polls (as the daemon does) until the target exited and everything was drained."""
+    deadline = time.monotonic() + WAIT_S
+    while not collector.finished:
+        assert time.monotonic() < deadline, f"collector never finished: {collector.stats()}"
+        collector.poll(time.monotonic_ns())
+        time.sleep(poll_sleep_s)
