@@ -15,7 +15,7 @@ stats(), never raised.
 |----------------------|-------------------------|------------|----------------------------|
 | moe.step             | range                   | -          | int tokens in batch        |
 | moe.request          | mark inside moe.step    | -          | int request key            |
-| moe.layer            | range                   | layer + 1  | -                          |
+| moe.layer            | range                   | layer + 1  | int experts in layer (v1)  |
 | moe.router           | range                   | layer + 1  | double mean entropy (bits) |
 | moe.expert.tokens    | mark inside moe.router  | expert + 1 | int tokens routed          |
 | moe.expert.dropped   | mark inside moe.router  | expert + 1 | int tokens over capacity   |
@@ -36,6 +36,7 @@ from collectors.nvtx import (
     PAYLOAD_FLOAT,
     PAYLOAD_I32,
     PAYLOAD_I64,
+    PAYLOAD_NONE,
     PAYLOAD_U32,
     PAYLOAD_U64,
     NvtxBatch,
@@ -100,6 +101,7 @@ class LayerEvent:
     start_ns: int
     end_ns: int
     router: RouterEvent | None = None
+    num_experts: int | None = None  # moe/v1 `moe.layer` payload; None from v0 producers
     loads: list[ExpertLoadEvent] = field(default_factory=list)
     ffns: list[ExpertFfnEvent] = field(default_factory=list)
 
@@ -258,7 +260,10 @@ class MoeConventionParser:
             layer_index = self._index(row)
             if layer_index is None:
                 return None  # a layer that does not say which: counted, left out with its children
-            layer = LayerEvent(layer=layer_index, start_ns=start_ns, end_ns=end_ns)
+            experts = self._int(row) if int(row["payload_type"]) != PAYLOAD_NONE else None
+            layer = LayerEvent(
+                layer=layer_index, start_ns=start_ns, end_ns=end_ns, num_experts=experts if experts and experts > 0 else None
+            )
             for child in children:
                 if isinstance(child, RouterEvent) and layer.router is None:
                     layer.router = child

@@ -218,7 +218,7 @@ def run_moe(*, steps: int, layers: int, experts: int) -> dict[str, Any]:
         step: dict[str, Any] = {"tokens": 100 + s, "requests": [7000 + s, 8000 + s], "layers": [],
                                 "tid": threading.get_native_id()}
         for layer in range(layers):
-            ins.layer_push(layer)
+            ins.layer_push(layer, experts)
             entropy = 2.5 + layer * 0.25 + s / 64
             ins.router_push(layer, entropy)
             tokens = {e: (s + layer + e) % 5 + 1 for e in range(experts)}

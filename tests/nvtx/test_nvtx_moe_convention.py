@@ -37,6 +37,7 @@ def test_steps_layers_router_experts_from_a_real_producer(start_producer: Callab
         assert [layer.layer for layer in got.layers] == [0, 1, 2]
         for layer, wl in zip(got.layers, want["layers"], strict=True):
             assert got.start_ns <= layer.start_ns < layer.end_ns <= got.end_ns
+            assert layer.num_experts == len(wl["tokens"])  # moe/v1: E is the moe.layer payload
             router = layer.router
             assert router is not None and router.layer == wl["layer"]
             assert router.entropy_bits == wl["entropy"]

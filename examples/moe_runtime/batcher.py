@@ -1,0 +1,156 @@
+"""Dynamic batching engine: one model thread runs steps over the running requests (continuous
+batching: a request joins at the next step; an idle engine waits up to max_wait_ms to gather a
+batch). Each step is one `moe.step` NVTX range with one `moe.request` mark per request in it."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+
+import torch
+
+from agent.errors import MoescopeError
+from examples.moe_runtime.instrument import Instrumentation
+from examples.moe_runtime.model import MoEModel, SequenceState
+from examples.moe_runtime.stats import RuntimeStats
+
+log = logging.getLogger("moe_runtime.batcher")
+
+
+class Overloaded(MoescopeError):
+    """Too many requests waiting: the caller answers 503."""
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_key: int  # the connection's fd as the server sees it (the moe.request payload)
+    prompt_ids: list[int]
+    max_tokens: int
+    enqueued_ns: int = dataclasses.field(default_factory=time.monotonic_ns)
+    started_ns: int = 0
+    finished_ns: int = 0
+    generated: list[int] = dataclasses.field(default_factory=list)
+    steps: int = 0
+    error: str | None = None
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    seq: SequenceState = dataclasses.field(default_factory=SequenceState)
+
+
+class BatchEngine:
+    def __init__(self, *, model: MoEModel, stats: RuntimeStats, instrumentation: Instrumentation,
+                 max_batch_size: int, max_wait_ms: float, max_waiting: int) -> None:
+        self.model = model
+        self.stats = stats
+        self.ins = instrumentation
+        self.max_batch_size = max_batch_size
+        self.max_wait_ms = max_wait_ms
+        self.max_waiting = max_waiting
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._running: list[Request] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="moe-model", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, *, timeout_s: float = 5.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+
+    def queue_sizes(self) -> dict[str, int]:
+        with self._cond:
+            return {"requests_waiting": len(self._waiting), "requests_running": len(self._running)}
+
+    def submit(self, request: Request) -> None:
+        with self._cond:
+            if len(self._waiting) >= self.max_waiting:
+                self.stats.count("requests_rejected")
+                raise Overloaded(f"{len(self._waiting)} requests already waiting (max {self.max_waiting})")
+            self._waiting.append(request)
+            self._cond.notify_all()
+
+    def _admit(self) -> bool:
+        """Move waiting requests into the running batch; False when stopping."""
+        with self._cond:
+            if not self._running:
+                while not self._waiting and not self._stop:
+                    self.stats.idle()
+                    self._cond.wait(0.5)
+                if self._stop:
+                    return False
+                # Idle engine: give concurrent arrivals max_wait_ms to join the first step.
+                deadline = time.monotonic() + self.max_wait_ms / 1000.0
+                while len(self._waiting) < self.max_batch_size and not self._stop:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+            while self._waiting and len(self._running) < self.max_batch_size:
+                request = self._waiting.popleft()
+                request.started_ns = time.monotonic_ns()
+                self._running.append(request)
+            return not self._stop
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while self._admit():
+            try:
+                self._step()
+            except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, never the server
+                log.exception("step failed")
+                self.stats.count("step_errors")
+                self._finish_all(f"internal error in model step: {type(exc).__name__}: {exc}")
+        self._finish_all("server shutting down")
+        with self._cond:
+            for request in self._waiting:
+                request.error = "server shutting down"
+                request.done.set()
+            self._waiting.clear()
+
+    def _finish_all(self, error: str) -> None:
+        with self._cond:
+            running, self._running = self._running, []
+        for request in running:
+            request.error = error
+            request.finished_ns = time.monotonic_ns()
+            self.stats.count("requests_failed")
+            request.done.set()
+
+    def _step(self) -> None:
+        batch = list(self._running)
+        new_tokens = [r.prompt_ids if r.seq.length == 0 else r.generated[-1:] for r in batch]
+        n_tokens = sum(len(t) for t in new_tokens)
+        prefill = sum(len(t) for r, t in zip(batch, new_tokens) if r.seq.length == 0)
+        ins = self.ins
+        ins.step_push(n_tokens)
+        try:
+            for request in batch:
+                ins.request_mark(request.request_key)
+            logits = self.model.forward([r.seq for r in batch], new_tokens)
+            if self.model.sync_ranges:
+                self.model.synchronize()
+        finally:
+            ins.pop()
+        next_ids = torch.argmax(logits, dim=-1).tolist()  # greedy: deterministic outputs
+        self.stats.record_step(requests=len(batch), prefill_tokens=prefill, decode_tokens=len(batch))
+        finished = []
+        for request, token in zip(batch, next_ids):
+            request.generated.append(int(token))
+            request.steps += 1
+            if len(request.generated) >= request.max_tokens:
+                finished.append(request)
+        if finished:
+            with self._cond:
+                self._running = [r for r in self._running if r not in finished]
+            now = time.monotonic_ns()
+            for request in finished:
+                request.finished_ns = now
+                request.seq = SequenceState()  # free the KV cache now
+                self.stats.count("requests_completed")
+                request.done.set()

@@ -1,0 +1,367 @@
+"""Load generator for the reference MoE runtime (any server speaking POST /v1/completions).
+
+    python -m examples.moe_runtime.loadgen --url http://127.0.0.1:8000 --scenario hotspot \
+        --concurrency 8 --duration-s 10 [--rate 20] [--json-out result.json]
+
+Concurrent keep-alive clients; a fixed request count (--requests) or a duration (--duration-s);
+closed loop by default (each client sends its next request when the previous one is answered), or
+open loop at --rate requests/s (latency counted from the scheduled send time, so a slow server is
+not hidden by clients that wait). Scenarios:
+
+  balanced (alias uniform)  varied random word prompts: routing spreads over all experts
+  hotspot   prompts that repeat one character ("x"): every position routes to the same few
+            experts (the prompts alone concentrate routing; the server is told nothing)
+  burst     balanced prompts fired in bursts (--burst-size at once every --burst-interval-s)
+  long      prompts close to the server's max_seq (prefill-heavy steps, deep queues per expert)
+  memory    balanced prompts covering all experts while /stats is polled for device memory
+            used/total; with --control-socket the hottest host-tier experts are also prefetched
+            each second. Crosses the budget when the server holds experts on host and caches
+            on-demand loads (e.g. --initial-resident-experts 16 --cache-on-load
+            --device-memory-budget-mb 64); reports start/max/end used ratio.
+
+Prints one JSON summary on stdout: requests, failures (by kind), throughput, client-side latency
+p50/p95/p99, and server-side batching and routing deltas from /stats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import http.client
+import json
+import random
+import sys
+import threading
+import time
+import urllib.parse
+from typing import Any
+
+from agent.errors import ControlError, MoescopeError, UsageError
+
+SCENARIOS = ("balanced", "uniform", "hotspot", "burst", "long", "memory")
+HOTSPOT_CHAR = "x"
+WORDS = ("expert", "router", "token", "batch", "gate", "layer", "memory", "device", "tensor", "queue",
+         "kernel", "socket", "trace", "model", "weight", "cache", "prefill", "decode", "sample", "latency",
+         "alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")
+
+
+def make_prompt(scenario: str, rng: random.Random, *, long_bytes: int) -> str:
+    if scenario == "hotspot":
+        # One repeated character: every position gets nearly the same hidden state, so the router
+        # sends nearly all tokens to the same k experts per layer (measured: ~0.45 of a layer's
+        # tokens on its busiest expert at k=2, vs ~0.16 for balanced prompts).
+        return HOTSPOT_CHAR * rng.randint(24, 48)
+    if scenario == "long":
+        text = ""
+        while len(text) < long_bytes:
+            text += rng.choice(WORDS) + " "
+        return text[:long_bytes]
+    n = rng.randint(3, 10)
+    return " ".join(rng.choice(WORDS) + str(rng.randint(0, 99)) for _ in range(n))
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending list (0 for an empty one)."""
+    if not sorted_values:
+        return 0.0
+    rank = max(1, int(-(-q * len(sorted_values) // 100)))
+    return sorted_values[min(rank, len(sorted_values)) - 1]
+
+
+@dataclasses.dataclass
+class Results:
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    latencies_ms: list[float] = dataclasses.field(default_factory=list)
+    errors: dict[str, int] = dataclasses.field(default_factory=dict)
+    completion_tokens: int = 0
+
+    def ok(self, latency_ms: float, tokens: int) -> None:
+        with self.lock:
+            self.latencies_ms.append(latency_ms)
+            self.completion_tokens += tokens
+
+    def fail(self, kind: str) -> None:
+        with self.lock:
+            self.errors[kind] = self.errors.get(kind, 0) + 1
+
+
+class Client:
+    """One keep-alive connection; reconnects after a failure."""
+
+    def __init__(self, host: str, port: int, *, timeout_s: float) -> None:
+        self.host, self.port, self.timeout_s = host, port, timeout_s
+        self.conn: http.client.HTTPConnection | None = None
+
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+        if self.conn is None:
+            self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        try:
+            self.conn.request(method, path, body=data, headers=headers)
+            response = self.conn.getresponse()
+            payload = json.loads(response.read() or b"{}")
+            return response.status, payload
+        except (OSError, http.client.HTTPException, ValueError):
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
+class Schedule:
+    """Hands out request indices and, in open loop, their send times."""
+
+    def __init__(self, *, requests: int | None, duration_s: float | None, rate_per_s: float | None,
+                 burst_size: int | None, burst_interval_s: float) -> None:
+        self.requests, self.duration_s = requests, duration_s
+        self.rate_per_s, self.burst_size, self.burst_interval_s = rate_per_s, burst_size, burst_interval_s
+        self.start = time.monotonic()
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def next(self) -> tuple[int, float | None] | None:
+        with self._lock:
+            index = self._next
+            if self.requests is not None and index >= self.requests:
+                return None
+            self._next += 1
+        if self.burst_size:
+            at: float | None = self.start + (index // self.burst_size) * self.burst_interval_s
+        elif self.rate_per_s:
+            at = self.start + index / self.rate_per_s
+        else:
+            at = None
+        now = time.monotonic()
+        if self.duration_s is not None and (at if at is not None else now) >= self.start + self.duration_s:
+            return None
+        return index, at
+
+
+def worker(client: Client, schedule: Schedule, results: Results, *, scenario: str, seed: int,
+           max_tokens: int, long_bytes: int) -> None:
+    while True:
+        item = schedule.next()
+        if item is None:
+            return
+        index, at = item
+        rng = random.Random(seed * 1_000_003 + index)
+        prompt = make_prompt(scenario, rng, long_bytes=long_bytes)
+        if at is not None:
+            delay = at - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+        t0 = at if at is not None else time.monotonic()
+        try:
+            status, payload = client.request("POST", "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens})
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            results.fail(type(exc).__name__)
+            continue
+        if status != 200:
+            results.fail(f"http {status}")
+            continue
+        results.ok((time.monotonic() - t0) * 1000.0, int(payload.get("usage", {}).get("completion_tokens", 0)))
+
+
+class MemoryDriver:
+    """memory scenario: polls /stats every 200 ms; with a control socket, prefetches each second."""
+
+    def __init__(self, host: str, port: int, *, control_socket: str | None) -> None:
+        self.client = Client(host, port, timeout_s=30.0)
+        self.control_socket = control_socket
+        self.ratios: list[float] = []
+        self.prefetched = 0
+        self.control_errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _ratio(self) -> float | None:
+        try:
+            status, stats = self.client.request("GET", "/stats")
+        except (OSError, http.client.HTTPException, ValueError):
+            return None
+        if status != 200:
+            return None
+        return max(float(d["used_ratio"]) for d in stats["memory"]["devices"].values())
+
+    def _run(self) -> None:
+        from examples.moe_runtime.control import ControlClient
+
+        control = None
+        if self.control_socket:
+            try:
+                control = ControlClient(self.control_socket)
+            except ControlError as exc:
+                self.control_errors.append(str(exc))
+        last_prefetch = 0.0
+        try:
+            while not self._stop.wait(0.2):
+                ratio = self._ratio()
+                if ratio is not None:
+                    self.ratios.append(ratio)
+                if control is not None and time.monotonic() - last_prefetch >= 1.0:
+                    last_prefetch = time.monotonic()
+                    try:
+                        self.prefetched += len(control.call("prefetch", {"count": 4})["loaded"])
+                    except (ControlError, OSError, ValueError) as exc:
+                        self.control_errors.append(str(exc))
+        finally:
+            if control is not None:
+                control.close()
+
+    def start(self) -> None:
+        ratio = self._ratio()
+        if ratio is not None:
+            self.ratios.append(ratio)
+        self._thread.start()
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join(10)
+        ratio = self._ratio()
+        if ratio is not None:
+            self.ratios.append(ratio)
+        self.client.close()
+        return {
+            "start_used_ratio": self.ratios[0] if self.ratios else None,
+            "max_used_ratio": max(self.ratios) if self.ratios else None,
+            "end_used_ratio": self.ratios[-1] if self.ratios else None,
+            "crossed_budget": bool(self.ratios) and max(self.ratios) > 1.0,
+            "experts_prefetched": self.prefetched,
+            "control_errors": self.control_errors[:5],
+        }
+
+
+def _server_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    cb, ca = before["counters"], after["counters"]
+    steps = ca["steps"] - cb["steps"]
+    shares = []
+    for lb, la in zip(before["layers"], after["layers"]):
+        delta = [a - b for a, b in zip(la["tokens"], lb["tokens"])]
+        total = sum(delta)
+        if total:
+            shares.append(max(delta) / total)
+    return {
+        "steps": steps,
+        "multi_request_steps": ca["multi_request_steps"] - cb["multi_request_steps"],
+        "max_batch_requests": ca["max_batch_requests"],
+        "expert_loads": ca["expert_loads"] - cb["expert_loads"],
+        "requests_failed": ca["requests_failed"] - cb["requests_failed"],
+        # Mean over layers of the busiest expert's share of routed tokens (1/E when perfectly even).
+        "hottest_expert_token_share": round(sum(shares) / len(shares), 4) if shares else None,
+    }
+
+
+def run(*, url: str, scenario: str, concurrency: int, requests: int | None, duration_s: float | None,
+        rate_per_s: float | None, max_tokens: int, seed: int, burst_size: int | None,
+        burst_interval_s: float, control_socket: str | None, timeout_s: float) -> dict[str, Any]:
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme != "http" or not parsed.hostname:
+        raise UsageError(f"--url must be http://HOST:PORT, got {url!r}")
+    host, port = parsed.hostname, parsed.port or 80
+    probe = Client(host, port, timeout_s=timeout_s)
+    try:
+        status, before = probe.request("GET", "/stats")
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        raise ControlError(f"cannot reach {url}/stats: {exc}") from exc
+    if status != 200:
+        raise ControlError(f"{url}/stats answered HTTP {status}")
+    max_seq = int(before.get("config", {}).get("max_seq", 512))
+    long_bytes = max(16, min(480, max_seq - max_tokens - 8))
+    if scenario == "burst" and not burst_size:
+        burst_size = 2 * concurrency
+    memory = MemoryDriver(host, port, control_socket=control_socket) if scenario == "memory" else None
+    schedule = Schedule(requests=requests, duration_s=duration_s, rate_per_s=rate_per_s,
+                        burst_size=burst_size if scenario == "burst" else None, burst_interval_s=burst_interval_s)
+    results = Results()
+    if memory is not None:
+        memory.start()
+    clients = [Client(host, port, timeout_s=timeout_s) for _ in range(concurrency)]
+    threads = [threading.Thread(target=worker, args=(c, schedule, results), daemon=True,
+                                kwargs={"scenario": "balanced" if scenario in ("uniform", "memory", "burst") else scenario,
+                                        "seed": seed, "max_tokens": max_tokens, "long_bytes": long_bytes})
+               for c in clients]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed_s = time.monotonic() - t0
+    for c in clients:
+        c.close()
+    memory_summary = memory.stop() if memory is not None else None
+    try:
+        _, after = probe.request("GET", "/stats")
+        server = _server_delta(before, after)
+    except (OSError, http.client.HTTPException, ValueError, KeyError) as exc:
+        server = {"error": str(exc)}
+    probe.close()
+    lat = sorted(results.latencies_ms)
+    failures = sum(results.errors.values())
+    summary: dict[str, Any] = {
+        "scenario": scenario, "url": url, "concurrency": concurrency,
+        "mode": "open" if (rate_per_s or scenario == "burst") else "closed",
+        "rate_per_s": rate_per_s, "requests": len(lat) + failures, "ok": len(lat), "failures": failures,
+        "errors": results.errors, "duration_s": round(elapsed_s, 3),
+        "throughput_rps": round(len(lat) / elapsed_s, 3) if elapsed_s > 0 else 0.0,
+        "tokens_per_s": round(results.completion_tokens / elapsed_s, 3) if elapsed_s > 0 else 0.0,
+        "latency_ms": {"p50": round(percentile(lat, 50), 3), "p95": round(percentile(lat, 95), 3),
+                       "p99": round(percentile(lat, 99), 3), "max": round(lat[-1], 3) if lat else 0.0,
+                       "mean": round(sum(lat) / len(lat), 3) if lat else 0.0},
+        "server": server,
+    }
+    if memory_summary is not None:
+        summary["memory"] = memory_summary
+    return summary
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m examples.moe_runtime.loadgen", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--scenario", choices=SCENARIOS, default="balanced")
+    p.add_argument("--concurrency", type=int, default=8, help="keep-alive clients (default 8)")
+    stop = p.add_mutually_exclusive_group()
+    stop.add_argument("--requests", type=int, default=None, help="total requests (default 100 if no duration)")
+    stop.add_argument("--duration-s", type=float, default=None, help="run this long")
+    p.add_argument("--rate", type=float, default=None, help="open loop at this many requests/s (default: closed loop)")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--burst-size", type=int, default=None, help="burst: requests per burst (default 2x concurrency)")
+    p.add_argument("--burst-interval-s", type=float, default=1.0)
+    p.add_argument("--control-socket", default=None, help="memory: prefetch through this control socket")
+    p.add_argument("--timeout-s", type=float, default=120.0, help="per-request timeout")
+    p.add_argument("--json-out", default=None, help="also write the summary to this file")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.concurrency < 1:
+            raise UsageError("--concurrency must be >= 1")
+        if args.rate is not None and args.rate <= 0:
+            raise UsageError("--rate must be > 0")
+        if args.max_tokens < 1:
+            raise UsageError("--max-tokens must be >= 1")
+        requests = args.requests if args.requests is not None or args.duration_s is not None else 100
+        summary = run(url=args.url, scenario=args.scenario, concurrency=args.concurrency, requests=requests,
+                      duration_s=args.duration_s, rate_per_s=args.rate, max_tokens=args.max_tokens,
+                      seed=args.seed, burst_size=args.burst_size, burst_interval_s=args.burst_interval_s,
+                      control_socket=args.control_socket, timeout_s=args.timeout_s)
+    except MoescopeError as exc:
+        print(f"loadgen: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    return 0 if summary["failures"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""The reference MoE transformer: L blocks of causal self-attention + MoE FFN (E SwiGLU experts,
+top-k softmax gate, optional Gumbel noise, capacity factor with drop|reroute, router penalties).
+
+Weights are random, made locally from a seed. Attention runs per sequence (ragged batches, each
+with its own KV cache); the MoE FFN runs over all tokens of the step together, which is what makes
+routing, capacity and expert load batch-level phenomena.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from examples.moe_runtime.config import ModelConfig
+from examples.moe_runtime.instrument import Instrumentation
+from examples.moe_runtime.residency import TIER_HOST, TORCH_DTYPES, ExpertHandle, ExpertStore, torch_device
+from examples.moe_runtime.stats import RuntimeStats
+
+
+@dataclasses.dataclass
+class SequenceState:
+    """One request's KV cache and length. Owned by the model thread."""
+
+    length: int = 0
+    keys: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
+    values: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """One layer's routing decision for a step (after capacity)."""
+
+    token_index: torch.Tensor  # [A] int64, token row of each assignment
+    expert_index: torch.Tensor  # [A] int64
+    weight: torch.Tensor  # [A] float32 gate weight
+    demand: np.ndarray  # [E] tokens routed per expert before capacity
+    dropped: np.ndarray  # [E] tokens over capacity per expert (dropped or rerouted away)
+    rerouted_in: np.ndarray  # [E] tokens received as next-best
+    entropy_bits: float  # mean token entropy of the router distribution
+    capacity: int
+
+
+def _rand(gen: torch.Generator, *shape: int, scale: float) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, dtype=torch.float32) * scale
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+
+
+def make_expert_masters(cfg: ModelConfig) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """fp32 master weights of every expert, on host, from the seed (independent of other weights)."""
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    d, f = cfg.d_model, cfg.d_ff
+    return [
+        [(_rand(gen, d, f, scale=1 / math.sqrt(d)), _rand(gen, d, f, scale=1 / math.sqrt(d)),
+          _rand(gen, f, d, scale=1 / math.sqrt(f))) for _ in range(cfg.experts)]
+        for _ in range(cfg.layers)
+    ]
+
+
+def route(cfg: ModelConfig, logits: torch.Tensor, *, noise: torch.Tensor | None) -> Routing:
+    """Top-k gate with capacity. logits [N, E] already include router penalties.
+
+    Selection uses logits + noise (Gumbel, scaled by tau) when noise is given (ties: lower expert
+    index first under reroute; torch.topk's order under drop); gate weights are the
+    softmax of the clean logits over the k selected experts. Capacity is filled slot-major in token
+    order (all first choices, then second choices, ...). Overflow: "drop" loses that assignment
+    (the residual carries the token); "reroute" gives it, with the same weight, to the token's
+    best-ranked remaining expert with room (rank k, k+1, ...), else drops it.
+    """
+    n_tokens, n_experts = logits.shape
+    k = cfg.top_k
+    probs = torch.softmax(logits, dim=-1)
+    entropy = -(probs * torch.log2(probs.clamp_min(1e-30))).sum(-1)
+    entropy_bits = float(entropy.mean()) if n_tokens else 0.0
+    selection = logits if noise is None else logits + noise
+    if cfg.overflow == "reroute":
+        # Reroute needs every token's full ranking; ties break towards the lower expert index.
+        order: torch.Tensor | None = torch.argsort(selection, dim=-1, descending=True, stable=True)
+        topk = order[:, :k]
+    else:
+        order = None
+        topk = torch.topk(selection, k, dim=-1, sorted=True).indices
+    weights = torch.softmax(logits.gather(1, topk), dim=-1)
+    capacity = cfg.capacity_tokens(n_tokens)
+    demand = np.bincount(topk.reshape(-1).numpy(), minlength=n_experts).astype(np.int64)
+    fill = torch.zeros(n_experts, dtype=torch.int64)
+    kept_tok: list[torch.Tensor] = []
+    kept_exp: list[torch.Tensor] = []
+    kept_w: list[torch.Tensor] = []
+    overflow: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    rows = torch.arange(n_tokens)
+    for slot in range(k):
+        experts = topk[:, slot]
+        # Position of each token in its expert's queue, in token order (sort-based: no N x E tensor).
+        by_expert = torch.argsort(experts, stable=True)
+        counts = torch.bincount(experts, minlength=n_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        position = torch.empty_like(experts)
+        position[by_expert] = torch.arange(n_tokens) - starts[experts[by_expert]]
+        keep = position + fill[experts] < capacity
+        fill = torch.clamp(fill + counts, max=capacity)
+        kept_tok.append(rows[keep])
+        kept_exp.append(experts[keep])
+        kept_w.append(weights[keep, slot])
+        if not bool(keep.all()):
+            over = ~keep
+            overflow.append((rows[over], experts[over], weights[over, slot]))
+    dropped = np.zeros(n_experts, dtype=np.int64)
+    rerouted_in = np.zeros(n_experts, dtype=np.int64)
+    for tok, exp, _ in overflow:
+        dropped += np.bincount(exp.numpy(), minlength=n_experts)
+    if order is not None and overflow:
+        fill_list = fill.tolist()
+        used: dict[int, set[int]] = {}
+        extra_tok: list[int] = []
+        extra_exp: list[int] = []
+        extra_w: list[float] = []
+        for tok, _, w in overflow:
+            for t, weight in zip(tok.tolist(), w.tolist()):
+                ranking = order[t].tolist()
+                taken = used.setdefault(t, set(ranking[:k]))
+                for candidate in ranking[k:]:
+                    if candidate not in taken and fill_list[candidate] < capacity:
+                        fill_list[candidate] += 1
+                        taken.add(candidate)
+                        rerouted_in[candidate] += 1
+                        extra_tok.append(t)
+                        extra_exp.append(candidate)
+                        extra_w.append(weight)
+                        break
+        if extra_tok:
+            kept_tok.append(torch.tensor(extra_tok, dtype=torch.int64))
+            kept_exp.append(torch.tensor(extra_exp, dtype=torch.int64))
+            kept_w.append(torch.tensor(extra_w, dtype=torch.float32))
+    return Routing(
+        token_index=torch.cat(kept_tok) if kept_tok else torch.zeros(0, dtype=torch.int64),
+        expert_index=torch.cat(kept_exp) if kept_exp else torch.zeros(0, dtype=torch.int64),
+        weight=torch.cat(kept_w) if kept_w else torch.zeros(0),
+        demand=demand, dropped=dropped, rerouted_in=rerouted_in,
+        entropy_bits=entropy_bits, capacity=capacity,
+    )
+
+
+def expert_ffn(x: torch.Tensor, handle: ExpertHandle, *, device: torch.device) -> torch.Tensor:
+    """SwiGLU in the handle's dtype on the handle's device (true fp16/bf16 matmuls when reduced);
+    the result comes back as fp32 on `device`."""
+    h = x.to(device=handle.w1.device, dtype=TORCH_DTYPES[handle.dtype])
+    y = (F.silu(h @ handle.w1) * (h @ handle.w3)) @ handle.w2
+    return y.to(device=device, dtype=torch.float32)
+
+
+class MoEModel:
+    def __init__(self, cfg: ModelConfig, *, store: ExpertStore, stats: RuntimeStats,
+                 instrumentation: Instrumentation, sync_ranges: bool = False) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.store = store
+        self.stats = stats
+        self.ins = instrumentation
+        self.device = torch_device(store.primary)
+        # CUDA work is asynchronous: with sync_ranges, FFN and step ranges end when the GPU is done.
+        self.sync_ranges = sync_ranges and instrumentation.active and self.device.type == "cuda"
+        gen = torch.Generator().manual_seed(cfg.seed)
+        d, v = cfg.d_model, cfg.vocab
+        dev = self.device
+
+        def param(*shape: int, scale: float) -> torch.Tensor:
+            return _rand(gen, *shape, scale=scale).to(dev)
+
+        self.embed = param(v, d, scale=1.0)
+        self.pos = param(cfg.max_seq, d, scale=0.1)
+        self.blocks = []
+        for _ in range(cfg.layers):
+            self.blocks.append({
+                "ln1": torch.ones(d, device=dev), "ln2": torch.ones(d, device=dev),
+                "wqkv": param(d, 3 * d, scale=1 / math.sqrt(d)),
+                "wo": param(d, d, scale=1 / math.sqrt(d)),
+                "router": param(d, cfg.experts, scale=1 / math.sqrt(d)),
+            })
+        self.ln_f = torch.ones(d, device=dev)
+        self.lm_head = param(d, v, scale=1 / math.sqrt(d))
+        self._penalty_lock = threading.Lock()
+        self._penalties = torch.zeros(cfg.layers, cfg.experts, device=dev)
+        self._penalty_values = [[0.0] * cfg.experts for _ in range(cfg.layers)]  # as set (reporting)
+        self._noise_gen = torch.Generator().manual_seed(cfg.seed + 2)
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @staticmethod
+    def non_expert_bytes(cfg: ModelConfig) -> int:
+        d = cfg.d_model
+        per_layer = 2 * d + 3 * d * d + d * d + d * cfg.experts
+        return 4 * (cfg.vocab * d + cfg.max_seq * d + cfg.layers * per_layer + d + d * cfg.vocab)
+
+    # ----- router penalties (immutable tensor swapped under a lock) -----
+
+    def set_penalty(self, *, layers: list[int], expert: int, penalty: float) -> None:
+        with self._penalty_lock:
+            new = self._penalties.clone()
+            for layer in layers:
+                new[layer, expert] = penalty
+                self._penalty_values[layer][expert] = penalty
+            self._penalties = new
+
+    def penalties(self) -> list[list[float]]:
+        with self._penalty_lock:
+            return [list(row) for row in self._penalty_values]
+
+    # ----- forward -----
+
+    def forward(self, seqs: list[SequenceState], new_tokens: list[list[int]]) -> torch.Tensor:
+        """One step: append new_tokens[i] to seqs[i]; returns next-token logits [B, vocab]."""
+        cfg, ins = self.cfg, self.ins
+        experts_table = self.store.snapshot()  # one consistent expert table for the whole step
+        with self._penalty_lock:
+            penalties = self._penalties
+        lengths = [len(t) for t in new_tokens]
+        for seq, n in zip(seqs, lengths):
+            if seq.length + n > cfg.max_seq:
+                raise ValueError(f"sequence of {seq.length + n} tokens exceeds max_seq {cfg.max_seq}")
+        token_ids = torch.tensor([t for toks in new_tokens for t in toks], dtype=torch.int64, device=self.device)
+        positions = torch.tensor(
+            [seq.length + i for seq, n in zip(seqs, lengths) for i in range(n)], dtype=torch.int64, device=self.device)
+        x = self.embed[token_ids] + self.pos[positions]
+        for layer, block in enumerate(self.blocks):
+            ins.layer_push(layer, cfg.experts)
+            x = x + self._attention(layer, block, _rms_norm(x, block["ln1"]), seqs, lengths)
+            x = x + self._moe(layer, block, _rms_norm(x, block["ln2"]), experts_table[layer], penalties[layer])
+            ins.pop()
+        for seq, n in zip(seqs, lengths):
+            seq.length += n
+        ends = torch.tensor(np.cumsum(lengths) - 1, dtype=torch.int64, device=self.device)
+        return _rms_norm(x[ends], self.ln_f) @ self.lm_head
+
+    def _attention(self, layer: int, block: dict[str, torch.Tensor], h: torch.Tensor,
+                   seqs: list[SequenceState], lengths: list[int]) -> torch.Tensor:
+        cfg = self.cfg
+        heads, head_dim = cfg.n_heads, cfg.d_model // cfg.n_heads
+        qkv = h @ block["wqkv"]
+        outputs = []
+        start = 0
+        for seq, n in zip(seqs, lengths):
+            q, k, v = qkv[start:start + n].split(cfg.d_model, dim=-1)
+            start += n
+            q, k, v = (t.reshape(n, heads, head_dim).transpose(0, 1) for t in (q, k, v))
+            while len(seq.keys) <= layer:
+                seq.keys.append(None)
+                seq.values.append(None)
+            past_k, past_v = seq.keys[layer], seq.values[layer]
+            if past_k is not None and past_v is not None:
+                k = torch.cat([past_k, k], dim=1)
+                v = torch.cat([past_v, v], dim=1)
+            seq.keys[layer], seq.values[layer] = k, v
+            total = k.shape[1]
+            # Query i (absolute position total - n + i) sees keys at positions <= its own.
+            mask = torch.arange(total, device=h.device)[None, :] <= (torch.arange(n, device=h.device)[:, None] + total - n)
+            scores = (q @ k.transpose(1, 2)) / math.sqrt(head_dim)
+            scores = scores.masked_fill(~mask, float("-inf"))
+            outputs.append((torch.softmax(scores, dim=-1) @ v).transpose(0, 1).reshape(n, cfg.d_model))
+        return torch.cat(outputs) @ block["wo"]
+
+    def _moe(self, layer: int, block: dict[str, torch.Tensor], h: torch.Tensor,
+             table: list[ExpertHandle], penalty: torch.Tensor) -> torch.Tensor:
+        cfg, ins = self.cfg, self.ins
+        logits = (h @ block["router"]) - penalty
+        noise = None
+        if cfg.gumbel_tau > 0:
+            uniform = torch.rand(logits.shape, generator=self._noise_gen).clamp(1e-9, 1 - 1e-9)
+            noise = (-torch.log(-torch.log(uniform)) * cfg.gumbel_tau).to(logits.device)
+        routing = route(cfg, logits.cpu() if logits.device.type != "cpu" else logits,
+                        noise=noise.cpu() if noise is not None else None)
+        # The payload (entropy) must be known at push: NVTX pops carry no attributes.
+        ins.router_push(layer, routing.entropy_bits)
+        for expert in np.flatnonzero(routing.demand).tolist():
+            ins.expert_tokens_mark(expert, int(routing.demand[expert]))
+        for expert in np.flatnonzero(routing.dropped).tolist():
+            ins.expert_dropped_mark(expert, int(routing.dropped[expert]))
+        ins.pop()
+        self.stats.record_routing(layer=layer, demand=routing.demand, dropped=routing.dropped,
+                                  rerouted_in=routing.rerouted_in, entropy_bits=routing.entropy_bits,
+                                  capacity=routing.capacity)
+        out = torch.zeros_like(h)
+        if routing.expert_index.numel() == 0:
+            return out
+        order = torch.argsort(routing.expert_index, stable=True)
+        token_index = routing.token_index[order].to(h.device)
+        expert_index = routing.expert_index[order]
+        weight = routing.weight[order].to(h.device)
+        counts = torch.bincount(expert_index, minlength=cfg.experts).tolist()
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = token_index[start:start + n]
+            w = weight[start:start + n]
+            start += n
+            handle = table[expert]
+            if handle.tier == TIER_HOST:
+                ins.load_push(expert, handle.nbytes)
+                handle, bytes_moved = self.store.load_for_step(handle)
+                ins.pop()
+                self.stats.record_load(layer=layer, expert=expert, bytes_moved=bytes_moved)
+            ins.ffn_push(expert, n)
+            y = expert_ffn(h[rows], handle, device=h.device)
+            if self.sync_ranges:
+                self.synchronize()
+            ins.pop()
+            out.index_add_(0, rows, y * w[:, None])
+        return out

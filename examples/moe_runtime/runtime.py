@@ -1,0 +1,184 @@
+"""The assembled runtime: model, expert store, stats, batching engine, and the control commands
+(docs/control-protocol.md) as plain methods that both the control socket and tests call."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+
+from agent.errors import ConfigError
+from examples.moe_runtime.batcher import BatchEngine
+from examples.moe_runtime.config import PRECISIONS, ModelConfig
+from examples.moe_runtime.instrument import Instrumentation, make_instrumentation
+from examples.moe_runtime.model import MoEModel, make_expert_masters
+from examples.moe_runtime.residency import CommandError, ExpertStore, validate_device_name
+from examples.moe_runtime.stats import RuntimeStats
+from examples.moe_runtime.tokenizer import ByteTokenizer
+
+PROTOCOL = "moescope-control/1"
+# Default budget: everything resident uses this share of it.
+DEFAULT_BUDGET_USED_SHARE = 0.8
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RuntimeOptions:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    devices: tuple[str, ...] = ("cpu",)
+    precision: str = "fp32"
+    capacity_experts: int | None = None  # per device; None = every expert fits
+    initial_resident_experts: int | None = None  # per device; None = capacity
+    device_memory_budget_bytes: int | None = None
+    cache_on_load: bool = False
+    max_batch_size: int = 16
+    max_wait_ms: float = 5.0
+    max_waiting: int = 1024
+    max_tokens_limit: int = 256
+    nvtx: bool = True
+    sync_ranges: bool = False  # CUDA: synchronise before closing ffn/step ranges (true GPU time)
+    torch_threads: int | None = None
+
+
+class Runtime:
+    def __init__(self, options: RuntimeOptions, *, instrumentation: Instrumentation | None = None) -> None:
+        cfg = options.model
+        cfg.validate()
+        if not options.devices:
+            raise ConfigError("at least one device is needed")
+        for device in options.devices:
+            validate_device_name(device)
+        if len(set(options.devices)) != len(options.devices):
+            raise ConfigError(f"devices repeat: {list(options.devices)}")
+        if options.precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {list(PRECISIONS)}, got {options.precision!r}")
+        if options.max_batch_size < 1 or options.max_wait_ms < 0 or options.max_waiting < 1:
+            raise ConfigError("max_batch_size and max_waiting must be >= 1 and max_wait_ms >= 0")
+        if options.torch_threads:
+            torch.set_num_threads(options.torch_threads)
+        self.options = options
+        self.cfg = cfg
+        total_experts = cfg.layers * cfg.experts
+        capacity = total_experts if options.capacity_experts is None else options.capacity_experts
+        if capacity < 0:
+            raise ConfigError(f"capacity_experts must be >= 0, got {capacity}")
+        initial = capacity if options.initial_resident_experts is None else options.initial_resident_experts
+        if not 0 <= initial <= capacity:
+            raise ConfigError(f"initial resident experts ({initial}) must be in 0..capacity ({capacity})")
+        non_expert = MoEModel.non_expert_bytes(cfg)
+        expert_bytes_all = total_experts * cfg.expert_params() * 4
+        budget = options.device_memory_budget_bytes
+        if budget is None:
+            budget = int((expert_bytes_all + non_expert) / DEFAULT_BUDGET_USED_SHARE)
+        if budget <= 0:
+            raise ConfigError(f"device memory budget must be > 0 bytes, got {budget}")
+        self.stats = RuntimeStats(layers=cfg.layers, experts=cfg.experts)
+        self.store = ExpertStore(
+            masters=make_expert_masters(cfg), devices=list(options.devices), capacity_experts=capacity,
+            initial_resident=initial, precision=options.precision, budget_bytes=budget,
+            non_expert_bytes=non_expert, cache_on_load=options.cache_on_load,
+        )
+        self.ins = instrumentation if instrumentation is not None else make_instrumentation(enabled=options.nvtx)
+        self.model = MoEModel(cfg, store=self.store, stats=self.stats, instrumentation=self.ins,
+                              sync_ranges=options.sync_ranges)
+        self.tokenizer = ByteTokenizer(vocab=cfg.vocab)
+        self.engine = BatchEngine(model=self.model, stats=self.stats, instrumentation=self.ins,
+                                  max_batch_size=options.max_batch_size, max_wait_ms=options.max_wait_ms,
+                                  max_waiting=options.max_waiting)
+
+    # ----- stats -----
+
+    def stats_dict(self) -> dict[str, Any]:
+        cfg = self.cfg
+        snap = self.stats.snapshot()
+        table = self.store.table()
+        penalties = self.model.penalties()
+        layers = []
+        for layer in range(cfg.layers):
+            layers.append({
+                "layer": layer,
+                "tokens": snap["tokens"][layer],  # type: ignore[index]
+                "dropped": snap["dropped"][layer],  # type: ignore[index]
+                "rerouted_in": snap["rerouted_in"][layer],  # type: ignore[index]
+                "queue_depth": snap["queue_depth"][layer],  # type: ignore[index]
+                "last_step_tokens": snap["last_step_tokens"][layer],  # type: ignore[index]
+                "penalty": penalties[layer],
+                "device": table["device"][layer],
+                "tier": table["tier"][layer],
+                "dtype": table["dtype"][layer],
+                "precision": table["precision"][layer],
+                "offloaded": table["offloaded"][layer],
+                "loads": snap["loads"][layer],  # type: ignore[index]
+                "entropy_bits": snap["entropy_bits"][layer],  # type: ignore[index]
+                "capacity": snap["capacity"][layer],  # type: ignore[index]
+            })
+        counters = dict(snap["counters"])  # type: ignore[call-overload]
+        counters["migrations"] = self.store.migrations
+        counters["precision_changes"] = self.store.precision_changes
+        return {
+            "protocol": PROTOCOL,
+            "pid": os.getpid(),
+            "config": {
+                "layers": cfg.layers, "experts": cfg.experts, "top_k": cfg.top_k, "d_model": cfg.d_model,
+                "d_ff": cfg.d_ff, "vocab": cfg.vocab, "max_seq": cfg.max_seq, "capacity_factor": cfg.capacity_factor,
+                "overflow": cfg.overflow, "gumbel_tau": cfg.gumbel_tau, "devices": list(self.store.devices),
+                "primary_device": self.store.primary, "max_batch_size": self.options.max_batch_size,
+                "max_wait_ms": self.options.max_wait_ms, "nvtx_active": self.ins.active,
+            },
+            "layers": layers,
+            "precision": {"default": self.store.default_precision, "counts": self.store.precision_counts()},
+            "memory": self.store.memory(),
+            "counters": counters,
+            "queue": self.engine.queue_sizes(),
+        }
+
+    # ----- commands (args already type-checked by the control layer) -----
+
+    def cmd_ping(self) -> dict[str, Any]:
+        return {"protocol": PROTOCOL, "pid": os.getpid(), "uid": os.getuid()}
+
+    def cmd_migrate_expert(self, *, layer: int, expert: int, device: str, dtype: str | None = None) -> dict[str, Any]:
+        return self.store.migrate(layer, expert, device=device, dtype=dtype)
+
+    def cmd_offload_expert(self, *, layer: int, expert: int, dtype: str = "fp16") -> dict[str, Any]:
+        return self.store.offload(layer, expert, dtype=dtype)
+
+    def cmd_restore_expert(self, *, layer: int, expert: int, device: str | None = None) -> dict[str, Any]:
+        return self.store.restore(layer, expert, device=device)
+
+    def cmd_set_precision(self, *, precision: str, experts: list[list[int]] | None = None) -> dict[str, Any]:
+        pairs = None
+        if experts is not None:
+            pairs = []
+            for item in experts:
+                if not (isinstance(item, list) and len(item) == 2 and all(_is_int(v) for v in item)):
+                    raise CommandError(f"experts must be a list of [layer, expert] int pairs, got {item!r}")
+                pairs.append((item[0], item[1]))
+        return self.store.set_precision(precision, pairs)
+
+    def cmd_set_router_penalty(self, *, expert: int, penalty: float, layer: int | None = None) -> dict[str, Any]:
+        if not 0 <= expert < self.cfg.experts:
+            raise CommandError(f"expert {expert} out of range 0..{self.cfg.experts - 1}")
+        if not (penalty >= 0 and penalty < float("inf")):
+            raise CommandError(
+                f"penalty must be a finite number >= 0 (it is subtracted from the logit), got {penalty}")
+        if layer is not None and not 0 <= layer < self.cfg.layers:
+            raise CommandError(f"layer {layer} out of range 0..{self.cfg.layers - 1}")
+        layers = list(range(self.cfg.layers)) if layer is None else [layer]
+        self.model.set_penalty(layers=layers, expert=expert, penalty=float(penalty))
+        return {"layers": layers, "expert": expert, "penalty": float(penalty)}
+
+    def cmd_prefetch(self, *, count: int = 1, layer: int | None = None, device: str | None = None) -> dict[str, Any]:
+        hotness, cumulative = self.stats.hotness_lists()
+        return self.store.prefetch(count=count, layer=layer, device=device, hotness=hotness, cumulative=cumulative)
+
+    def cmd_set_resident_capacity(self, *, device: str, experts: int) -> dict[str, Any]:
+        return self.store.set_capacity(device, experts)
+
+    def cmd_stats(self) -> dict[str, Any]:
+        return self.stats_dict()
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,94 @@
+"""Routing statistics and counters, written by the model thread, read by /stats and the control socket."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+# Hotness (for prefetch) halves every this many steps of a layer.
+HOTNESS_HALF_LIFE_STEPS = 32
+
+
+class RuntimeStats:
+    def __init__(self, *, layers: int, experts: int) -> None:
+        self._lock = threading.Lock()
+        self.layers = layers
+        self.experts = experts
+        shape = (layers, experts)
+        self.tokens = np.zeros(shape, dtype=np.int64)
+        self.dropped = np.zeros(shape, dtype=np.int64)
+        self.rerouted_in = np.zeros(shape, dtype=np.int64)
+        self.queue_depth = np.zeros(shape, dtype=np.int64)
+        self.last_step_tokens = np.zeros(shape, dtype=np.int64)
+        self.loads = np.zeros(shape, dtype=np.int64)
+        self.hotness = np.zeros(shape, dtype=np.float64)
+        self.entropy_bits = np.zeros(layers, dtype=np.float64)
+        self.capacity = np.zeros(layers, dtype=np.int64)
+        self._decay = 0.5 ** (1.0 / HOTNESS_HALF_LIFE_STEPS)
+        self.counters: dict[str, int] = {
+            "steps": 0, "requests_completed": 0, "requests_failed": 0, "requests_rejected": 0,
+            "tokens_generated": 0, "tokens_prefilled": 0, "expert_loads": 0, "expert_load_bytes": 0,
+            "max_batch_requests": 0, "multi_request_steps": 0, "step_errors": 0,
+        }
+        self._batch_requests_total = 0
+
+    def record_routing(self, *, layer: int, demand: np.ndarray, dropped: np.ndarray,
+                       rerouted_in: np.ndarray, entropy_bits: float, capacity: int) -> None:
+        with self._lock:
+            self.tokens[layer] += demand
+            self.dropped[layer] += dropped
+            self.rerouted_in[layer] += rerouted_in
+            self.queue_depth[layer] = demand
+            self.last_step_tokens[layer] = demand
+            self.hotness[layer] = self.hotness[layer] * self._decay + demand
+            self.entropy_bits[layer] = entropy_bits
+            self.capacity[layer] = capacity
+
+    def record_load(self, *, layer: int, expert: int, bytes_moved: int) -> None:
+        with self._lock:
+            self.loads[layer, expert] += 1
+            self.counters["expert_loads"] += 1
+            self.counters["expert_load_bytes"] += bytes_moved
+
+    def record_step(self, *, requests: int, prefill_tokens: int, decode_tokens: int) -> None:
+        with self._lock:
+            c = self.counters
+            c["steps"] += 1
+            c["tokens_prefilled"] += prefill_tokens
+            c["tokens_generated"] += decode_tokens
+            c["max_batch_requests"] = max(c["max_batch_requests"], requests)
+            if requests > 1:
+                c["multi_request_steps"] += 1
+            self._batch_requests_total += requests
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def idle(self) -> None:
+        """Nothing is queued for any expert when no request is running."""
+        with self._lock:
+            self.queue_depth[:] = 0
+
+    def hotness_lists(self) -> tuple[list[list[float]], list[list[int]]]:
+        with self._lock:
+            return self.hotness.tolist(), self.tokens.tolist()
+
+    def snapshot(self) -> dict[str, object]:
+        with self._lock:
+            counters = dict(self.counters)
+            steps = counters["steps"]
+            counters["batches"] = steps
+            counters["mean_batch_requests"] = round(self._batch_requests_total / steps, 3) if steps else 0.0
+            return {
+                "tokens": self.tokens.tolist(),
+                "dropped": self.dropped.tolist(),
+                "rerouted_in": self.rerouted_in.tolist(),
+                "queue_depth": self.queue_depth.tolist(),
+                "last_step_tokens": self.last_step_tokens.tolist(),
+                "loads": self.loads.tolist(),
+                "entropy_bits": self.entropy_bits.tolist(),
+                "capacity": self.capacity.tolist(),
+                "counters": counters,
+            }
