@@ -1,0 +1,523 @@
+"""Control-socket client (docs/control-protocol.md, moescope-control/1) and the policy actions built on it.
+
+Every action first reads `stats` so it never applies twice (already fp16, already penalised, already
+offloaded), then sends its commands on one connection, each with a deadline. Everything here is
+blocking and runs on the engine's worker threads, never on the evaluation thread.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agent.errors import ControlError
+from agent.policy.audit import CommandResult
+from agent.policy.rules import Intent, RuleSpec, Target
+
+PROTOCOL = "moescope-control/1"
+MAX_REPLY_BYTES = 64 * 1024 * 1024  # a stats reply grows with layers x experts
+DTYPE_BYTES_FACTOR = {"fp32": 1.0, "bf16": 0.5, "fp16": 0.5}
+
+Expert = tuple[int, int]
+
+
+class CommandFailed(ControlError):
+    """One command did not succeed; `outcome` is refused | unreachable | timeout | protocol-error."""
+
+    def __init__(self, message: str, *, outcome: str) -> None:
+        super().__init__(message)
+        self.outcome = outcome
+
+
+def default_socket_paths(pid: int) -> list[Path]:
+    """Where a runtime started without --control-socket listens, in the protocol's order."""
+    paths = [Path(f"/run/moescope/runtime-{pid}.sock")]
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        paths.append(Path(xdg) / f"moescope-runtime-{pid}.sock")
+    paths.append(Path(f"/tmp/moescope-runtime-{pid}.sock"))
+    return paths
+
+
+def find_control_socket(pid: int) -> Path:
+    for path in default_socket_paths(pid):
+        if path.is_socket():
+            return path
+    tried = ", ".join(str(p) for p in default_socket_paths(pid))
+    raise ControlError(f"no control socket for pid {pid} (tried {tried}); pass --control-socket PATH")
+
+
+class ControlConnection:
+    """One connection; every call is recorded in `results`, failed or not. Connects on first call."""
+
+    def __init__(self, path: Path | str, *, timeout_s: float, on_send: Callable[[], None] | None = None) -> None:
+        self.path = str(path)
+        self.timeout_s = timeout_s
+        self.results: list[CommandResult] = []
+        self._on_send = on_send
+        self._sock: socket.socket | None = None
+        self._buf = b""
+        self._next_id = 1
+        self._broken: CommandFailed | None = None
+
+    def __enter__(self) -> ControlConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
+        try:
+            sock.connect(self.path)
+        except TimeoutError:
+            sock.close()
+            raise CommandFailed(f"connect to {self.path} timed out", outcome="timeout") from None
+        except OSError as exc:
+            sock.close()
+            raise CommandFailed(
+                f"runtime unreachable at {self.path}: {exc.strerror or exc}", outcome="unreachable"
+            ) from None
+        return sock
+
+    def _read_line(self, deadline: float) -> bytes:
+        assert self._sock is not None
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            self._sock.settimeout(left)
+            chunk = self._sock.recv(1 << 20)
+            if not chunk:
+                raise ConnectionResetError("runtime closed the connection")
+            self._buf += chunk
+            if len(self._buf) > MAX_REPLY_BYTES:
+                raise CommandFailed(f"reply longer than {MAX_REPLY_BYTES} bytes", outcome="protocol-error")
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line
+
+    def call(self, cmd: str, args: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Send one command and return its `result`; raises CommandFailed (and records it) otherwise."""
+        request: dict[str, Any] = {"id": self._next_id, "cmd": cmd}
+        if args:
+            request["args"] = dict(args)
+        self._next_id += 1
+        started = time.monotonic()
+        record = CommandResult(request=request, answer=None, latency_ms=0.0)
+        self.results.append(record)
+        try:
+            if self._broken is not None:
+                raise CommandFailed(f"not sent: {self._broken}", outcome=self._broken.outcome)
+            if self._sock is None:
+                self._sock = self._connect()
+            deadline = started + self.timeout_s
+            if self._on_send is not None:
+                self._on_send()
+            self._sock.sendall(json.dumps(request, separators=(",", ":")).encode() + b"\n")
+            line = self._read_line(deadline)
+            record.latency_ms = (time.monotonic() - started) * 1000.0
+            try:
+                answer = json.loads(line)
+            except ValueError:
+                raise CommandFailed(f"{cmd}: reply is not JSON: {line[:80]!r}", outcome="protocol-error") from None
+            if not isinstance(answer, dict) or "ok" not in answer:
+                raise CommandFailed(f"{cmd}: reply is not a protocol object: {line[:80]!r}", outcome="protocol-error")
+            record.answer = answer
+            if answer.get("ok") is not True:
+                raise CommandFailed(f"{cmd} refused: {answer.get('error', 'no error text')}", outcome="refused")
+            result = answer.get("result")
+            if not isinstance(result, dict):
+                raise CommandFailed(f"{cmd}: reply has no result object", outcome="protocol-error")
+            return result
+        except CommandFailed as exc:
+            record.latency_ms = (time.monotonic() - started) * 1000.0
+            record.error = str(exc)
+            if exc.outcome != "refused":  # a refusal leaves the connection usable
+                self._broken = exc
+                self.close()
+            raise
+        except TimeoutError:
+            record.latency_ms = (time.monotonic() - started) * 1000.0
+            exc2 = CommandFailed(f"{cmd}: no answer within {self.timeout_s * 1000:.0f} ms", outcome="timeout")
+            record.error = str(exc2)
+            self._broken = exc2
+            self.close()
+            raise exc2 from None
+        except OSError as exc:
+            record.latency_ms = (time.monotonic() - started) * 1000.0
+            exc3 = CommandFailed(f"{cmd}: runtime unreachable: {exc.strerror or exc}", outcome="unreachable")
+            record.error = str(exc3)
+            self._broken = exc3
+            self.close()
+            raise exc3 from None
+
+
+@dataclass(slots=True)
+class RuntimeState:
+    """The part of `stats` the policy reads: precision, residency, penalties, memory, token counts."""
+
+    precision_default: str
+    devices: list[str]
+    primary_device: str
+    layers: int
+    experts: int
+    tokens: dict[Expert, int]
+    last_step_tokens: dict[Expert, int]
+    queue_depth: dict[Expert, int]
+    entropy_bits: dict[int, float]  # per layer, the most recent step's mean token router entropy
+    penalty: dict[Expert, float]
+    device: dict[Expert, str]
+    tier: dict[Expert, str]
+    dtype: dict[Expert, str]
+    precision: dict[Expert, str]
+    memory: dict[str, dict[str, float]]
+    expert_bytes_fp32: int
+    offloaded: dict[Expert, bool] | None = None  # optional per-layer "offloaded" list in stats
+
+    @classmethod
+    def from_stats(cls, result: Mapping[str, Any]) -> RuntimeState:
+        try:
+            if result.get("protocol") != PROTOCOL:
+                got = result.get("protocol")
+                raise CommandFailed(f"stats: protocol {got!r}, want {PROTOCOL}", outcome="protocol-error")
+            config = result["config"]
+            keys = ("tokens", "last_step_tokens", "queue_depth", "penalty", "device", "tier", "dtype", "precision")
+            per: dict[str, dict[Expert, Any]] = {k: {} for k in keys}
+            entropy_bits: dict[int, float] = {}
+            for layer in result["layers"]:
+                index = int(layer["layer"])
+                entropy_bits[index] = float(layer["entropy_bits"])
+                for key, table in per.items():
+                    for expert, value in enumerate(layer[key]):
+                        table[(index, expert)] = value
+            return cls(
+                precision_default=str(result["precision"]["default"]),
+                devices=[str(d) for d in config["devices"]],
+                primary_device=str(config["primary_device"]),
+                layers=int(config["layers"]),
+                experts=int(config["experts"]),
+                tokens=per["tokens"],
+                last_step_tokens=per["last_step_tokens"],
+                queue_depth=per["queue_depth"],
+                entropy_bits=entropy_bits,
+                penalty={k: float(v) for k, v in per["penalty"].items()},
+                device=per["device"],
+                tier=per["tier"],
+                dtype=per["dtype"],
+                precision=per["precision"],
+                memory={str(d): dict(v) for d, v in result["memory"]["devices"].items()},
+                expert_bytes_fp32=int(result["memory"]["expert_bytes_fp32"]),
+                offloaded=(
+                    {
+                        (int(layer["layer"]), e): bool(v)
+                        for layer in result["layers"]
+                        for e, v in enumerate(layer["offloaded"])
+                    }
+                    if result["layers"] and all("offloaded" in layer for layer in result["layers"])
+                    else None
+                ),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CommandFailed(f"stats reply missing or malformed field: {exc}", outcome="protocol-error") from None
+
+    def offloaded_by_policy(self) -> list[Expert]:
+        """Experts put on host by offload_expert: the runtime's per-expert `offloaded` flag when it
+        reports one, else host experts held as a reduced-precision copy (a plain host placement
+        keeps the configured precision; after set_precision the two look alike, hence the state file)."""
+        if self.offloaded is not None:
+            return sorted(e for e, flag in self.offloaded.items() if flag)
+        return sorted(e for e, tier in self.tier.items() if tier == "host" and self.dtype[e] != self.precision[e])
+
+
+@dataclass(slots=True)
+class ActionOutcome:
+    outcome: str
+    plan: str
+    commands: list[CommandResult] = field(default_factory=list)
+    # fire: the action is (at least partly) in effect; revert: it is fully undone.
+    done: bool = False
+    context: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    ack_mono_s: float = math.nan  # monotonic time of the last answer
+
+
+def describe_plan(intent: Intent, spec: RuleSpec, target: Target) -> str:
+    """What the action will do, in words: the whole record in a dry run."""
+    a = spec.args
+    where = ""
+    if len(target) == 1:
+        where = f" layer {target[0]}"
+    elif len(target) == 2:
+        where = f" layer {target[0]} expert {target[1]}"
+    fire = intent is Intent.FIRE
+    match spec.action:
+        case "alert":
+            return "alert" if fire else "alert cleared"
+        case "set_precision":
+            return f"set_precision {a['precision']}" if fire else "set_precision back to the previous precision"
+        case "offload_coldest":
+            return (
+                f"offload_expert the coldest resident experts until used_ratio < {a['target_ratio']:g}"
+                if fire
+                else "restore_expert each expert this rule offloaded"
+            )
+        case "router_penalty":
+            return f"set_router_penalty{where} {abs(a['penalty']):g}" if fire else f"set_router_penalty{where} 0"
+        case "migrate_hottest":
+            if fire:
+                return f"migrate_expert the hottest expert of{where} to the least-loaded device"
+            return "migrate_expert back"
+        case "prefetch_hottest":
+            return f"prefetch {a['experts']} hottest host-tier experts" if fire else "nothing to undo"
+    return spec.action
+
+
+class Actuator:
+    """Runs policy actions against one runtime. Thread-safe; each action uses its own connection."""
+
+    def __init__(self, socket_path: Path | str, *, timeout_s: float) -> None:
+        self.socket_path = Path(socket_path)
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._last_tokens: dict[Expert, int] = {}
+        self.commands_sent = 0
+
+    def _count_send(self) -> None:
+        with self._lock:
+            self.commands_sent += 1
+
+    def connect(self) -> ControlConnection:
+        return ControlConnection(self.socket_path, timeout_s=self.timeout_s, on_send=self._count_send)
+
+    def _stats(self, conn: ControlConnection) -> tuple[RuntimeState, dict[Expert, int]]:
+        """Read stats; also return tokens routed per expert since the previous read (recent heat)."""
+        state = RuntimeState.from_stats(conn.call("stats"))
+        with self._lock:
+            previous = self._last_tokens
+            self._last_tokens = dict(state.tokens)
+        recent = {e: max(0, int(n) - int(previous.get(e, n))) for e, n in state.tokens.items()}
+        return state, recent
+
+    def read_state(self) -> RuntimeState:
+        with self.connect() as conn:
+            return self._stats(conn)[0]
+
+    def run(self, intent: Intent, spec: RuleSpec, target: Target, context: Mapping[str, Any]) -> ActionOutcome:
+        """Do one action (blocking, bounded by the timeout per command). Never raises."""
+        plan = describe_plan(intent, spec, target)
+        with self.connect() as conn:
+            try:
+                state, recent = self._stats(conn)
+                handler = _HANDLERS[(spec.action, intent)]
+                out = handler(conn, state, recent, spec, target, dict(context))
+                out.plan = out.plan or plan
+            except _PartialFailure as exc:
+                out = ActionOutcome(outcome=exc.outcome, plan=plan, error=str(exc), context=exc.partial_context)
+                # A fire that offloaded some experts before failing is in effect: they must be restored later.
+                out.done = intent is Intent.FIRE and bool(exc.partial_context.get("offloaded"))
+            except CommandFailed as exc:
+                out = ActionOutcome(outcome=exc.outcome, plan=plan, error=str(exc), context=dict(context))
+            out.ack_mono_s = time.monotonic()
+            out.commands = [_summarise_stats(c) for c in conn.results]
+            return out
+
+
+def _summarise_stats(result: CommandResult) -> CommandResult:
+    """A stats reply grows with layers x experts: the audit keeps what the decision used, not all of it."""
+    answer = result.answer
+    if result.request.get("cmd") != "stats" or not answer or not isinstance(answer.get("result"), dict):
+        return result
+    body = answer["result"]
+    config = body.get("config", {})
+    summary = {
+        "omitted": f"stats of {config.get('layers')} layers x {config.get('experts')} experts",
+        "precision": body.get("precision"),
+        "memory": body.get("memory", {}).get("devices"),
+    }
+    return CommandResult(
+        request=result.request, answer={**answer, "result": summary}, latency_ms=result.latency_ms, error=result.error
+    )
+
+
+Handler = Callable[
+    [ControlConnection, RuntimeState, Mapping[Expert, int], RuleSpec, Target, dict[str, Any]], ActionOutcome
+]
+
+
+def _fire_set_precision(
+    conn: ControlConnection, state: RuntimeState, recent: Mapping[Expert, int], spec: RuleSpec, target: Target,
+    ctx: dict[str, Any],
+) -> ActionOutcome:
+    want = spec.args["precision"]
+    if state.precision_default == want:
+        # Take it over (an earlier agent applied it): revert goes to revert_precision.
+        return ActionOutcome("already-applied", "", done=True, context={"previous": spec.args["revert_precision"]})
+    conn.call("set_precision", {"precision": want})
+    return ActionOutcome("ok", "", done=True, context={"previous": state.precision_default})
+
+
+def _revert_set_precision(
+    conn: ControlConnection, state: RuntimeState, recent: Mapping[Expert, int], spec: RuleSpec, target: Target,
+    ctx: dict[str, Any],
+) -> ActionOutcome:
+    previous = str(ctx.get("previous", spec.args["revert_precision"]))
+    if state.precision_default == previous:
+        return ActionOutcome("already-applied", f"set_precision {previous}", done=True)
+    conn.call("set_precision", {"precision": previous})
+    return ActionOutcome("ok", f"set_precision {previous}", done=True)
+
+
+class _PartialFailure(CommandFailed):
+    def __init__(self, failure: CommandFailed, partial_context: dict[str, Any]) -> None:
+        super().__init__(str(failure), outcome=failure.outcome)
+        self.partial_context = partial_context
+
+
+def _fire_offload_coldest(
+    conn: ControlConnection, state: RuntimeState, recent: Mapping[Expert, int], spec: RuleSpec, target: Target,
+    ctx: dict[str, Any],
+) -> ActionOutcome:
+    target_ratio = float(spec.args["target_ratio"])
+    budget_left = int(spec.args["max_experts"])
+    offloaded: list[list[Any]] = [list(x) for x in ctx.get("offloaded", [])]
+    for device, mem in sorted(state.memory.items()):
+        need_bytes = float(mem["used_bytes"]) - target_ratio * float(mem["budget_bytes"])
+        if need_bytes <= 0:
+            continue
+        resident = [e for e, d in state.device.items() if d == device and state.tier[e] == "device"]
+        # Coldest first: fewest tokens since the last stats read, then in the last step, then ever.
+        resident.sort(key=lambda e: (recent.get(e, 0), state.last_step_tokens[e], state.tokens[e], e))
+        for layer, expert in resident:
+            if need_bytes <= 0 or budget_left <= 0:
+                break
+            try:
+                conn.call("offload_expert", {"layer": layer, "expert": expert})
+            except CommandFailed as exc:
+                raise _PartialFailure(exc, {"offloaded": offloaded}) from None
+            offloaded.append([layer, expert, device])
+            need_bytes -= state.expert_bytes_fp32 * DTYPE_BYTES_FACTOR.get(state.dtype[(layer, expert)], 1.0)
+            budget_left -= 1
+    if not offloaded:
+        return ActionOutcome("nothing-to-do", "no device above target_ratio, or nothing resident to offload")
+    return ActionOutcome("ok", "", done=True, context={"offloaded": offloaded})
+
+
+def _revert_offload_coldest(
+    conn: ControlConnection, state: RuntimeState, recent: Mapping[Expert, int], spec: RuleSpec, target: Target,
+    ctx: dict[str, Any],
+) -> ActionOutcome:
+    left: list[list[Any]] = [list(x) for x in ctx.get("offloaded", [])]
+    sent = 0
+    while left:
+        layer, expert, device = left[0]
+        if state.tier.get((layer, expert)) == "host":  # restore only what is still offloaded
+            try:
+                args: dict[str, Any] = {"layer": layer, "expert": expert}
+                if device is not None:  # None: taken over at start; the runtime knows where it was
+                    args["device"] = device
+                conn.call("restore_expert", args)
+            except CommandFailed as exc:
+                raise _PartialFailure(exc, {"offloaded": left}) from None
+            sent += 1
+        left.pop(0)
+    return ActionOutcome("ok" if sent else "already-applied", "", done=True)
+
+
+def _fire_router_penalty(
+    conn: ControlConnection, state: RuntimeState, recent: Mapping[Expert, int], spec: RuleSpec, target: Target,
+    ctx: dict[str, Any],
+) -> ActionOutcome:
+    layer, expert = target
+    # The protocol subtracts a non-negative penalty; the config writes DESIGN's signed -0.3.
+    penalty = abs(float(spec.args["penalty"]))
+    if math.isclose(state.penalty.get((layer, expert), 0.0), penalty, abs_tol=1e-9):
+        return ActionOutcome("already-applied", "", done=True)
+    conn.call("set_router_penalty", {"layer": layer, "expert": expert, "penalty": penalty})
+    return ActionOutcome("ok", "", done=True)
+
+
+def _revert_router_penalty(
+    conn: ControlConnection, state: RuntimeState, recent: Mapping[Expert, int], spec: RuleSpec, target: Target,
+    ctx: dict[str, Any],
+) -> ActionOutcome:
+    layer, expert = target
+    if state.penalty.get((layer, expert), 0.0) == 0.0:
+        return ActionOutcome("already-applied", "", done=True)
+    conn.call("set_router_penalty", {"layer": layer, "expert": expert, "penalty": 0.0})
+    return ActionOutcome("ok", "", done=True)
+
+
+def _fire_migrate_hottest(
+    conn: ControlConnection, state: RuntimeState, recent: Mapping[Expert, int], spec: RuleSpec, target: Target,
+    ctx: dict[str, Any],
+) -> ActionOutcome:
+    (layer,) = target
+    if len(state.devices) < 2:
+        return ActionOutcome("nothing-to-do", f"one compute device ({state.primary_device}): nowhere to move to")
+    experts = [(layer, e) for e in range(state.experts)]
+    hottest = max(experts, key=lambda x: (recent.get(x, 0), state.last_step_tokens[x], state.tokens[x], -x[1]))
+    load = {d: 0 for d in state.devices}
+    for x, d in state.device.items():
+        if d in load and state.tier[x] == "device":
+            load[d] += recent.get(x, 0) or state.last_step_tokens[x]
+    source = state.device[hottest]
+    candidates = [d for d in state.devices if d != source]
+    least = min(candidates, key=lambda d: (load[d], float(state.memory.get(d, {}).get("used_ratio", 0.0)), d))
+    conn.call("migrate_expert", {"layer": layer, "expert": hottest[1], "device": least})
+    return ActionOutcome(
+        "ok",
+        f"migrate_expert layer {layer} expert {hottest[1]} {source} -> {least}",
+        done=True,
+        context={"expert": hottest[1], "from": source, "to": least},
+    )
+
+
+def _revert_migrate_hottest(
+    conn: ControlConnection, state: RuntimeState, recent: Mapping[Expert, int], spec: RuleSpec, target: Target,
+    ctx: dict[str, Any],
+) -> ActionOutcome:
+    (layer,) = target
+    expert, source = int(ctx["expert"]), str(ctx["from"])
+    if state.device.get((layer, expert)) == source:
+        return ActionOutcome("already-applied", f"expert {expert} already on {source}", done=True)
+    conn.call("migrate_expert", {"layer": layer, "expert": expert, "device": source})
+    return ActionOutcome("ok", f"migrate_expert layer {layer} expert {expert} back to {source}", done=True)
+
+
+def _fire_prefetch_hottest(
+    conn: ControlConnection, state: RuntimeState, recent: Mapping[Expert, int], spec: RuleSpec, target: Target,
+    ctx: dict[str, Any],
+) -> ActionOutcome:
+    if not any(t == "host" for t in state.tier.values()):
+        return ActionOutcome("nothing-to-do", "every expert is resident: nothing to prefetch")
+    result = conn.call("prefetch", {"count": int(spec.args["experts"])})
+    if not result.get("loaded"):
+        return ActionOutcome("nothing-to-do", f"prefetch loaded nothing (pool full: {result.get('skipped_pool_full')})")
+    return ActionOutcome("ok", "", done=True, context={"loaded": result.get("loaded")})
+
+
+_HANDLERS: Mapping[tuple[str, Intent], Handler] = {
+    ("set_precision", Intent.FIRE): _fire_set_precision,
+    ("set_precision", Intent.REVERT): _revert_set_precision,
+    ("offload_coldest", Intent.FIRE): _fire_offload_coldest,
+    ("offload_coldest", Intent.REVERT): _revert_offload_coldest,
+    ("router_penalty", Intent.FIRE): _fire_router_penalty,
+    ("router_penalty", Intent.REVERT): _revert_router_penalty,
+    ("migrate_hottest", Intent.FIRE): _fire_migrate_hottest,
+    ("migrate_hottest", Intent.REVERT): _revert_migrate_hottest,
+    ("prefetch_hottest", Intent.FIRE): _fire_prefetch_hottest,
+}

@@ -1,0 +1,370 @@
+"""What a policy rule can watch and do, and the per-target state machine that decides when it acts.
+
+Three tables are fixed in code and are the only things a config file can name: SIGNALS (what the
+pipeline measures), COMPARISONS and ACTIONS (what the actuator knows how to do). A config picks
+among them by name, so nothing in a config can run code.
+
+The state machine (one `RuleInstance` per rule and target: per (layer, expert) for queue rules, per
+layer for routing rules, one for global signals):
+
+    armed ──fire condition──▶ pending ──held for the window──▶ firing ──clear condition──▶ clearing
+      ▲                          │ (condition breaks: back to armed)      ▲                    │
+      │                          ▼                                        └── breaks ──────────┤
+      └──────── cooldown over ── cooling ◀── revert done (or the action failed) ◀─held for the clear window
+
+A NaN value (no data) leaves everything as it is: no progress, no reset, never an action.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import operator
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+NAN = math.nan
+# Times are sums of float sample periods: compare them with this slack so 30 s is 150 x 0.2 s.
+TIME_EPS_S = 1e-6
+
+# A target names what one rule instance watches: () global, (layer,) or (layer, expert).
+Target = tuple[int, ...]
+
+
+class TargetKind(enum.Enum):
+    GLOBAL = "global"
+    LAYER = "layer"
+    EXPERT = "expert"
+
+
+@dataclass(frozen=True, slots=True)
+class SignalSpec:
+    name: str
+    target: TargetKind
+    unit: str
+    help: str
+
+
+SIGNALS: Mapping[str, SignalSpec] = {
+    s.name: s
+    for s in (
+        SignalSpec("step_p99_ms", TargetKind.GLOBAL, "ms", "p99 of moe.step (expert compute) latency, sliding 10 s"),
+        SignalSpec("device_memory_used_ratio", TargetKind.GLOBAL, "ratio", "device memory used / total (0..1)"),
+        SignalSpec("expert_queue_tokens", TargetKind.EXPERT, "tokens", "tokens waiting for one (layer, expert)"),
+        SignalSpec("expert_load_gini", TargetKind.LAYER, "gini", "expert-load Gini per layer, sliding 10 s"),
+        SignalSpec(
+            "router_entropy_ratio", TargetKind.LAYER, "ratio", "mean token router entropy / log2(E) per layer, 10 s"
+        ),
+        SignalSpec("expert_load_p99_ms", TargetKind.GLOBAL, "ms", "p99 of moe.expert.load latency, sliding 10 s"),
+        SignalSpec("request_p99_ms", TargetKind.GLOBAL, "ms", "p99 request latency measured by the kernel, 10 s"),
+    )
+}
+
+COMPARISONS: Mapping[str, Callable[[float, float], bool]] = {
+    ">": operator.gt,
+    ">=": operator.ge,
+    "<": operator.lt,
+    "<=": operator.le,
+}
+
+
+def fires_upward(comparison: str) -> bool:
+    """True when the rule fires on high values (so it clears below its clear threshold)."""
+    return comparison in (">", ">=")
+
+
+@dataclass(frozen=True, slots=True)
+class ArgSpec:
+    kind: type
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+    minimum: float | None = None
+    maximum: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ActionSpec:
+    name: str
+    # The signal target kind this action acts on; None: any (alerts).
+    target: TargetKind | None
+    args: Mapping[str, ArgSpec]
+    sends_commands: bool
+    help: str
+    revert_help: str
+    # False: clearing needs no command (alerts, prefetch): the instance just goes back to armed.
+    revert_sends_commands: bool = True
+
+
+ACTIONS: Mapping[str, ActionSpec] = {
+    a.name: a
+    for a in (
+        ActionSpec(
+            "alert", None, {}, False, "record an alert (no command)", "record that the alert cleared", False
+        ),
+        ActionSpec(
+            "set_precision",
+            TargetKind.GLOBAL,
+            {
+                "precision": ArgSpec(str, "fp16", "precision to switch to", choices=("fp16", "bf16", "fp32")),
+                "revert_precision": ArgSpec(
+                    str,
+                    "fp32",
+                    "precision to go back to when the agent took over a fallback it did not see start",
+                    choices=("fp16", "bf16", "fp32"),
+                ),
+            },
+            True,
+            "set_precision to `precision` unless the runtime already runs it",
+            "set_precision back to what the runtime ran before",
+        ),
+        ActionSpec(
+            "offload_coldest",
+            TargetKind.GLOBAL,
+            {
+                "target_ratio": ArgSpec(
+                    float, 0.90, "offload until device memory used/total is below this", minimum=0.0, maximum=1.0
+                ),
+                "max_experts": ArgSpec(int, 64, "offload at most this many experts per firing", minimum=1),
+            },
+            True,
+            "offload the coldest resident experts (host fp16 copy) until memory is below target_ratio",
+            "restore the experts this rule offloaded",
+        ),
+        ActionSpec(
+            "router_penalty",
+            TargetKind.EXPERT,
+            {"penalty": ArgSpec(float, -0.3, "logit penalty added to the expert's router score", maximum=0.0)},
+            True,
+            "set a router logit penalty on the expert so the next-best expert takes the overflow",
+            "remove the penalty",
+        ),
+        ActionSpec(
+            "migrate_hottest",
+            TargetKind.LAYER,
+            {},
+            True,
+            "move the layer's hottest expert to the least-loaded device (protocol v1 has no replicate)",
+            "move it back to where it was",
+        ),
+        ActionSpec(
+            "prefetch_hottest",
+            TargetKind.GLOBAL,
+            {"experts": ArgSpec(int, 4, "prefetch this many of the hottest non-resident experts", minimum=1)},
+            True,
+            "prewarm: make the hottest non-resident experts resident",
+            "nothing to undo (prefetched experts stay until the runtime evicts them)",
+            False,
+        ),
+    )
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RuleSpec:
+    """One validated rule. Windows are counted in evaluations (duration / sample period, rounded)."""
+
+    name: str
+    enabled: bool
+    signal: str
+    comparison: str
+    fire: float
+    window_evals: int
+    window_text: str
+    clear: float
+    clear_window_evals: int
+    clear_window_text: str
+    cooldown_s: float
+    action: str
+    args: Mapping[str, Any]
+    revert: bool
+    description: str = ""
+
+    @property
+    def target_kind(self) -> TargetKind:
+        return SIGNALS[self.signal].target
+
+    def fire_condition(self, value: float) -> bool:
+        return COMPARISONS[self.comparison](value, self.fire)
+
+    def clear_condition(self, value: float) -> bool:
+        # Strictly past the clear threshold, on the other side from firing.
+        return value < self.clear if fires_upward(self.comparison) else value > self.clear
+
+
+@dataclass(frozen=True, slots=True)
+class Signals:
+    """One snapshot of the pipeline's windows, taken every sample period. NaN or a missing key: no data."""
+
+    t_s: float  # monotonic seconds of the snapshot
+    step_p99_ms: float = NAN
+    device_memory_used_ratio: float = NAN
+    expert_load_p99_ms: float = NAN
+    request_p99_ms: float = NAN
+    expert_queue_tokens: Mapping[tuple[int, int], float] = field(default_factory=dict)
+    expert_load_gini: Mapping[int, float] = field(default_factory=dict)
+    router_entropy_ratio: Mapping[int, float] = field(default_factory=dict)
+
+    def targets(self, signal: str) -> Mapping[Target, float]:
+        """Every target this snapshot has a value for, as {target: value}."""
+        value = getattr(self, signal)
+        kind = SIGNALS[signal].target
+        if kind is TargetKind.GLOBAL:
+            return {(): float(value)}
+        if kind is TargetKind.LAYER:
+            return {(int(layer),): float(v) for layer, v in value.items()}
+        return {(int(key[0]), int(key[1])): float(v) for key, v in value.items()}
+
+
+class State(enum.Enum):
+    ARMED = "armed"
+    PENDING = "pending"
+    FIRING = "firing"
+    CLEARING = "clearing"
+    COOLING = "cooling"
+
+
+class Intent(enum.Enum):
+    FIRE = "fire"
+    REVERT = "revert"
+
+
+@dataclass(slots=True)
+class InstanceView:
+    """What the TUI shows for one rule instance."""
+
+    rule: str
+    target: Target
+    state: str
+    progress: float  # 0..1 toward the fire window (armed/pending) or the clear window (firing/clearing)
+    last_value: float
+    fire: float
+    clear: float
+    applied: bool
+    in_flight: bool
+    fired_total: int
+    cooldown_left_s: float
+
+
+class RuleInstance:
+    """One rule watching one target. Pure logic: step() returns what to do; the engine does it."""
+
+    def __init__(self, spec: RuleSpec, target: Target) -> None:
+        self.spec = spec
+        self.target = target
+        self.state = State.ARMED
+        self.count = 0
+        self.clear_count = 0
+        self.last_value = NAN
+        self.last_t_s = NAN
+        self.window_values: deque[float] = deque(maxlen=max(spec.window_evals, spec.clear_window_evals, 1))
+        self.applied = False  # the action is in effect on the runtime (or in the dry-run's model)
+        self.in_flight = False
+        self.cooldown_until_s = -math.inf
+        self.fired_total = 0
+        self.suppressed_streak = 0  # consecutive suppressed attempts: only the first is audited
+        # What a revert needs to undo the action: previous precision, offloaded experts, ...
+        self.context: dict[str, Any] = {}
+
+    def step(self, value: float, t_s: float) -> Intent | None:
+        if math.isnan(value):
+            return None
+        self.last_value = value
+        self.last_t_s = t_s
+        if self.state in (State.ARMED, State.PENDING, State.COOLING):
+            if self.spec.fire_condition(value):
+                self.count += 1
+                self.window_values.append(value)
+            else:
+                self.count = 0
+                self.window_values.clear()
+                self.suppressed_streak = 0
+            if t_s + TIME_EPS_S < self.cooldown_until_s:
+                self.state = State.COOLING
+                return None
+            if self.count >= self.spec.window_evals and not self.in_flight:
+                self.state = State.PENDING
+                return Intent.FIRE
+            self.state = State.PENDING if self.count else State.ARMED
+            return None
+        # firing / clearing
+        if self.spec.clear_condition(value):
+            self.clear_count += 1
+            self.window_values.append(value)
+        else:
+            self.clear_count = 0
+            self.window_values.clear()
+            self.suppressed_streak = 0
+        self.state = State.CLEARING if self.clear_count else State.FIRING
+        if (
+            self.clear_count >= self.spec.clear_window_evals
+            and t_s + TIME_EPS_S >= self.cooldown_until_s
+            and not self.in_flight
+        ):
+            return Intent.REVERT
+        return None
+
+    def mark_fired(self, t_s: float) -> None:
+        """The fire was dispatched (or recorded): now firing, cooldown starts."""
+        self.state = State.FIRING
+        self.fired_total += 1
+        self.count = 0
+        self.clear_count = 0
+        self.window_values.clear()
+        self.suppressed_streak = 0
+        self.cooldown_until_s = t_s + self.spec.cooldown_s
+
+    def mark_reverted(self, t_s: float) -> None:
+        self.state = State.COOLING if self.spec.cooldown_s > 0 else State.ARMED
+        self.applied = False
+        self.count = 0
+        self.clear_count = 0
+        self.window_values.clear()
+        self.suppressed_streak = 0
+        self.context = {}
+        self.cooldown_until_s = t_s + self.spec.cooldown_s
+
+    def mark_fire_failed(self, t_s: float) -> None:
+        """The fire did not take effect: re-arm only after the cooldown (no retry storm)."""
+        self.state = State.COOLING
+        self.applied = False
+        self.count = 0
+        self.clear_count = 0
+        self.window_values.clear()
+        self.context = {}
+        self.cooldown_until_s = t_s + self.spec.cooldown_s
+
+    def mark_revert_failed(self, t_s: float) -> None:
+        """The revert did not take effect: stay firing, try again after the cooldown if still clear."""
+        self.state = State.FIRING
+        self.clear_count = 0
+        self.window_values.clear()
+        self.cooldown_until_s = t_s + self.spec.cooldown_s
+
+    def adopt(self, context: Mapping[str, Any]) -> None:
+        """The runtime already shows this action in effect (an earlier agent applied it): take it over.
+        No cooldown: the clear window alone decides when to revert."""
+        self.state = State.FIRING
+        self.applied = True
+        self.context = dict(context)
+
+    def view(self, now_s: float) -> InstanceView:
+        if self.state in (State.FIRING, State.CLEARING):
+            progress = self.clear_count / self.spec.clear_window_evals
+        else:
+            progress = self.count / self.spec.window_evals
+        return InstanceView(
+            rule=self.spec.name,
+            target=self.target,
+            state=self.state.value,
+            progress=min(1.0, progress),
+            last_value=self.last_value,
+            fire=self.spec.fire,
+            clear=self.spec.clear,
+            applied=self.applied,
+            in_flight=self.in_flight,
+            fired_total=self.fired_total,
+            cooldown_left_s=max(0.0, self.cooldown_until_s - now_s),
+        )

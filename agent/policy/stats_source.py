@@ -1,0 +1,128 @@
+"""Policy signals read from the runtime's own `stats` (control socket), one poll per sample period.
+
+The trace pipeline is the policy's main signal source (it has the p99s from NVTX and the kernel).
+This source needs only the control socket, so the policy can run on any runtime speaking
+moescope-control/1 — and on the reference runtime before, or without, the NVTX pipeline:
+
+- device_memory_used_ratio: the worst device's `used_ratio`;
+- expert_queue_tokens: `queue_depth` per (layer, expert); an expert stays reported (0 included)
+  for `sticky_s` after it was last non-zero or penalised, so a rule that fired on it sees it clear;
+- expert_load_gini: Gini of the tokens routed per expert in the last `window_s` (deltas of the
+  cumulative `tokens`), per layer, via agent.routing_health;
+- router_entropy_ratio: the token-weighted mean over `window_s` of `entropy_bits` / log2 E, per layer;
+- step_p99_ms, expert_load_p99_ms, request_p99_ms: NaN (not in stats: the pipeline's).
+
+A failed poll yields a snapshot with no data (every rule holds its state) and is counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from agent.policy.actuator import CommandFailed, ControlConnection, RuntimeState
+from agent.policy.rules import Signals
+from agent.routing_health import LayerRouting, RoutingHealthWindow, normalised_router_entropy
+
+log = logging.getLogger(__name__)
+
+
+class RuntimeStatsSignals:
+    def __init__(
+        self,
+        socket_path: Path | str,
+        *,
+        timeout_s: float,
+        window_s: float = 10.0,
+        sticky_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.socket_path = Path(socket_path)
+        self.timeout_s = timeout_s
+        self.window_s = window_s
+        self.sticky_s = sticky_s
+        self.clock = clock
+        self.polls = 0
+        self.poll_errors = 0
+        self._conn: ControlConnection | None = None
+        self._health: RoutingHealthWindow | None = None
+        self._prev_tokens: dict[int, np.ndarray] = {}
+        self._last_busy_s: dict[tuple[int, int], float] = {}
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _read(self) -> RuntimeState:
+        if self._conn is None:
+            self._conn = ControlConnection(self.socket_path, timeout_s=self.timeout_s)
+        try:
+            return RuntimeState.from_stats(self._conn.call("stats"))
+        except CommandFailed:
+            self.close()  # a fresh connection next period
+            raise
+        finally:
+            if self._conn is not None:
+                self._conn.results.clear()  # a long-lived connection keeps no history
+
+    def __call__(self) -> Signals:
+        now_s = self.clock()
+        self.polls += 1
+        try:
+            state = self._read()
+        except CommandFailed as exc:
+            self.poll_errors += 1
+            if self.poll_errors == 1:
+                log.warning("policy: cannot read runtime stats: %s (counting further failures)", exc)
+            return Signals(t_s=now_s)
+        now_ns = int(now_s * 1e9)
+        experts = state.experts
+        if self._health is None or self._health.num_experts != experts:
+            self._health = RoutingHealthWindow(duration_ns=int(self.window_s * 1e9), num_experts=experts)
+            self._prev_tokens = {}
+        routings = []
+        for layer in range(state.layers):
+            total = np.array([int(state.tokens[(layer, e)]) for e in range(experts)], dtype=np.int64)
+            prev = self._prev_tokens.get(layer)
+            self._prev_tokens[layer] = total
+            if prev is None:
+                continue  # the first poll is the baseline: cumulative counts are not a window
+            routings.append(
+                LayerRouting(
+                    layer=layer,
+                    tokens_per_expert=np.maximum(total - prev, 0),
+                    dropped_per_expert=np.zeros(experts, dtype=np.int64),
+                    router_entropy_bits=state.entropy_bits.get(layer, math.nan),
+                )
+            )
+        if routings:
+            self._health.add_step(now_ns, routings)
+        gini: dict[int, float] = {}
+        entropy: dict[int, float] = {}
+        for layer in self._health.layers():
+            gini[layer] = self._health.layer_stats(layer, now_ns).gini
+            entropy[layer] = normalised_router_entropy(self._health.router_entropy_bits(layer, now_ns), experts)
+        for key, depth in state.queue_depth.items():
+            # A penalised expert is reported too, so a penalty taken over at start sees its queue clear.
+            if depth > 0 or state.penalty.get(key, 0.0) > 0:
+                self._last_busy_s[key] = now_s
+        queue: dict[tuple[int, int], float] = {}
+        for key, last_s in list(self._last_busy_s.items()):
+            if now_s - last_s > self.sticky_s or key not in state.queue_depth:
+                del self._last_busy_s[key]
+                continue
+            queue[key] = float(state.queue_depth[key])
+        ratios = [float(m["used_ratio"]) for m in state.memory.values()]
+        return Signals(
+            t_s=now_s,
+            device_memory_used_ratio=max(ratios) if ratios else math.nan,
+            expert_queue_tokens=queue,
+            expert_load_gini=gini,
+            router_entropy_ratio=entropy,
+        )

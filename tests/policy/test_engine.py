@@ -1,0 +1,257 @@
+"""Each default rule on the real engine with synthetic Signals: window, exactly-once, hysteresis,
+cooldown, no flapping, NaN, rate limit. Dry-run mode: decisions are recorded, nothing is sent
+(actuation against the real runtime is in test_actuation.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import threading
+from pathlib import Path
+
+import pytest
+
+from agent.errors import UsageError
+from agent.policy.audit import AuditLog
+from agent.policy.config import PolicyConfig, load_policy
+from agent.policy.engine import PolicyEngine, PolicyLoop
+from agent.policy.rules import ACTIONS, Signals
+
+from policy_helpers import PERIOD_S, Feeder, levels, records
+
+DEFAULTS = load_policy()
+RULES = [spec.name for spec in DEFAULTS.rules]
+
+
+def only(rule: str, **engine: float) -> PolicyConfig:
+    return dataclasses.replace(DEFAULTS, rules=(DEFAULTS.rule(rule),), **engine)
+
+
+def feeder(rule: str, **engine: float) -> tuple[Feeder, AuditLog]:
+    audit = AuditLog()
+    config = only(rule, **engine)
+    return Feeder(PolicyEngine(config, audit=audit, dry_run=True), config.rule(rule)), audit
+
+
+def fire_it(f: Feeder) -> float:
+    """Feed the firing value for exactly the window; return the time of the fire."""
+    f.feed([levels(f.spec).hi] * f.spec.window_evals)
+    return round(f.t_s - PERIOD_S, 9)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_below_window_no_action(rule: str) -> None:
+    f, audit = feeder(rule)
+    lv = levels(f.spec)
+    for _ in range(3):
+        f.feed([lv.hi] * (f.spec.window_evals - 1))
+        f.feed([lv.mid])  # the dead band breaks the window: progress starts over
+    f.feed([lv.just_under] * 20)
+    assert records(audit) == []
+    assert all(v.state in ("armed", "pending") and not v.applied for v in f.engine.views())
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_exactly_the_window_fires_exactly_once(rule: str) -> None:
+    f, audit = feeder(rule)
+    lv = levels(f.spec)
+    f.feed([lv.hi] * (f.spec.window_evals - 1))
+    assert records(audit) == []
+    f.feed([lv.hi])
+    fired = records(audit)
+    assert len(fired) == 1
+    rec = fired[0]
+    assert (rec.rule, rec.intent, rec.action) == (rule, "fire", f.spec.action)
+    if f.spec.action == "alert":
+        assert (rec.decision, rec.outcome) == ("fire", "alert")
+    else:
+        assert (rec.decision, rec.outcome, rec.commands, rec.dry_run) == ("dry-run", "not-sent", [], True)
+    assert rec.window_values == [lv.hi] * min(f.spec.window_evals, 50)
+    assert (rec.value, rec.threshold, rec.window) == (lv.hi, f.spec.fire, f.spec.window_text)
+    # Held far past the window and the cooldown: still one action.
+    f.feed([lv.hi] * (f.spec.window_evals * 3 + round(f.spec.cooldown_s / PERIOD_S)))
+    assert len(records(audit)) == 1
+    view = next(v for v in f.engine.views() if v.rule == rule)
+    assert (view.state, view.applied, view.fired_total) == ("firing", True, 1)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_clear_window_reverts_exactly_once(rule: str) -> None:
+    f, audit = feeder(rule)
+    lv = levels(f.spec)
+    fired_t = fire_it(f)
+    f.skip_to(fired_t + f.spec.cooldown_s + 1.0)
+    f.feed([lv.lo] * (f.spec.clear_window_evals - 1))
+    assert records(audit, intent="revert") == []
+    f.feed([lv.lo])
+    reverted = records(audit, intent="revert")
+    assert len(reverted) == 1
+    rec = reverted[0]
+    # Alerts and prefetch have nothing to undo: clearing is recorded, nothing would be sent.
+    no_command = not ACTIONS[f.spec.action].revert_sends_commands
+    expected = ("revert", "cleared") if no_command else ("dry-run", "not-sent")
+    assert (rec.decision, rec.outcome) == expected
+    assert (rec.threshold, rec.window) == (f.spec.clear, f.spec.clear_window_text)
+    f.feed([lv.lo] * 50)
+    assert len(records(audit)) == 2
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_cooldown_holds_the_revert(rule: str) -> None:
+    f, audit = feeder(rule)
+    lv = levels(f.spec)
+    fired_t = fire_it(f)
+    f.feed([lv.lo] * (round(max(f.spec.cooldown_s, f.spec.clear_window_evals * PERIOD_S) / PERIOD_S) + 5))
+    (rec,) = records(audit, intent="revert")
+    earliest = fired_t + max(f.spec.cooldown_s, f.spec.clear_window_evals * PERIOD_S)
+    assert rec.t_s == pytest.approx(earliest, abs=1e-6)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_refire_waits_for_cooldown_after_revert(rule: str) -> None:
+    f, audit = feeder(rule)
+    lv = levels(f.spec)
+    fired_t = fire_it(f)
+    f.skip_to(fired_t + f.spec.cooldown_s + 1.0)
+    f.feed([lv.lo] * f.spec.clear_window_evals)
+    (revert,) = records(audit, intent="revert")
+    n = round(f.spec.cooldown_s / PERIOD_S) + f.spec.window_evals + 5
+    f.feed([lv.hi] * n)
+    fires = records(audit, intent="fire")
+    assert len(fires) == 2
+    assert fires[1].t_s >= revert.t_s + f.spec.cooldown_s - 1e-6
+    # Held high since the revert: fires as soon as the cooldown ends (the window was already full).
+    assert fires[1].t_s == pytest.approx(revert.t_s + max(f.spec.cooldown_s, f.spec.window_evals * PERIOD_S), abs=1e-6)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_borderline_oscillation_does_not_flap(rule: str) -> None:
+    f, audit = feeder(rule)
+    lv = levels(f.spec)
+    f.feed([lv.just_over, lv.just_under] * 150)  # 60 s around the fire threshold
+    fires = records(audit, intent="fire")
+    assert len(fires) == (1 if f.spec.window_evals == 1 else 0)
+    assert records(audit, intent="revert") == []  # just under fire is not past clear
+    if not fires:
+        fire_it(f)
+    f.feed([lv.lo, lv.mid] * 400)  # 160 s around the clear threshold, past every cooldown
+    assert len(records(audit, intent="fire")) == 1
+    assert len(records(audit, intent="revert")) == (1 if f.spec.clear_window_evals == 1 else 0)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_nan_holds_state_and_never_fires(rule: str) -> None:
+    f, audit = feeder(rule)
+    lv = levels(f.spec)
+    f.feed([math.nan] * 100)
+    assert records(audit) == []
+    f.feed([lv.hi] * (f.spec.window_evals - 1) + [math.nan] * 30)
+    assert records(audit) == []
+    f.feed([lv.hi])  # the window resumes where it stopped
+    assert len(records(audit, intent="fire")) == 1
+    f.skip_to(f.t_s + f.spec.cooldown_s + 1.0)
+    f.feed([math.nan] * 300)
+    assert len(records(audit)) == 1
+
+
+def test_per_target_instances_are_independent() -> None:
+    f, audit = feeder("expert_monopoly")
+    lv = levels(f.spec)
+    for _ in range(f.spec.window_evals):
+        f.engine.evaluate(Signals(t_s=f.t_s, expert_load_gini={0: lv.hi, 1: lv.mid, 2: lv.hi}))
+        f.t_s = round(f.t_s + PERIOD_S, 9)
+    assert sorted(r.target for r in records(audit)) == [[0], [2]]
+    assert {(v.target, v.state) for v in f.engine.views()} == {((0,), "firing"), ((2,), "firing")}
+
+
+def test_rate_limit_suppresses_once_then_lets_through() -> None:
+    f, audit = feeder("expert_queue_soft_limit", max_actions=2, rate_window_s=10.0)
+    t0 = f.t_s
+    hot = {(0, 1): 80.0, (0, 2): 90.0, (1, 5): 70.0}
+    for _ in range(60):  # 12 s, all three held over the limit
+        f.engine.evaluate(Signals(t_s=f.t_s, expert_queue_tokens=hot))
+        f.t_s = round(f.t_s + PERIOD_S, 9)
+    decisions = [(r.decision, r.target, r.t_s) for r in records(audit)]
+    assert decisions[:3] == [
+        ("dry-run", [0, 1], t0),
+        ("dry-run", [0, 2], t0),
+        ("suppressed-by-rate-limit", [1, 5], t0),
+    ]
+    # Audited once while suppressed, then sent when the 10 s window frees a slot.
+    assert len(decisions) == 4
+    assert decisions[3][:2] == ("dry-run", [1, 5])
+    assert decisions[3][2] == pytest.approx(t0 + 10.0, abs=1e-6)
+
+
+def test_alerts_are_not_rate_limited() -> None:
+    config = dataclasses.replace(
+        DEFAULTS, rules=(DEFAULTS.rule("router_collapse"),), max_actions=1, rate_window_s=60.0
+    )
+    audit = AuditLog()
+    engine = PolicyEngine(config, audit=audit, dry_run=True)
+    spec = config.rule("router_collapse")
+    for i in range(spec.window_evals):
+        engine.evaluate(Signals(t_s=i * PERIOD_S, router_entropy_ratio={0: 0.3, 1: 0.3, 2: 0.3}))
+    assert [(r.decision, r.outcome) for r in audit.recent()] == [("fire", "alert")] * 3
+
+
+def test_engine_without_actuator_needs_dry_run() -> None:
+    with pytest.raises(UsageError, match="unless --dry-run"):
+        PolicyEngine(DEFAULTS, audit=AuditLog())
+
+
+def test_audit_file_is_json_lines(tmp_path: Path) -> None:
+    path = tmp_path / "audit" / "policy.jsonl"
+    audit = AuditLog(path=path)
+    f = Feeder(PolicyEngine(only("fp16_fallback"), audit=audit, dry_run=True), DEFAULTS.rule("fp16_fallback"))
+    seen = []
+    audit.add_hook(seen.append)
+    fire_it(f)
+    f.feed([math.nan])
+    audit.close()
+    lines = path.read_text().splitlines()
+    assert len(lines) == 1 and len(seen) == 1
+    body = json.loads(lines[0])
+    assert body["rule"] == "fp16_fallback" and body["decision"] == "dry-run" and body["plan"] == "set_precision fp16"
+    assert body["window_values"] == [levels(f.spec).hi] * 3
+    attrs = seen[0].span_attributes()
+    assert attrs["moe.policy.rule"] == "fp16_fallback" and attrs["moe.policy.dry_run"] is True
+    assert audit.counts() == {("fp16_fallback", "dry-run", "not-sent"): 1}
+
+
+def test_malformed_snapshot_is_counted_and_holds_state() -> None:
+    f, audit = feeder("expert_queue_soft_limit")
+    f.engine.evaluate(Signals(t_s=0.0, expert_queue_tokens={(0,): 80.0}))  # type: ignore[dict-item]
+    f.engine.evaluate(Signals(t_s=0.2, expert_queue_tokens={(0, 1): "lots"}))  # type: ignore[dict-item]
+    assert f.engine.bad_signals == 2 and records(audit) == []
+    f.engine.evaluate(Signals(t_s=0.4, expert_queue_tokens={(0, 1): 80.0}))
+    assert len(records(audit)) == 1
+
+
+def test_policy_loop_runs_on_its_own_thread_and_survives_a_failing_source() -> None:
+    config = only("slo_latency")
+    audit = AuditLog()
+    engine = PolicyEngine(config, audit=audit, dry_run=True)
+    calls = {"n": 0}
+    done = threading.Event()
+
+    def source() -> Signals | None:
+        calls["n"] += 1
+        n = calls["n"]
+        if n == 2:
+            raise RuntimeError("pipeline hiccup")
+        if n == 3:
+            return None
+        if n > config.rule("slo_latency").window_evals + 3:
+            done.set()
+        return Signals(t_s=n * PERIOD_S, request_p99_ms=900.0)
+
+    loop = PolicyLoop(engine, source, period_s=0.001)
+    loop.start()
+    try:
+        assert done.wait(60)
+    finally:
+        loop.stop()
+    assert loop.source_errors == 1 and loop.skipped >= 1
+    assert [(r.rule, r.outcome) for r in audit.recent()] == [("slo_latency", "alert")]

@@ -1,0 +1,55 @@
+"""RuntimeStatsSignals against the real runtime; every value recomputed here from the runtime's stats."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from policy_helpers import StartRuntime
+
+from agent.policy.stats_source import RuntimeStatsSignals
+
+
+def gini_by_pairs(counts: list[int]) -> float:
+    """Gini as the mean absolute difference over all pairs / (2 * mean): the textbook definition."""
+    n, total = len(counts), sum(counts)
+    return sum(abs(a - b) for a in counts for b in counts) / (2 * n * total)
+
+
+def tokens(stats: dict[str, Any]) -> dict[int, list[int]]:
+    return {layer["layer"]: list(layer["tokens"]) for layer in stats["layers"]}
+
+
+def test_signals_from_runtime_stats(start_runtime: StartRuntime) -> None:
+    rt = start_runtime()
+    now = {"t": 100.0}
+    source = RuntimeStatsSignals(rt.socket_path, timeout_s=10.0, clock=lambda: now["t"])
+    try:
+        first = source()
+        before = rt.stats()
+        assert first.t_s == 100.0
+        assert first.device_memory_used_ratio == before["memory"]["devices"]["cpu"]["used_ratio"]
+        assert first.expert_load_gini == {} and first.expert_queue_tokens == {}  # baseline only
+        assert math.isnan(first.step_p99_ms) and math.isnan(first.request_p99_ms)
+        for prompt in ("hello world", "mixture of experts", "zzzz"):
+            rt.complete(prompt)
+        rt.call("set_router_penalty", {"layer": 1, "expert": 2, "penalty": 0.3})
+        now["t"] = 101.0
+        second = source()
+        after = rt.stats()
+        for layer in (0, 1):
+            delta = [a - b for a, b in zip(tokens(after)[layer], tokens(before)[layer], strict=True)]
+            assert second.expert_load_gini[layer] == pytest.approx(gini_by_pairs(delta))
+            entropy = after["layers"][layer]["entropy_bits"] / math.log2(8)
+            assert second.router_entropy_ratio[layer] == pytest.approx(entropy)
+        # Idle: no queue anywhere, but the penalised expert is reported (at 0) so its rule can clear.
+        assert second.expert_queue_tokens == {(1, 2): 0.0}
+        now["t"] = 112.0  # past the 10 s window: no tokens in it, so no Gini (no data, not 0)
+        third = source()
+        assert all(math.isnan(g) for g in third.expert_load_gini.values())
+        rt.kill()
+        fourth = source()
+        assert source.poll_errors == 1 and math.isnan(fourth.device_memory_used_ratio)
+    finally:
+        source.close()
