@@ -15,7 +15,7 @@ command -v apt-get >/dev/null || die "apt-get not found: setup supports Debian/U
 
 ARCH=$(dpkg --print-architecture)
 KREL=$(uname -r)
-PKGS=(python3-bpfcc libbpfcc gcc make tmux iproute2 python3-venv ca-certificates)
+PKGS=(python3-bpfcc libbpfcc gcc make tmux iproute2 python3-venv ca-certificates libcap2-bin systemd util-linux)
 
 missing=()
 for p in "${PKGS[@]}"; do

@@ -1,0 +1,217 @@
+"""Attach to a serving process and time every request it serves, from the kernel (eBPF syscall
+tracepoints; no change to the server).
+
+  agent start --pid PID [--pid PID2 ...]    processes already running
+  agent start --port 8000                   the process(es) listening on a TCP port
+  agent start -- CMD ARGS...                launch CMD, attached before it runs (it is held
+                                            before exec until the probe tracks its pid)
+
+Stops on SIGINT/SIGTERM, after --duration, or when every target has exited; then prints one
+summary line (requests, p50/p99 kernel latency, drops). Exit status: 0, or 8 when the targets
+exited (--pid/--port), or the command's own status (-- CMD).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from types import FrameType
+from typing import IO, Any
+
+from agent import errors
+from agent.daemon import STOP_SIGNAL, Daemon, LatencyHistogram
+from agent.targets import LaunchedCommand, Target, target_for_pid, targets_for_port
+from probes.ingress import loader
+from probes.ingress.loader import IngressOptions, IngressProbe, IngressRecord
+
+STOP_TARGETS_EXITED = "targets_exited"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pid", type=int, action="append", metavar="PID", help="process to observe (repeatable)")
+    parser.add_argument(
+        "--port", type=int, action="append", metavar="PORT", help="observe the process(es) listening on this TCP port"
+    )
+    parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
+    parser.add_argument("--records", metavar="FILE", help="write one JSON line per request to FILE ('-': stdout)")
+    parser.add_argument("--ebpf", action="store_true", help="print the eBPF program and its cflags, then exit")
+    parser.add_argument("command", nargs="*", metavar="-- CMD ARGS", help="command to launch and observe")
+
+
+class RequestSummary:
+    """Sink that counts requests and keeps their kernel latency distribution."""
+
+    def __init__(self) -> None:
+        self.latency = LatencyHistogram()
+        self.unanswered = 0
+
+    def __call__(self, record: Any) -> None:
+        if not isinstance(record, IngressRecord):
+            return
+        if record.answered:
+            self.latency.add(record.latency_ns)
+        else:
+            self.unanswered += 1
+
+    def line(self, *, drops: dict[str, int], elapsed_s: float) -> str:
+        def ms(value: int | None) -> str:
+            return "-" if value is None else f"{value / 1e6:.3f} ms"
+
+        drop_text = " ".join(f"{name}={count}" for name, count in drops.items())
+        return (
+            f"agent: summary: {self.latency.count} requests ({self.unanswered} unanswered), "
+            f"latency p50 {ms(self.latency.percentile(50))} p99 {ms(self.latency.percentile(99))}, "
+            f"drops {sum(drops.values())} ({drop_text}), {elapsed_s:.1f} s"
+        )
+
+
+class JsonLinesSink:
+    """Sink writing one JSON object per request; flushed every tick so readers see it promptly."""
+
+    def __init__(self, path: str) -> None:
+        self._owned = path != "-"
+        try:
+            self._file: IO[str] = open(path, "w", encoding="utf-8") if self._owned else sys.stdout
+        except OSError as exc:
+            raise errors.UsageError(f"cannot write --records {path}: {exc.strerror}") from exc
+
+    def __call__(self, record: Any) -> None:
+        if isinstance(record, IngressRecord):
+            self._file.write(json.dumps(record.to_json_dict(), separators=(",", ":")) + "\n")
+
+    def flush(self, _now_ns: int = 0) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self.flush()
+        if self._owned:
+            self._file.close()
+
+
+def _validate(args: argparse.Namespace) -> list[str]:
+    command = list(args.command or [])
+    if command and command[0] == "--":
+        command = command[1:]
+    if args.ebpf:
+        return command
+    if command and (args.pid or args.port):
+        raise errors.UsageError("give either --pid/--port or -- CMD, not both")
+    if not command and not args.pid and not args.port:
+        raise errors.UsageError("nothing to observe: give --pid PID, --port PORT or -- CMD ARGS")
+    if args.duration is not None and not args.duration > 0:
+        raise errors.UsageError(f"--duration must be a positive number of seconds, got {args.duration}")
+    for pid in args.pid or []:
+        if pid == os.getpid():
+            raise errors.UsageError(f"--pid {pid} is the agent itself; the agent never traces its own process")
+    return command
+
+
+def _drop_counts(daemon: Daemon, probe: IngressProbe) -> dict[str, int]:
+    stats = probe.stats()
+    counts = {name: stats[name] for name in loader.DROP_NAMES.values()}
+    counts["sink_errors"] = daemon.sink_errors + stats["callback_errors"]
+    return counts
+
+
+def run(args: argparse.Namespace) -> int:
+    command = _validate(args)
+    options = IngressOptions()
+    if args.ebpf:
+        sys.stdout.write(loader.ebpf_listing(options))
+        return errors.EXIT_OK
+    # Root first, before anything touches bcc or other processes' /proc entries.
+    if os.geteuid() != 0:
+        raise errors.NotPermitted("agent start needs root (eBPF): run it with sudo")
+    loader.import_bcc()
+    loader.check_kernel_headers(loader.kernel_build_dir())
+
+    targets: list[Target] = []
+    for pid in args.pid or []:
+        targets.append(target_for_pid(pid))
+    for port in args.port or []:
+        targets.extend(t for t in targets_for_port(port) if t.pid not in {x.pid for x in targets})
+
+    records_sink = JsonLinesSink(args.records) if args.records else None
+    summary = RequestSummary()
+    daemon = Daemon()
+    daemon.add_sink(summary)
+    if records_sink is not None:
+        daemon.add_sink(records_sink)
+        daemon.add_tick_hook(lambda now_ns: records_sink.flush(now_ns))
+
+    def on_signal(_signum: int, _frame: FrameType | None) -> None:
+        daemon.stop(STOP_SIGNAL)
+
+    # Installed before attaching: a signal at any point from here on ends in the summary.
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _observe(daemon, summary, records_sink, targets=targets, command=command, options=options,
+                        duration_s=args.duration)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _observe(
+    daemon: Daemon,
+    summary: RequestSummary,
+    records_sink: JsonLinesSink | None,
+    *,
+    targets: list[Target],
+    command: list[str],
+    options: IngressOptions,
+    duration_s: float | None,
+) -> int:
+    started_ns = time.monotonic_ns()
+    probe = IngressProbe(on_record=daemon.emit, options=options)
+    launched: LaunchedCommand | None = None
+    try:
+        probe.load()
+        if command:
+            launched = LaunchedCommand(command)
+            targets.append(launched.target)
+        seeded = sum(probe.add_target(t.pid) for t in targets)
+        if launched is not None:
+            launched.release()
+        attach_s = (time.monotonic_ns() - started_ns) / 1e9
+        names = ", ".join(t.describe() for t in targets)
+        print(f"agent: tracing {names}; {seeded} open connections seeded; attached in {attach_s:.2f} s", file=sys.stderr)
+    except BaseException:
+        if launched is not None:
+            launched.stop()
+        probe.close()
+        if records_sink is not None:
+            records_sink.close()
+        raise
+    daemon.add_source(probe)
+
+    live = list(targets)
+
+    def reap_exited(_now_ns: int) -> str | None:
+        for target in [t for t in live if not t.alive()]:
+            live.remove(target)
+            probe.remove_target(target.pid)  # drains and flushes its last requests first
+            print(f"agent: target {target.describe()} exited", file=sys.stderr)
+        return None if live else STOP_TARGETS_EXITED
+
+    daemon.add_tick_hook(reap_exited)
+    try:
+        reason = daemon.run(duration_ns=None if duration_s is None else int(duration_s * 1e9))
+        observed_s = (time.monotonic_ns() - started_ns) / 1e9
+    finally:
+        daemon.close()
+        if records_sink is not None:
+            records_sink.close()
+        if launched is not None:
+            launched.stop()  # the agent launched it, so it does not outlive the agent
+    print(summary.line(drops=_drop_counts(daemon, probe), elapsed_s=observed_s), flush=True)
+
+    if reason == STOP_TARGETS_EXITED:
+        if launched is not None:
+            return launched.exit_status()
+        raise errors.TargetExited("every target exited: " + ", ".join(t.describe() for t in targets))
+    return errors.EXIT_OK

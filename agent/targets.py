@@ -1,0 +1,175 @@
+"""Which processes `agent start` observes: by pid, by listening TCP port, or a command it launches.
+
+A Target knows whether its process is still the same live process (pid plus start time, so a
+recycled pid is not mistaken for the target; a zombie counts as exited).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agent import errors
+from probes.ingress import procnet
+
+PROC = Path("/proc")
+
+# Holds the launched command until the probe is attached: blocks reading the pipe fd (argv[1]),
+# closes it, then execs the command in the same pid, so the pid is traced before the command runs.
+# On EOF (agent gone) it runs the command anyway: the agent never holds a server hostage.
+_TRAMPOLINE = (
+    "import os, sys\n"
+    "fd = int(sys.argv[1])\n"
+    "os.read(fd, 1)\n"
+    "os.close(fd)\n"
+    "try:\n"
+    "    os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "except OSError as exc:\n"
+    "    print(f'agent: cannot run {sys.argv[2]}: {exc}', file=sys.stderr)\n"
+    "    os._exit(127)\n"
+)
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the comm field, or None when the process is gone."""
+    try:
+        text = (PROC / str(pid) / "stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # comm may contain spaces and parentheses: the fields start after its last ')'.
+    return text[text.rindex(")") + 2 :].split()
+
+
+def process_state(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks since boot), or None when there is no such pid."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return None
+    return fields[0], int(fields[19])
+
+
+def process_name(pid: int) -> str:
+    try:
+        return (PROC / str(pid) / "comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+@dataclass
+class Target:
+    """A process being observed."""
+
+    pid: int
+    start_ticks: int
+    name: str
+    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def alive(self) -> bool:
+        if self.popen is not None:
+            return self.popen.poll() is None
+        state = process_state(self.pid)
+        return state is not None and state[0] not in ("Z", "X") and state[1] == self.start_ticks
+
+    def describe(self) -> str:
+        return f"pid {self.pid} ({self.name})"
+
+
+def target_for_pid(pid: int) -> Target:
+    if pid <= 0:
+        raise errors.UsageError(f"--pid must be a positive process id, got {pid}")
+    if pid == os.getpid():
+        raise errors.UsageError(f"--pid {pid} is the agent itself; the agent never traces its own process")
+    state = process_state(pid)
+    if state is None or state[0] in ("Z", "X"):
+        raise errors.NoSuchProcess(f"no such process: pid {pid}")
+    return Target(pid=pid, start_ticks=state[1], name=process_name(pid))
+
+
+def pids_listening_on(port: int, *, proc_root: Path = PROC) -> list[int]:
+    """Processes holding a TCP socket listening on `port` (in the agent's network namespace).
+    Several with SO_REUSEPORT or a pre-forking server: all of them are returned."""
+    if not 1 <= port <= 65535:
+        raise errors.UsageError(f"--port must be 1..65535, got {port}")
+    inodes = {
+        s.inode
+        for s in procnet.read_tcp_tables(net_dir=proc_root / "net")
+        if s.state == procnet.TCP_LISTEN and s.local_port == port
+    }
+    if not inodes:
+        raise errors.PortNotListening(f"nothing is listening on TCP port {port}")
+    own = os.getpid()
+    pids: list[int] = []
+    for entry in proc_root.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == own:
+            continue
+        if inodes & procnet.socket_fds(int(entry.name), proc_root=proc_root).keys():
+            pids.append(int(entry.name))
+    if not pids:
+        raise errors.PortNotListening(
+            f"TCP port {port} is listening but no process visible here holds it (another namespace?)"
+        )
+    return sorted(pids)
+
+
+def targets_for_port(port: int) -> list[Target]:
+    return [target_for_pid(pid) for pid in pids_listening_on(port)]
+
+
+class LaunchedCommand:
+    """A command started by the agent, held before exec until release() (after attach)."""
+
+    def __init__(self, argv: list[str], *, extra_env: dict[str, str] | None = None) -> None:
+        """`extra_env` is added to the agent's environment for the command (e.g. the NVTX
+        injection variables)."""
+        if not argv:
+            raise errors.UsageError("no command given after --")
+        if shutil.which(argv[0]) is None:
+            raise errors.UsageError(f"command not found: {argv[0]}")
+        read_fd, self._release_fd = os.pipe()
+        try:
+            self.popen: subprocess.Popen[bytes] = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(read_fd), *argv],
+                pass_fds=(read_fd,),
+                env={**os.environ, **extra_env} if extra_env else None,
+            )
+        finally:
+            os.close(read_fd)
+        state = process_state(self.popen.pid)
+        self.target = Target(
+            pid=self.popen.pid,
+            start_ticks=state[1] if state else 0,
+            name=os.path.basename(argv[0]),
+            popen=self.popen,
+        )
+
+    def release(self) -> None:
+        """Let the held command exec (same pid, now traced)."""
+        if self._release_fd >= 0:
+            try:
+                os.write(self._release_fd, b"go\n")
+            except BrokenPipeError:
+                pass  # it already exited; its status is reported
+            os.close(self._release_fd)
+            self._release_fd = -1
+
+    def exit_status(self) -> int:
+        """The command's exit status, shell style: 128 + N when killed by signal N."""
+        code = self.popen.wait()
+        return 128 - code if code < 0 else code
+
+    def stop(self, *, timeout_s: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after timeout_s; never leaves it running or unreaped."""
+        self.release()
+        if self.popen.poll() is not None:
+            return
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()

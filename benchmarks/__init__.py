@@ -1,0 +1,1 @@
+"""Overhead benchmarks: A/B alternating runs, medians, ratios, JSON under bench-results/."""

@@ -1,0 +1,99 @@
+"""Helpers every benchmark shares: alternating A/B runs, medians, JSON results, building C helpers.
+
+Runs on this machine swing by +-25 %, so a benchmark never compares single runs: it alternates
+A and B (swapping the order every pair so drift hits both equally) and compares medians.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO / "bench-results"
+BUILD_DIR = REPO / "build" / "bench"
+
+
+Metrics = dict[str, float]
+
+
+@dataclass
+class ABResult:
+    """Per-run metrics of A (baseline) and B (treatment), in run order."""
+
+    a: list[Metrics] = field(default_factory=list)
+    b: list[Metrics] = field(default_factory=list)
+
+    def median(self, side: str, metric: str) -> float:
+        return statistics.median(run[metric] for run in getattr(self, side))
+
+    def minimum(self, side: str, metric: str) -> float:
+        """Contention on a shared machine only ever adds time, so the minimum is the least noisy."""
+        return min(run[metric] for run in getattr(self, side))
+
+    def delta(self, metric: str) -> float:
+        """median(B) - median(A)."""
+        return self.median("b", metric) - self.median("a", metric)
+
+    def ratio(self, metric: str) -> float:
+        """median(B) / median(A): > 1 means B costs more."""
+        return self.median("b", metric) / self.median("a", metric)
+
+    def to_dict(self) -> dict[str, Any]:
+        metrics = sorted(set(self.a[0]) & set(self.b[0])) if self.a and self.b else []
+        return asdict(self) | {
+            "medians": {m: {"a": self.median("a", m), "b": self.median("b", m)} for m in metrics},
+            "minimums": {m: {"a": self.minimum("a", m), "b": self.minimum("b", m)} for m in metrics},
+            "delta": {m: self.delta(m) for m in metrics},
+            "ratio": {m: self.ratio(m) for m in metrics},
+        }
+
+
+def alternate_ab(
+    *, run_a: Callable[[], Metrics], run_b: Callable[[], Metrics], pairs: int,
+    progress: Callable[[str], None] | None = None,
+) -> ABResult:
+    """Run A and B `pairs` times each, alternating AB, BA, AB, ... Each run returns its metrics."""
+    if pairs < 1:
+        raise ValueError(f"pairs must be >= 1, got {pairs}")
+    result = ABResult()
+    for index in range(pairs):
+        order = (("a", run_a), ("b", run_b)) if index % 2 == 0 else (("b", run_b), ("a", run_a))
+        for label, run in order:
+            metrics = run()
+            getattr(result, label).append(metrics)
+            if progress is not None:
+                shown = ", ".join(f"{k} {v:.0f}" for k, v in sorted(metrics.items()))
+                progress(f"pair {index + 1}/{pairs} {label.upper()}: {shown}")
+    return result
+
+
+def write_result(name: str, payload: dict[str, Any]) -> Path:
+    """Write bench-results/<name>.json (latest) with host facts; returns the path."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    document = {
+        "benchmark": name,
+        "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": {"kernel": platform.release(), "machine": platform.machine(), "cpus": os.cpu_count()},
+        **payload,
+    }
+    path.write_text(json.dumps(document, indent=2) + "\n")
+    return path
+
+
+def build_c(source: Path, *, name: str) -> Path:
+    """Compile a benchmark's C helper with gcc -O2 into build/bench/ (rebuilt when the source changes)."""
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    binary = BUILD_DIR / name
+    if not binary.exists() or binary.stat().st_mtime < source.stat().st_mtime:
+        subprocess.run(["gcc", "-O2", "-Wall", "-Werror", "-o", str(binary), str(source)], check=True)
+    return binary

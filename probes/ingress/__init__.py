@@ -1,0 +1,1 @@
+"""Kernel-timed request ingress: eBPF syscall tracepoints on a target's accepted connections."""

@@ -1,0 +1,498 @@
+"""Load the ingress probe (ingress.bpf.c) with bcc, manage its targets, drain its ring buffer.
+
+    probe = IngressProbe(on_record=records.append)
+    probe.load()                 # compile + attach (~0.4 s); tracks nothing until a target is added
+    probe.add_target(pid)        # seeds the target's established connections, then tracks it
+    probe.poll(time.monotonic_ns())   # drains completed requests into on_record; call on a timer
+    probe.stats()                # drop counters, summed over CPUs
+    probe.close()                # flushes answered-but-unclosed requests, drains, unloads
+
+The ctypes structures below mirror ingress.h; tests/ingress checks their sizes against gcc's.
+"""
+
+from __future__ import annotations
+
+import ctypes as ct
+import ipaddress
+import logging
+import mmap
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from agent import errors
+from probes.ingress import procnet
+from probes.ingress.ring import RingReader
+
+log = logging.getLogger(__name__)
+
+PROBE_DIR = Path(__file__).resolve().parent
+BPF_SOURCE = PROBE_DIR / "ingress.bpf.c"
+HEADER = PROBE_DIR / "ingress.h"
+
+# Mirrors of ingress.h's #defines (a test compiles the header and compares).
+F_NO_RESPONSE = 0x1
+F_SEEDED = 0x2
+F_FLUSHED = 0x4
+DROP_RINGBUF_FULL = 0
+DROP_CONN_EVICTED = 1
+DROP_INFLIGHT_FULL = 2
+DROP_NR = 3
+CC_KERNEL_INSERTS = 0
+CC_KERNEL_DELETES = 1
+CC_USER_INSERTS = 2
+CC_USER_DELETES = 3
+CC_GENERATION = 4
+CC_NR = 5
+TARGET_SLOTS = 16384
+TARGET_SHARED = 0xFFFFFFFF
+K_ACCEPT = 1
+K_READ = 2
+K_WRITE = 3
+DROP_NAMES = {DROP_RINGBUF_FULL: "ringbuf_full", DROP_CONN_EVICTED: "conn_evicted", DROP_INFLIGHT_FULL: "inflight_full"}
+
+BPF_NOEXIST = 1  # bpf_map_update_elem flag: create only
+
+
+class IngressEvent(ct.Structure):
+    _fields_ = [
+        ("start_ns", ct.c_uint64),
+        ("first_response_ns", ct.c_uint64),
+        ("end_ns", ct.c_uint64),
+        ("bytes_in", ct.c_uint64),
+        ("bytes_out", ct.c_uint64),
+        ("generation", ct.c_uint64),
+        ("tgid", ct.c_uint32),
+        ("tid", ct.c_uint32),
+        ("fd", ct.c_int32),
+        ("seq", ct.c_uint32),
+        ("family", ct.c_uint16),
+        ("peer_port", ct.c_uint16),
+        ("flags", ct.c_uint32),
+        ("peer_addr", ct.c_uint8 * 16),
+    ]
+
+
+EVENT_DTYPE = np.dtype(IngressEvent)
+
+
+class IngressConnKey(ct.Structure):
+    _fields_ = [("tgid", ct.c_uint32), ("fd", ct.c_int32)]
+
+
+class IngressConn(ct.Structure):
+    _fields_ = [
+        ("generation", ct.c_uint64),
+        ("start_ns", ct.c_uint64),
+        ("first_response_ns", ct.c_uint64),
+        ("last_write_ns", ct.c_uint64),
+        ("bytes_in", ct.c_uint64),
+        ("bytes_out", ct.c_uint64),
+        ("tid", ct.c_uint32),
+        ("seq", ct.c_uint32),
+        ("family", ct.c_uint16),
+        ("peer_port", ct.c_uint16),
+        ("flags", ct.c_uint32),
+        ("peer_addr", ct.c_uint8 * 16),
+    ]
+
+
+class IngressInflight(ct.Structure):
+    _fields_ = [
+        ("enter_ns", ct.c_uint64),
+        ("sockaddr_ptr", ct.c_uint64),
+        ("fd", ct.c_int32),
+        ("kind", ct.c_uint32),
+        ("tgid", ct.c_uint32),
+        ("tid", ct.c_uint32),
+    ]
+
+
+class IngressRecord(NamedTuple):
+    """One request as the kernel saw it. Times are CLOCK_MONOTONIC ns (time.monotonic_ns()).
+    A NamedTuple: one is built per request, so construction must be cheap."""
+
+    tgid: int
+    tid: int
+    fd: int
+    generation: int
+    seq: int
+    family: int
+    peer_addr: str | None
+    peer_port: int
+    start_ns: int
+    first_response_ns: int
+    end_ns: int
+    bytes_in: int
+    bytes_out: int
+    flags: int
+
+    @property
+    def latency_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+    @property
+    def answered(self) -> bool:
+        return not self.flags & F_NO_RESPONSE
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "tgid": self.tgid,
+            "tid": self.tid,
+            "fd": self.fd,
+            "generation": self.generation,
+            "seq": self.seq,
+            "peer_addr": self.peer_addr,
+            "peer_port": self.peer_port,
+            "start_ns": self.start_ns,
+            "first_response_ns": self.first_response_ns,
+            "end_ns": self.end_ns,
+            "latency_ns": self.latency_ns,
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "flags": flag_names(self.flags),
+        }
+
+
+def flag_names(flags: int) -> list[str]:
+    names = [(F_NO_RESPONSE, "no_response"), (F_SEEDED, "seeded"), (F_FLUSHED, "flushed")]
+    return [name for bit, name in names if flags & bit]
+
+
+def _peer_text(family: int, raw: bytes) -> str | None:
+    if family == procnet.AF_INET:
+        return str(ipaddress.IPv4Address(raw[:4]))
+    if family == procnet.AF_INET6:
+        address = ipaddress.IPv6Address(raw[:16])
+        return str(address.ipv4_mapped or address)
+    return None
+
+
+def _record_from(raw: IngressEvent | IngressConn, *, tgid: int, fd: int, end_ns: int, seq: int, flags: int) -> IngressRecord:
+    return IngressRecord(
+        tgid=tgid,
+        tid=raw.tid,
+        fd=fd,
+        generation=raw.generation,
+        seq=seq,
+        family=raw.family,
+        peer_addr=_peer_text(raw.family, bytes(raw.peer_addr)),
+        peer_port=raw.peer_port,
+        start_ns=raw.start_ns,
+        first_response_ns=raw.first_response_ns,
+        end_ns=end_ns,
+        bytes_in=raw.bytes_in,
+        bytes_out=raw.bytes_out,
+        flags=flags,
+    )
+
+
+_SCALARS = (
+    "tgid", "tid", "fd", "generation", "seq", "family", "peer_port",
+    "start_ns", "first_response_ns", "end_ns", "bytes_in", "bytes_out", "flags",
+)
+
+
+def decode_events(events: np.ndarray, *, peer_cache: dict[tuple[int, bytes], str | None]) -> list[IngressRecord]:
+    """Records from a batch of ingress_event rows (column-wise, so ~1 us per record or less)."""
+    if events.size == 0:
+        return []
+    columns = [events[name].tolist() for name in _SCALARS]
+    addrs = [row.tobytes() for row in events["peer_addr"]]
+    records = []
+    for (tgid, tid, fd, gen, seq, family, port, start, first, end, b_in, b_out, flags), raw in zip(
+        zip(*columns), addrs
+    ):
+        key = (family, raw)
+        peer = peer_cache.get(key)
+        if peer is None and key not in peer_cache:
+            peer = peer_cache[key] = _peer_text(family, raw)
+            if len(peer_cache) > 65536:
+                peer_cache.clear()  # bounded: many distinct peers just cost a re-format
+        records.append(IngressRecord(tgid, tid, fd, gen, seq, family, peer, port, start, first, end, b_in, b_out, flags))
+    return records
+
+
+@dataclass(frozen=True, slots=True)
+class IngressOptions:
+    """Map sizes; they reach the program as typed -D cflags."""
+
+    max_targets: int = 64
+    target_slots: int = TARGET_SLOTS
+    max_conns: int = 65536
+    max_inflight: int = 16384
+    ringbuf_pages: int = 512  # 2 MiB: ~21k records, ~430k requests/s at a 50 ms drain period
+
+    def validate(self) -> None:
+        for name in ("max_targets", "target_slots", "max_conns", "max_inflight", "ringbuf_pages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise errors.UsageError(f"ingress option {name} must be a positive integer, got {value!r}")
+        for name in ("target_slots", "max_inflight", "ringbuf_pages"):
+            value = getattr(self, name)
+            if value & (value - 1):
+                raise errors.UsageError(f"ingress option {name} must be a power of two, got {value}")
+
+
+def cflags(options: IngressOptions) -> list[str]:
+    options.validate()
+    return [
+        f"-I{PROBE_DIR}",
+        "-DMAX_TARGETS=%d" % options.max_targets,
+        "-DINGRESS_TARGET_SLOTS=%d" % options.target_slots,
+        "-DMAX_CONNS=%d" % options.max_conns,
+        "-DMAX_INFLIGHT=%d" % options.max_inflight,
+        "-DRINGBUF_PAGES=%d" % options.ringbuf_pages,
+    ]
+
+
+def program_text() -> str:
+    return BPF_SOURCE.read_text()
+
+
+def ebpf_listing(options: IngressOptions) -> str:
+    """What `--ebpf` prints: the program exactly as compiled, its cflags and the header it includes."""
+    return (
+        f"// cflags: {' '.join(cflags(options))}\n"
+        f"// ---- {HEADER.name} ----\n{HEADER.read_text()}\n"
+        f"// ---- {BPF_SOURCE.name} ----\n{program_text()}"
+    )
+
+
+def kernel_build_dir() -> Path:
+    return Path("/lib/modules") / os.uname().release / "build"
+
+
+def check_kernel_headers(build_dir: Path) -> None:
+    """bcc compiles against build_dir; without it the compile error is long and unclear."""
+    if not (build_dir / "include").is_dir():
+        raise errors.ProbeLoadError(
+            f"kernel headers missing: {build_dir}/include not found (run `make setup` to install or map them)"
+        )
+
+
+def import_bcc() -> Any:
+    try:
+        import bcc
+    except ImportError as exc:
+        raise errors.BccMissing(
+            f"bcc is not importable ({exc}): install Debian's python3-bpfcc (`make setup`)"
+        ) from exc
+    return bcc
+
+
+def compile_program(*, text: str, flags: list[str], build_dir: Path | None = None) -> Any:
+    """Compile and load `text` with bcc; TRACEPOINT_PROBE programs attach as they load."""
+    check_kernel_headers(build_dir or kernel_build_dir())
+    bcc = import_bcc()
+    try:
+        return bcc.BPF(text=text.encode(), cflags=flags)
+    except Exception as exc:  # bcc raises bare Exception for compile and load failures
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise errors.ProbeLoadError(f"eBPF program failed to compile/load: {first_line}") from exc
+
+
+class IngressProbe:
+    """The ingress eBPF program and its maps. Satisfies agent.daemon.Source."""
+
+    name = "ingress"
+
+    def __init__(self, *, on_record: Callable[[IngressRecord], None], options: IngressOptions | None = None) -> None:
+        self.options = options or IngressOptions()
+        self.options.validate()
+        self._on_record = on_record
+        self._bpf: Any = None
+        self._ring: RingReader | None = None
+        self._peer_cache: dict[tuple[int, bytes], str | None] = {}
+        self._targets: set[int] = set()
+        self._user_inserts = 0
+        self._user_deletes = 0
+        self._records = 0
+        self._flushed = 0
+        self._callback_errors = 0
+        self._final_drops = {name: 0 for name in DROP_NAMES.values()}
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def load(self, *, build_dir: Path | None = None) -> None:
+        self._bpf = compile_program(text=program_text(), flags=cflags(self.options), build_dir=build_dir)
+        self._ring = RingReader(
+            map_fd=self._bpf[b"events"].map_fd,
+            data_bytes=self.options.ringbuf_pages * mmap.PAGESIZE,
+            record=EVENT_DTYPE,
+        )
+
+    def close(self) -> None:
+        """Stop tracking every target (flushing their answered requests), drain, unload."""
+        if self._bpf is None:
+            return
+        for tgid in sorted(self._targets):
+            self.remove_target(tgid)
+        self._final_drops = self._read_drops()
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
+        self._bpf.cleanup()
+        self._bpf = None
+
+    @property
+    def loaded(self) -> bool:
+        return self._bpf is not None
+
+    # ---- targets ---------------------------------------------------------------------------
+
+    def targets(self) -> list[int]:
+        return sorted(self._targets)
+
+    def add_target(self, tgid: int) -> int:
+        """Track process `tgid`; returns how many already-established connections were seeded."""
+        self._require_loaded()
+        if tgid == os.getpid():
+            raise errors.UsageError("the agent cannot trace its own process")
+        if tgid not in self._targets and len(self._targets) >= self.options.max_targets:
+            raise errors.UsageError(f"at most {self.options.max_targets} targets (max_targets)")
+        # Target first, then seed with NOEXIST: a connection accepted in between keeps the
+        # kernel's entry; seeding never overwrites it.
+        self._bpf[b"targets"][ct.c_uint32(tgid)] = ct.c_uint8(1)
+        self._targets.add(tgid)
+        self._write_target_slot(tgid)
+        seeded = 0
+        seeded_fds: set[int] = set()
+        conns = self._bpf[b"conns"]
+        for fd, sock in procnet.accepted_connections(tgid):
+            key = IngressConnKey(tgid=tgid, fd=fd)
+            conn = IngressConn(generation=0, flags=F_SEEDED, family=sock.family, peer_port=sock.remote_port)
+            ct.memmove(conn.peer_addr, sock.remote_addr, len(sock.remote_addr))
+            if self._map_update(conns, key, conn, flags=BPF_NOEXIST):
+                seeded += 1
+                seeded_fds.add(fd)
+        if seeded:
+            self._user_inserts += seeded
+            self._bpf[b"conn_count"][ct.c_int(CC_USER_INSERTS)] = ct.c_uint64(self._user_inserts)
+        self._seed_blocked_threads(tgid, seeded_fds=seeded_fds)
+        log.debug("ingress: target %d added, %d connections seeded", tgid, seeded)
+        return seeded
+
+    def _seed_blocked_threads(self, tgid: int, *, seeded_fds: set[int]) -> None:
+        """A thread already blocked in accept() or in read() on a seeded connection entered its
+        syscall before the probe saw it; give it the in-flight entry its exit will look for, so
+        the connection it accepts (or the request it reads) is not missed."""
+        numbers = procnet.syscall_numbers()
+        reads = {numbers[name] for name in procnet.READ_SYSCALLS if name in numbers}
+        accepts = {numbers[name] for name in procnet.ACCEPT_SYSCALLS if name in numbers}
+        inflight = self._bpf[b"inflight"]
+        for blocked in procnet.blocked_syscalls(tgid):
+            fd = ct.c_int32(blocked.args[0] & 0xFFFFFFFF).value
+            if blocked.nr in accepts:
+                entry = IngressInflight(enter_ns=time.monotonic_ns(), sockaddr_ptr=blocked.args[1], fd=-1, kind=K_ACCEPT)
+            elif blocked.nr in reads and fd in seeded_fds:
+                entry = IngressInflight(enter_ns=time.monotonic_ns(), sockaddr_ptr=0, fd=fd, kind=K_READ)
+            else:
+                continue
+            entry.tgid, entry.tid = tgid, blocked.tid
+            index = ct.c_int(blocked.tid & (self.options.max_inflight - 1))
+            if not inflight[index].kind:  # a slot the kernel filled meanwhile wins
+                inflight[index] = entry
+
+    def remove_target(self, tgid: int, *, flush: bool = True) -> int:
+        """Stop tracking `tgid`; drain, then emit its answered-but-not-yet-ended requests (flag
+        flushed) and forget its connections. Returns the number of flushed records."""
+        self._require_loaded()
+        try:
+            del self._bpf[b"targets"][ct.c_uint32(tgid)]
+        except KeyError:
+            pass
+        self._targets.discard(tgid)
+        self._write_target_slot(tgid)
+        self._drain()  # records the kernel already submitted come before the flushed ones
+        conns = self._bpf[b"conns"]
+        flushed = 0
+        deleted = 0
+        for key, conn in list(conns.items()):
+            if key.tgid != tgid:
+                continue
+            if flush and conn.start_ns and conn.bytes_out:
+                record = _record_from(
+                    conn, tgid=tgid, fd=key.fd, end_ns=conn.last_write_ns, seq=conn.seq + 1,
+                    flags=F_FLUSHED | (conn.flags & F_SEEDED),
+                )
+                self._deliver(record)
+                flushed += 1
+            try:
+                del conns[key]
+                deleted += 1
+            except KeyError:
+                pass  # closed meanwhile (the kernel counted that delete)
+        if deleted:
+            self._user_deletes += deleted
+            self._bpf[b"conn_count"][ct.c_int(CC_USER_DELETES)] = ct.c_uint64(self._user_deletes)
+        inflight = self._bpf[b"inflight"]
+        for index, slot in list(inflight.items()):
+            if slot.kind and slot.tgid == tgid:
+                inflight[index] = IngressInflight()  # free the slots of its threads
+        self._flushed += flushed
+        return flushed
+
+    # ---- Source protocol -------------------------------------------------------------------
+
+    def poll(self, now_ns: int) -> int:
+        """Drain every completed request the kernel has submitted; returns how many."""
+        del now_ns  # the ring is drained completely on every call
+        if self._bpf is None:
+            return 0
+        return self._drain()
+
+    def stats(self) -> dict[str, int]:
+        """Counters: records delivered, and every loss (all should stay 0)."""
+        result = {"records": self._records, "flushed": self._flushed, "callback_errors": self._callback_errors}
+        return result | (self._read_drops() if self._bpf is not None else self._final_drops)
+
+    def _read_drops(self) -> dict[str, int]:
+        drops = self._bpf[b"drops"]
+        return {name: int(drops.sum(ct.c_int(index)).value) for index, name in DROP_NAMES.items()}
+
+    def drop_total(self) -> int:
+        stats = self.stats()
+        return sum(stats[name] for name in DROP_NAMES.values()) + stats["callback_errors"]
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _write_target_slot(self, tgid: int) -> None:
+        """Recompute the filter slot of `tgid` from the current targets: 0, the one target's
+        tgid, or TARGET_SHARED when several targets fall in it (the kernel then asks the hash)."""
+        mask = self.options.target_slots - 1
+        index = tgid & mask
+        sharing = [t for t in self._targets if t & mask == index]
+        value = 0 if not sharing else sharing[0] if len(sharing) == 1 else TARGET_SHARED
+        self._bpf[b"target_slots"][ct.c_int(index)] = ct.c_uint32(value)
+
+    def _require_loaded(self) -> None:
+        if self._bpf is None:
+            raise errors.ProbeLoadError("ingress probe is not loaded")
+
+    def _drain(self) -> int:
+        if self._ring is None:
+            return 0
+        records = decode_events(self._ring.read(), peer_cache=self._peer_cache)
+        for record in records:
+            self._deliver(record)
+        return len(records)
+
+    def _deliver(self, record: IngressRecord) -> None:
+        self._records += 1
+        try:
+            self._on_record(record)
+        except Exception:  # a failing sink must not stop the drain; it is counted and logged
+            self._callback_errors += 1
+            log.exception("ingress: record callback failed")
+
+    @staticmethod
+    def _map_update(table: Any, key: Any, value: ct.Structure, *, flags: int) -> bool:
+        from bcc.libbcc import lib  # imported here: bcc is loaded by then
+
+        return lib.bpf_update_elem(table.map_fd, ct.byref(key), ct.byref(value), flags) == 0

@@ -1,0 +1,252 @@
+"""The ingress eBPF program in the running kernel, against real HTTP servers and real clients."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+
+import pytest
+from ingress_harness import ClientRequest, HttpClient, Server, Tracer
+
+from agent import errors
+from probes.ingress import loader
+from probes.ingress.loader import IngressRecord
+
+
+def assert_matches(record: IngressRecord, request: ClientRequest) -> None:
+    """A record equals what the client did, and sits inside the client's own timing window."""
+    assert record.peer_addr == "127.0.0.1"
+    assert record.peer_port == request.local_port
+    assert record.bytes_in == request.sent_bytes
+    assert record.bytes_out == request.received_bytes
+    assert 0 < record.start_ns <= record.first_response_ns <= record.end_ns
+    # Same clock: the server read the request after the client started sending it, and wrote
+    # its last byte before the client had read it all. So kernel latency <= client latency.
+    assert request.send_start_ns <= record.start_ns
+    assert record.end_ns <= request.recv_end_ns
+    assert record.answered
+
+
+def match_records(records: list[IngressRecord], clients: list[HttpClient]) -> None:
+    """Exactly one record per client request, in order per connection (seq 1, 2, ...)."""
+    by_port: dict[int, list[IngressRecord]] = defaultdict(list)
+    for r in records:
+        by_port[r.peer_port].append(r)
+    assert sorted(by_port) == sorted(c.local_port for c in clients)
+    for client in clients:
+        recs = sorted(by_port[client.local_port], key=lambda r: r.seq)
+        assert [r.seq for r in recs] == list(range(1, len(client.requests) + 1))
+        for record, request in zip(recs, client.requests, strict=True):
+            assert_matches(record, request)
+        assert len({(r.fd, r.generation) for r in recs}) == 1  # one connection, one identity
+
+
+def assert_no_drops(tracer: Tracer) -> None:
+    stats = tracer.probe.stats()
+    assert {name: stats[name] for name in loader.DROP_NAMES.values()} == {name: 0 for name in loader.DROP_NAMES.values()}
+    assert stats["callback_errors"] == 0
+
+
+def test_keepalive_and_new_connections_each_request_once(tracer: Tracer, start_server: Callable[..., Server]) -> None:
+    server = start_server("threaded")
+    other = start_server("threaded")  # not a target: its traffic must never appear
+    assert tracer.probe.add_target(server.pid) == 0
+
+    keepalive = HttpClient(server.port)
+    for size in (0, 10, 1000, 70_000, 5):
+        keepalive.request(path=f"/size/{size}")
+    keepalive.request(method="POST", path="/echo", body=b"b" * 3000, split=True)  # several reads
+    fresh = []
+    for _ in range(3):
+        client = HttpClient(server.port)
+        client.request(path="/size/33")
+        client.close()
+        fresh.append(client)
+    bystander = HttpClient(other.port)
+    for _ in range(4):
+        bystander.request()
+    keepalive.close()
+    bystander.close()
+
+    records = tracer.wait_count(server.pid, 9)
+    match_records(records, [keepalive, *fresh])
+    assert len(records) == 9
+    assert all(r.tgid in (server.pid,) for r in tracer.records)  # nothing from `other` or from us
+    assert not any(r.tgid == os.getpid() for r in tracer.records)
+    assert len({r.generation for r in records}) == 4  # four connections, four generations
+    assert all(r.generation > 0 and not r.flags for r in records)
+    assert_no_drops(tracer)
+
+
+def test_reused_fd_is_a_new_connection(tracer: Tracer, start_server: Callable[..., Server]) -> None:
+    server = start_server("threaded")
+    tracer.probe.add_target(server.pid)
+    clients = []
+    for i in range(6):
+        client = HttpClient(server.port)
+        client.request(path="/size/1", close=True)  # the server closes, freeing its fd
+        client.close()
+        clients.append(client)
+        tracer.wait_count(server.pid, i + 1)  # its close was traced before the next accept
+    records = tracer.wait_count(server.pid, 6)
+    match_records(records, clients)
+    by_fd: dict[int, set[int]] = defaultdict(set)
+    for r in records:
+        by_fd[r.fd].add(r.generation)
+    assert max(len(gens) for gens in by_fd.values()) >= 2, f"no fd was reused: {dict(by_fd)}"
+    assert len({r.generation for r in records}) == 6
+    assert_no_drops(tracer)
+
+
+def test_connection_opened_before_attach_is_seeded_and_timed(tracer: Tracer, start_server: Callable[..., Server]) -> None:
+    server = start_server("threaded")
+    early = HttpClient(server.port)
+    early.request(path="/size/3")  # before attach: not recorded
+    assert tracer.probe.add_target(server.pid) == 1  # the one established connection
+    early.requests.clear()
+    for _ in range(3):
+        early.request(path="/size/44")
+    late = HttpClient(server.port)
+    late.request(path="/size/2")
+    early.close()
+    late.close()
+    records = tracer.wait_count(server.pid, 4)
+    match_records(records, [early, late])
+    seeded = [r for r in records if r.peer_port == early.local_port]
+    assert all(r.generation == 0 and r.flags == loader.F_SEEDED for r in seeded)
+    assert [r.generation > 0 for r in records if r.peer_port == late.local_port] == [True]
+    assert_no_drops(tracer)
+
+
+def test_asyncio_server_concurrent_clients(tracer: Tracer, start_server: Callable[..., Server]) -> None:
+    server = start_server("asyncio")
+    tracer.probe.add_target(server.pid)
+    clients = [HttpClient(server.port) for _ in range(4)]
+    failures: list[BaseException] = []
+
+    def drive(client: HttpClient, index: int) -> None:
+        try:
+            for n in range(10):
+                client.request(path=f"/size/{index * 100 + n}")
+        except BaseException as exc:  # reported by the main thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=drive, args=(c, i)) for i, c in enumerate(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not failures
+    for c in clients:
+        c.close()  # the asyncio server reads EOF: each connection's last request ends
+    records = tracer.wait_count(server.pid, 40)
+    match_records(records, clients)
+    assert len(records) == 40
+    assert_no_drops(tracer)
+
+
+def test_idle_keepalive_request_is_flushed_when_target_removed(tracer: Tracer, start_server: Callable[..., Server]) -> None:
+    # asyncio reads a connection only when it is readable, so the last request of an idle
+    # keep-alive connection stays open in the kernel until removal flushes it.
+    server = start_server("asyncio")
+    tracer.probe.add_target(server.pid)
+    client = HttpClient(server.port)
+    for _ in range(3):
+        client.request(path="/size/9")
+    records = tracer.wait_count(server.pid, 2)
+    assert len(records) == 2
+    assert tracer.probe.remove_target(server.pid) == 1
+    records = tracer.of(server.pid)
+    match_records(records, [client])
+    assert [r.flags for r in sorted(records, key=lambda r: r.seq)] == [0, 0, loader.F_FLUSHED]
+    client.close()
+    assert_no_drops(tracer)
+
+
+def test_target_exit_mid_run_keeps_what_was_served(tracer: Tracer, start_server: Callable[..., Server]) -> None:
+    server = start_server("threaded")
+    tracer.probe.add_target(server.pid)
+    client = HttpClient(server.port)
+    for _ in range(3):
+        client.request()
+    client.request(path="/exit")  # answered, then the server exits with its connections open
+    assert server.popen.wait(timeout=30) == 3
+    tracer.probe.remove_target(server.pid)
+    records = tracer.of(server.pid)
+    match_records(records, [client])
+    assert len(records) == 4
+    assert tracer.probe.targets() == []
+    assert_no_drops(tracer)
+
+
+def test_the_agent_cannot_target_itself(tracer: Tracer) -> None:
+    with pytest.raises(errors.UsageError, match="its own process"):
+        tracer.probe.add_target(os.getpid())
+
+
+def test_compile_failure_is_a_probe_load_error(bpf: None) -> None:
+    with pytest.raises(errors.ProbeLoadError, match="failed to compile"):
+        loader.compile_program(text="int this is not C;", flags=[])
+
+
+def test_targets_sharing_a_filter_slot_are_told_apart(bpf: None, start_server: Callable[..., Server]) -> None:
+    # One filter slot: every process lands in it, so the exact hash check decides.
+    tracer = Tracer(options=loader.IngressOptions(target_slots=1))
+    probe, records = tracer.probe, tracer.records
+    probe.load()
+    try:
+        first, second, bystander = (start_server("threaded") for _ in range(3))
+        probe.add_target(first.pid)
+        probe.add_target(second.pid)
+        clients = {server.pid: HttpClient(server.port) for server in (first, second, bystander)}
+        for client in clients.values():
+            for _ in range(3):
+                client.request()
+            client.close()
+        tracer.wait_count(first.pid, 3)
+        tracer.wait_count(second.pid, 3)
+        probe.remove_target(first.pid)  # second stays traced: the slot keeps pointing at the hash
+        extra = HttpClient(second.port)
+        extra.request()
+        extra.close()
+        tracer.wait_count(second.pid, 4)
+        assert sorted(r.tgid for r in records) == sorted([first.pid] * 3 + [second.pid] * 4)
+        match_records([r for r in records if r.tgid == second.pid], [clients[second.pid], extra])
+    finally:
+        probe.close()
+
+
+def test_small_ring_wraps_and_every_loss_is_counted(bpf: None, start_server: Callable[..., Server]) -> None:
+    # One page holds 42 records: draining every 10 requests wraps the ring many times without
+    # loss; 100 requests with no drain overflow it, and every lost record is counted.
+    tracer = Tracer(options=loader.IngressOptions(ringbuf_pages=1))
+    tracer.probe.load()
+    try:
+        server = start_server("threaded")
+        tracer.probe.add_target(server.pid)
+        client = HttpClient(server.port)
+        for i in range(100):
+            client.request(path="/size/1")
+            if i % 10 == 9:
+                tracer.wait_count(server.pid, i)  # request i ends at the server's next read
+        client.close()
+        records = tracer.wait_count(server.pid, 100)
+        match_records(records, [client])
+        assert_no_drops(tracer)
+
+        flood = HttpClient(server.port)
+        for _ in range(100):
+            flood.request(path="/size/1")
+        flood.close()
+        tracer.wait_for(
+            lambda _: len(tracer.of(server.pid)) - 100 + tracer.probe.stats()["ringbuf_full"] >= 100,
+            what="all 100 flood requests delivered or counted lost",
+        )
+        delivered = sorted(r.seq for r in tracer.of(server.pid) if r.peer_port == flood.local_port)
+        lost = tracer.probe.stats()["ringbuf_full"]
+        assert lost > 0 and len(delivered) + lost == 100
+        assert set(delivered) <= set(range(1, 101))  # seq keeps counting across the lost ones
+    finally:
+        tracer.probe.close()
