@@ -489,6 +489,13 @@ class RoutingHealthWindow:
     def layers(self) -> list[int]:
         return sorted(self._counts)
 
+    def layer_totals(self, layer: int, now_ns: int) -> CountVector:
+        """Tokens per expert of ``layer`` summed over the window (zeros for an unseen layer)."""
+        counts = self._counts.get(layer)
+        if counts is None:
+            return np.zeros(self.num_experts, dtype=np.int64)
+        return counts.totals(now_ns)
+
     def layer_stats(self, layer: int, now_ns: int) -> LoadStats:
         counts = self._counts.get(layer)
         if counts is None:

@@ -6,6 +6,12 @@ tracepoints; no change to the server).
   agent start -- CMD ARGS...                launch CMD, attached before it runs (it is held
                                             before exec until the probe tracks its pid)
 
+Beside the kernel timing it captures the target's NVTX ranges (when it was started with
+`agent nvtx-env`, or launched with -- CMD), samples NVML or host memory, joins everything into one
+OpenTelemetry trace per request (OTLP, or OTLP-JSON files: `agent traces list`), serves Prometheus
+/metrics, runs the policy engine against the runtime's control socket, and publishes live state
+for `agent top` (or shows it with --tui). Each of those fails soft with one line at start.
+
 Stops on SIGINT/SIGTERM, after --duration, or when every target has exited; then prints one
 summary line (requests, p50/p99 kernel latency, drops). Exit status: 0, or 8 when the targets
 exited (--pid/--port), or the command's own status (-- CMD).
@@ -24,6 +30,10 @@ from typing import IO, Any
 
 from agent import errors
 from agent.daemon import STOP_SIGNAL, Daemon, LatencyHistogram
+from agent.export.config import add_export_arguments
+from agent.metrics import add_metrics_arguments
+from agent.observe import Observers
+from agent.policy.wiring import add_policy_arguments
 from agent.targets import LaunchedCommand, Target, target_for_pid, targets_for_port
 from probes.ingress import loader
 from probes.ingress.loader import IngressOptions, IngressProbe, IngressRecord
@@ -39,6 +49,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
     parser.add_argument("--records", metavar="FILE", help="write one JSON line per request to FILE ('-': stdout)")
     parser.add_argument("--ebpf", action="store_true", help="print the eBPF program and its cflags, then exit")
+    parser.add_argument("--tui", action="store_true", help="show the live view (as `agent top`) in the foreground")
+    parser.add_argument("--interval", type=float, default=0.25, metavar="S",
+                        help="live view and state file refresh period (default 0.25 s)")
+    src = parser.add_argument_group("sources")
+    src.add_argument("--no-nvtx", action="store_true", help="do not capture NVTX ranges (kernel timing only)")
+    src.add_argument("--no-telemetry", action="store_true", help="do not sample NVML / host memory")
+    src.add_argument("--num-experts", type=int, metavar="E",
+                     help="experts per MoE layer, for producers that do not report it (moe/v0)")
+    src.add_argument("--memory-budget-bytes", type=int, metavar="N",
+                     help="device memory budget used as the memory signal's total (no GPU, no cgroup limit)")
+    src.add_argument("--nvml-library", metavar="PATH", help="libnvidia-ml.so to load (default: the system's)")
+    add_export_arguments(parser)
+    add_metrics_arguments(parser)
+    add_policy_arguments(parser)
     parser.add_argument("command", nargs="*", metavar="-- CMD ARGS", help="command to launch and observe")
 
 
@@ -102,6 +126,12 @@ def _validate(args: argparse.Namespace) -> list[str]:
         raise errors.UsageError("give either --pid/--port or -- CMD, not both")
     if not command and not args.pid and not args.port:
         raise errors.UsageError("nothing to observe: give --pid PID, --port PORT or -- CMD ARGS")
+    if not args.interval > 0:
+        raise errors.UsageError(f"--interval must be a positive number of seconds, got {args.interval}")
+    if args.num_experts is not None and args.num_experts < 1:
+        raise errors.UsageError(f"--num-experts must be >= 1, got {args.num_experts}")
+    if args.memory_budget_bytes is not None and args.memory_budget_bytes < 1:
+        raise errors.UsageError(f"--memory-budget-bytes must be >= 1, got {args.memory_budget_bytes}")
     if args.duration is not None and not args.duration > 0:
         raise errors.UsageError(f"--duration must be a positive number of seconds, got {args.duration}")
     for pid in args.pid or []:
@@ -149,8 +179,7 @@ def run(args: argparse.Namespace) -> int:
     # Installed before attaching: a signal at any point from here on ends in the summary.
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _observe(daemon, summary, records_sink, targets=targets, command=command, options=options,
-                        duration_s=args.duration)
+        return _observe(daemon, summary, records_sink, args=args, targets=targets, command=command, options=options)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -161,29 +190,37 @@ def _observe(
     summary: RequestSummary,
     records_sink: JsonLinesSink | None,
     *,
+    args: argparse.Namespace,
     targets: list[Target],
     command: list[str],
     options: IngressOptions,
-    duration_s: float | None,
 ) -> int:
     started_ns = time.monotonic_ns()
     probe = IngressProbe(on_record=daemon.emit, options=options)
     launched: LaunchedCommand | None = None
+    observers: Observers | None = None
     try:
+        observers = Observers.build(args, daemon=daemon)
         probe.load()
         if command:
-            launched = LaunchedCommand(command)
+            launched = LaunchedCommand(command, extra_env=observers.child_env())
             targets.append(launched.target)
         seeded = sum(probe.add_target(t.pid) for t in targets)
-        if launched is not None:
-            launched.release()
         attach_s = (time.monotonic_ns() - started_ns) / 1e9
         names = ", ".join(t.describe() for t in targets)
-        print(f"agent: tracing {names}; {seeded} open connections seeded; attached in {attach_s:.2f} s", file=sys.stderr)
+        print(f"agent: tracing {names}; {seeded} open connections seeded; attached in {attach_s:.2f} s",
+              file=sys.stderr, flush=True)
+        observers.attach([t.pid for t in targets], probe_names=["ingress"])
+        if launched is not None:
+            launched.release()
+        for line in observers.describe():
+            print(f"agent: {line}", file=sys.stderr)
     except BaseException:
         if launched is not None:
             launched.stop()
         probe.close()
+        if observers is not None:
+            observers.close()
         if records_sink is not None:
             records_sink.close()
         raise
@@ -199,16 +236,24 @@ def _observe(
         return None if live else STOP_TARGETS_EXITED
 
     daemon.add_tick_hook(reap_exited)
+    duration_ns = None if args.duration is None else int(args.duration * 1e9)
+    observers.start()
     try:
-        reason = daemon.run(duration_ns=None if duration_s is None else int(duration_s * 1e9))
+        if args.tui:
+            reason = observers.run_with_tui(daemon, duration_ns=duration_ns, interval_s=args.interval)
+        else:
+            reason = daemon.run(duration_ns=duration_ns)
         observed_s = (time.monotonic_ns() - started_ns) / 1e9
     finally:
         daemon.close()
+        observers.close()
         if records_sink is not None:
             records_sink.close()
         if launched is not None:
             launched.stop()  # the agent launched it, so it does not outlive the agent
     print(summary.line(drops=_drop_counts(daemon, probe), elapsed_s=observed_s), flush=True)
+    for line in observers.summary_lines():
+        print(f"agent: {line}", flush=True)
 
     if reason == STOP_TARGETS_EXITED:
         if launched is not None:

@@ -75,12 +75,14 @@ def run_live(
     *,
     console: Console | None = None,
     stdin: TextIO | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> int:
     """Show snapshots from `get_snapshot` full-screen until `q` or Ctrl-C; returns 0.
 
     `get_snapshot` may raise a MoescopeError: the last good snapshot stays on screen with the error
     in the header, and the loop keeps trying. Any other exception ends the view (terminal restored)
-    and propagates.
+    and propagates. `should_stop` (checked every tick) ends the view from the outside, e.g. when the
+    agent running it in-process has stopped.
     """
     if interval_s <= 0:
         raise errors.UsageError("--interval must be > 0")
@@ -110,6 +112,8 @@ def run_live(
                 now_s = time.monotonic()
                 if next_tick_s < now_s:  # fell behind (suspended, slow render): don't catch up in a burst
                     next_tick_s = now_s
+                if should_stop is not None and should_stop():
+                    return 0
                 while True:
                     pressed = keys.read(next_tick_s - time.monotonic())
                     if QUIT_KEYS.intersection(pressed):

@@ -188,7 +188,11 @@ def run_agent() -> Iterator[Callable[..., AgentRun]]:
         line = ""
         if wait_attach:
             assert popen.stderr is not None
-            line = popen.stderr.readline()
+            # Notes from other sources (e.g. "no NVIDIA driver") may come first; bounded read.
+            for _ in range(50):
+                line = popen.stderr.readline()
+                if not line or line.startswith("agent: tracing") or "error" in line:
+                    break
         return AgentRun(popen=popen, attach_line=line)
 
     try:

@@ -1,0 +1,353 @@
+"""Everything `agent start` runs beside the ingress probe, assembled in one place.
+
+    NVTX rings (collectors/nvtx → moe_convention) ─┐
+    NVML / host memory (collectors/registry)  ─────┼─▶ daemon ─▶ pipeline ─▶ traces (OTLP / file)
+    ingress probe (probes/ingress)            ─────┘               │     ─▶ /metrics
+                                                                   ├─▶ policy engine ─▶ control socket
+                                                                   └─▶ state file ─▶ `agent top` / --tui
+
+Each part is optional and fails soft: a target started without the NVTX variable, a host without
+NVIDIA's driver, or a runtime without a control socket costs that part (said once at start), never
+the others. Only a bad flag or config stops the start (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from agent import errors
+from agent import state as st
+from agent.daemon import Daemon
+from agent.export.config import flags_from_args, resolve_export_config
+from agent.export.setup import Tracing, build_tracing
+from agent.metrics import Metrics, MetricsServer
+from agent.pipeline import Pipeline, resource_attributes
+from agent.policy.rules import Signals
+
+log = logging.getLogger(__name__)
+
+POLICY_RETRY_S = 1.0
+
+
+class Observers:
+    def __init__(self, *, args: argparse.Namespace, daemon: Daemon, pipeline: Pipeline, tracing: Tracing,
+                 metrics: Metrics, metrics_server: MetricsServer | None) -> None:
+        self.args = args
+        self.daemon = daemon
+        self.pipeline = pipeline
+        self.tracing = tracing
+        self.metrics = metrics
+        self.metrics_server = metrics_server
+        self.notes: list[str] = []  # one line each, said at start
+        self.targets: list[st.Target] = []
+        self.probes: list[str] = []
+        self.nvtx: list[Any] = []
+        self.parsers: list[Any] = []
+        self.telemetry: Any = None
+        self.policy: Any = None
+        self.policy_loop: Any = None
+        self.stats_signals: Any = None
+        self._policy_pid: int | None = None
+        self._policy_retry_ns = 0
+        self.publisher: st.PeriodicPublisher | None = None
+        self.started_unix_s = time.time()
+        self._meter = st.SelfCostMeter()
+        self._event_totals: dict[str, tuple[float, int]] = {}
+        self._seq = 0
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ build
+    @classmethod
+    def build(cls, args: argparse.Namespace, *, daemon: Daemon) -> Observers:
+        """Exporters and the pipeline; raises ConfigError (exit 2) for bad export flags/env."""
+        config = resolve_export_config(flags_from_args(args))
+        metrics = Metrics()
+        server = MetricsServer(metrics, port=args.metrics_port, addr=args.metrics_addr) if args.metrics_port else None
+        tracing = build_tracing(config, resource_attributes=resource_attributes(args.pid or []), metrics=metrics)
+        pipeline = Pipeline(spans=tracing.factory, metrics=metrics, num_experts=args.num_experts)
+        daemon.add_sink(pipeline.sink)
+        obs = cls(args=args, daemon=daemon, pipeline=pipeline, tracing=tracing, metrics=metrics, metrics_server=server)
+        obs.notes.append(tracing.describe())
+        return obs
+
+    def child_env(self) -> dict[str, str]:
+        """Environment for a command the agent launches: the NVTX injection variables."""
+        if self.args.no_nvtx:
+            return {}
+        from collectors.nvtx import injection_env
+
+        return injection_env()
+
+    def attach(self, pids: list[int], *, probe_names: list[str]) -> None:
+        """NVTX per target, telemetry and policy for the first target. Soft failures become notes."""
+        self.probes = list(probe_names)
+        for pid in pids:
+            self.targets.append(st.Target(pid=pid, comm=_comm(pid)))
+        if not self.args.no_nvtx:
+            self._attach_nvtx(pids)
+        if not self.args.no_telemetry:
+            self._attach_telemetry(pids[0] if pids else None)
+        self._attach_policy(pids[0] if pids else None)
+        self.publisher = st.PeriodicPublisher(
+            st.StatePublisher(state_dir=Path(self.args.state_dir) if self.args.state_dir else None),
+            self.snapshot,
+            interval_s=self.args.interval,
+        )
+
+    def _attach_nvtx(self, pids: list[int]) -> None:
+        from collectors.moe_convention import MoeConventionParser
+        from collectors.nvtx import NvtxCollector
+
+        for pid in pids:
+            parser = MoeConventionParser(sink=self.pipeline.on_steps)
+            try:
+                collector = NvtxCollector(pid, sink=parser)
+            except errors.SourceUnavailable as exc:
+                self.notes.append(f"NVTX off for pid {pid}: {exc}")
+                continue
+            self.nvtx.append(collector)
+            self.parsers.append(parser)
+            self.daemon.add_source(collector)
+        if self.nvtx:
+            self.probes.append("nvtx")
+
+    def _attach_telemetry(self, pid: int | None) -> None:
+        from collectors.registry import CollectorConfig, Supervisor, SupervisorSource
+
+        supervisor = Supervisor.from_registry(
+            CollectorConfig(target_pid=pid, budget_bytes=self.args.memory_budget_bytes, nvml_library=self.args.nvml_library)
+        )
+        for name, why in supervisor.unavailable.items():
+            if name != "nvml":  # the NVML gateway already said its one line ("no NVIDIA driver ...")
+                self.notes.append(f"telemetry: {name} off: {why}")
+        self.telemetry = SupervisorSource(supervisor, emit=self.daemon.emit)
+        self.daemon.add_source(self.telemetry)
+        self.probes.append("telemetry")
+
+    def _attach_policy(self, pid: int | None) -> None:
+        if self.args.no_policy:
+            self.notes.append("policy off (--no-policy)")
+            return
+        try:
+            self._build_policy(pid)
+        except errors.ControlError as exc:
+            if self.args.control_socket:
+                raise  # asked for explicitly: not finding it is an error
+            # A runtime the agent launched (or one still starting) creates its socket later.
+            self.notes.append(f"policy waiting: {exc} (looking again every {POLICY_RETRY_S:.0f} s)")
+            self._policy_pid = pid
+            self.daemon.add_tick_hook(self._retry_policy)
+
+    def _retry_policy(self, now_ns: int) -> None:
+        if self.policy is not None or now_ns - self._policy_retry_ns < POLICY_RETRY_S * 1e9:
+            return None
+        self._policy_retry_ns = now_ns
+        try:
+            self._build_policy(self._policy_pid)
+        except errors.ControlError:
+            return None
+        except errors.MoescopeError as exc:  # e.g. a policy file error found late: say it, go on
+            log.warning("policy off: %s", exc)
+            self._policy_pid = None
+            return None
+        log.warning("policy: control socket found; %s", self.notes[-1])
+        self._start_policy()
+        return None
+
+    def _build_policy(self, pid: int | None) -> None:
+        from agent.policy import publish
+        from agent.policy.stats_source import RuntimeStatsSignals
+        from agent.policy.wiring import build_policy
+
+        engine = build_policy(self.args, runtime_pid=pid)
+        if engine is None:
+            return
+        engine.audit.add_hook(publish.metrics_hook(self.metrics))
+        engine.audit.add_hook(publish.tracer_hook(self.tracing.provider.get_tracer("moescope.policy")))
+        actuator = getattr(engine, "actuator", None)
+        socket_path = getattr(actuator, "socket_path", None) or self.args.control_socket
+        if socket_path:
+            # Queue depth per expert is the runtime's own number (control-socket stats).
+            self.stats_signals = RuntimeStatsSignals(socket_path, timeout_s=engine.config.command_timeout_ms / 1000.0)
+        mode = "dry-run" if self.args.dry_run else "acting"
+        self.notes.append(f"policy: {len(engine.rules)} rules, {mode}, control socket {socket_path}, audit {self.args.policy_audit}")
+        self.policy = engine
+
+    def _start_policy(self) -> None:
+        from agent.policy.engine import PolicyLoop
+
+        assert self.policy is not None
+        self.policy.start()
+        self.policy_loop = PolicyLoop(self.policy, self.policy_signals, period_s=self.policy.config.sample_period_s)
+        self.policy_loop.start()
+
+    def policy_signals(self) -> Signals:
+        """The pipeline's windows, plus the runtime's queue depths (and its view where NVTX is off)."""
+        mine = self.pipeline.signals()
+        if self.stats_signals is None:
+            return mine
+        theirs = self.stats_signals()
+        merged = replace(mine, expert_queue_tokens=dict(theirs.expert_queue_tokens))
+        if not self.nvtx:  # no NVTX: routing and memory as the runtime reports them
+            merged = replace(
+                merged,
+                expert_load_gini=dict(theirs.expert_load_gini),
+                router_entropy_ratio=dict(theirs.router_entropy_ratio),
+            )
+        # Without a GPU the runtime's own device-pool accounting is the device memory signal; host
+        # RSS / cgroup stays in the TUI and metrics. NVML or an explicit --memory-budget-bytes win.
+        if self.pipeline.memory_source() not in ("nvml", "budget") and theirs.device_memory_used_ratio == theirs.device_memory_used_ratio:
+            merged = replace(merged, device_memory_used_ratio=theirs.device_memory_used_ratio)
+        return merged
+
+    # ------------------------------------------------------------------ run
+    def start(self) -> None:
+        if self.metrics_server is not None:
+            try:
+                port = self.metrics_server.start()
+                self.notes.append(f"metrics: http://{self.args.metrics_addr}:{port}/metrics")
+            except OSError as exc:
+                log.warning("metrics server off: %s", exc)
+        if self.policy is not None:
+            self._start_policy()
+        if self.publisher is not None:
+            self.publisher.start()
+
+    def run_with_tui(self, daemon: Daemon, *, duration_ns: int | None, interval_s: float) -> str:
+        """The daemon on a thread, the live view in the foreground; either ending stops both."""
+        from agent.tui import run_live
+
+        result: dict[str, str] = {}
+        done = threading.Event()
+
+        def loop() -> None:
+            try:
+                result["reason"] = daemon.run(duration_ns=duration_ns)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=loop, name="moescope-daemon", daemon=True)
+        # Log lines would tear the full-screen view: keep them for after it closes.
+        root = logging.getLogger()
+        level = root.level
+        root.setLevel(logging.CRITICAL)
+        thread.start()
+        try:
+            run_live(self.snapshot, interval_s, should_stop=done.is_set)
+        finally:
+            root.setLevel(level)
+            daemon.stop()
+            thread.join()
+        return result.get("reason", "signal")
+
+    def close(self) -> None:
+        """Stop in dependency order; one deadline for the trace export."""
+        if self.policy_loop is not None:
+            self.policy_loop.stop()
+        if self.policy is not None:
+            self.policy.close()
+        if self.stats_signals is not None:
+            self.stats_signals.close()
+        if self.publisher is not None:
+            self.publisher.stop()
+        self.pipeline.expire(flush=True)
+        self.tracing.shutdown()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+
+    # ------------------------------------------------------------------ report
+    def describe(self) -> list[str]:
+        return list(self.notes)
+
+    def summary_lines(self) -> list[str]:
+        lines = []
+        p = self.pipeline.stats()
+        lines.append(
+            f"pipeline: {p['requests']} requests ({p['requests_joined']} joined to steps), {p['steps']} steps "
+            f"({p['steps_unjoined']} unjoined), {p['spans']} spans"
+        )
+        for collector, parser in zip(self.nvtx, self.parsers, strict=True):
+            s = collector.stats()
+            drops = {k: v for k, v in s.items() if "drop" in k and v}
+            anomalies = {k: v for k, v in parser.stats().items() if k in _PARSER_ANOMALIES and v}
+            lines.append(f"nvtx pid {collector.pid}: {s.get('records_received', 0)} records, drops {drops or 0}, anomalies {anomalies or 0}")
+        export = self.tracing.stats()
+        lines.append(f"export: {_fmt_export(export)}")
+        if self.policy is not None:
+            lines.append(f"policy: {len(self.policy.audit.recent())} audit records")
+        return lines
+
+    def snapshot(self) -> st.Snapshot:
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        requests, moe, devices = self.pipeline.panels()
+        policy = st.Policy()
+        if self.policy is not None:
+            from agent.policy import publish
+
+            policy = publish.policy_snapshot(self.policy)
+            publish.publish_rule_metrics(self.policy, self.metrics)
+        header = st.Header(
+            agent_pid=os.getpid(),
+            started_unix_s=self.started_unix_s,
+            targets=list(self.targets),
+            probes_attached=list(self.probes),
+            sources=self._source_stats(),
+            dry_run=bool(getattr(self.args, "dry_run", False)),
+        )
+        return st.Snapshot(
+            header=header,
+            taken_unix_s=time.time(),
+            seq=seq,
+            publish_interval_s=self.args.interval,
+            requests=requests,
+            moe=moe,
+            devices=devices,
+            policy=policy,
+            self_cost=self._meter.sample(),
+        )
+
+    def _source_stats(self) -> list[st.SourceStats]:
+        out = []
+        now = time.monotonic()
+        for source in list(self.daemon.sources):
+            try:
+                stats = source.stats()
+            except Exception:  # a source's stats must not break the live view
+                continue
+            events = int(stats.get("records", stats.get("records_received", stats.get("samples_emitted", 0))) or 0)
+            drops = sum(int(v) for k, v in stats.items() if "drop" in k and isinstance(v, int))
+            last = self._event_totals.get(source.name)
+            rate = None
+            if last is not None and now > last[0]:
+                rate = max(0.0, (events - last[1]) / (now - last[0]))
+            self._event_totals[source.name] = (now, events)
+            self.metrics.set_counter_total("moescope_agent_events", float(events), source=source.name)
+            out.append(st.SourceStats(name=source.name, events_per_s=rate, drops_total=drops))
+        return out
+
+
+_PARSER_ANOMALIES = ("unknown_names", "malformed_payloads", "malformed_categories", "misplaced", "orphans", "pending_overflow")
+
+
+def _fmt_export(stats: Any) -> str:
+    fields = getattr(stats, "__dataclass_fields__", None)
+    if fields:
+        return ", ".join(f"{name} {getattr(stats, name)}" for name in fields)
+    return str(stats)
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
