@@ -54,8 +54,11 @@ class Observers:
         self.policy: Any = None
         self.policy_loop: Any = None
         self.stats_signals: Any = None
-        self._policy_pid: int | None = None
+        self._policy_pid: int | None = None  # the target the policy follows (built, or waiting for its socket)
         self._policy_retry_ns = 0
+        self._policy_retry_hooked = False
+        self._closed_audit_records = 0
+        self._telemetry_pid: int | None = None
         self.publisher: st.PeriodicPublisher | None = None
         self.started_unix_s = time.time()
         self._meter = st.SelfCostMeter()
@@ -73,6 +76,8 @@ class Observers:
         tracing = build_tracing(config, resource_attributes=resource_attributes(args.pid or []), metrics=metrics)
         pipeline = Pipeline(spans=tracing.factory, metrics=metrics, num_experts=args.num_experts)
         daemon.add_sink(pipeline.sink)
+        # Unclaimed steps become their own traces after retention, even when traffic stops.
+        daemon.add_tick_hook(lambda _now_ns: pipeline.expire())
         obs = cls(args=args, daemon=daemon, pipeline=pipeline, tracing=tracing, metrics=metrics, metrics_server=server)
         obs.notes.append(tracing.describe())
         return obs
@@ -95,11 +100,86 @@ class Observers:
         if not self.args.no_telemetry:
             self._attach_telemetry(pids[0] if pids else None)
         self._attach_policy(pids[0] if pids else None)
-        self.publisher = st.PeriodicPublisher(
-            st.StatePublisher(state_dir=Path(self.args.state_dir) if self.args.state_dir else None),
-            self.snapshot,
-            interval_s=self.args.interval,
-        )
+        try:
+            state = st.StatePublisher(state_dir=Path(self.args.state_dir) if self.args.state_dir else None)
+        except errors.SourceUnavailable as exc:
+            # A side channel: without it `agent top` cannot see this agent; everything else goes on.
+            self.notes.append(f"live state off (`agent top` will not see this agent): {exc}")
+            return
+        self.publisher = st.PeriodicPublisher(state, self.snapshot, interval_s=self.args.interval)
+
+    # ------------------------------------------------------------------ targets coming and going
+    def detach(self, pid: int) -> None:
+        """The target `pid` exited: drain and close its NVTX collector, stop the telemetry and the
+        policy that followed it. Its counters stay for the summary."""
+        self.targets = [t for t in self.targets if t.pid != pid]
+        for collector in [c for c in self.nvtx if c.pid == pid and c in self.daemon.sources]:
+            try:
+                collector.poll(time.monotonic_ns())  # what it sent before exiting
+            except Exception as exc:  # a failing drain must not stop the agent; said, not raised
+                log.warning("nvtx pid %d: last drain failed: %s", pid, exc)
+            collector.close()
+            self.daemon.sources.remove(collector)
+        if self.telemetry is not None and self._telemetry_pid == pid:
+            self.telemetry.close()
+            self.daemon.sources.remove(self.telemetry)
+            self.telemetry = None
+        if self._policy_pid == pid:
+            self._stop_policy()
+
+    def reattach(self, pid: int) -> list[str]:
+        """A new target (a restarted server): NVTX, telemetry and policy follow it. Returns the
+        lines to say (one per part that could not follow, and what did)."""
+        first_note = len(self.notes)
+        self.targets.append(st.Target(pid=pid, comm=_comm(pid)))
+        parts = ["ingress"]
+        if not self.args.no_nvtx:
+            before = len(self.nvtx)
+            self._attach_nvtx([pid])
+            if len(self.nvtx) > before:
+                parts.append("nvtx")
+        if not self.args.no_telemetry and self.telemetry is None:
+            self._attach_telemetry(pid)
+            parts.append("telemetry")
+        if not self.args.no_policy and self.policy is None and self._policy_pid is None:
+            self._attach_policy_soft(pid)
+            parts.append("policy" if self.policy is not None else "policy (waiting for its control socket)")
+        lines = self.notes[first_note:]
+        lines.append(f"following pid {pid}: {', '.join(parts)}")
+        return lines
+
+    def _attach_policy_soft(self, pid: int) -> None:
+        """Policy for a re-attached target: never an error; a missing socket is looked for again."""
+        try:
+            self._build_policy(pid)
+        except errors.ControlError as exc:
+            self.notes.append(f"policy waiting: {exc} (looking again every {POLICY_RETRY_S:.0f} s)")
+            self._policy_pid = pid
+            self._ensure_policy_retry()
+            return
+        except errors.MoescopeError as exc:
+            self.notes.append(f"policy off: {exc}")
+            return
+        if self.policy is not None:
+            self._start_policy()
+
+    def _ensure_policy_retry(self) -> None:
+        if not self._policy_retry_hooked:
+            self._policy_retry_hooked = True
+            self.daemon.add_tick_hook(self._retry_policy)
+
+    def _stop_policy(self) -> None:
+        if self.policy_loop is not None:
+            self.policy_loop.stop()
+            self.policy_loop = None
+        if self.policy is not None:
+            self._closed_audit_records += len(self.policy.audit.recent())
+            self.policy.close()
+            self.policy = None
+        if self.stats_signals is not None:
+            self.stats_signals.close()
+            self.stats_signals = None
+        self._policy_pid = None
 
     def _attach_nvtx(self, pids: list[int]) -> None:
         from collectors.moe_convention import MoeConventionParser
@@ -115,7 +195,7 @@ class Observers:
             self.nvtx.append(collector)
             self.parsers.append(parser)
             self.daemon.add_source(collector)
-        if self.nvtx:
+        if self.nvtx and "nvtx" not in self.probes:
             self.probes.append("nvtx")
 
     def _attach_telemetry(self, pid: int | None) -> None:
@@ -128,8 +208,10 @@ class Observers:
             if name != "nvml":  # the NVML gateway already said its one line ("no NVIDIA driver ...")
                 self.notes.append(f"telemetry: {name} off: {why}")
         self.telemetry = SupervisorSource(supervisor, emit=self.daemon.emit)
+        self._telemetry_pid = pid
         self.daemon.add_source(self.telemetry)
-        self.probes.append("telemetry")
+        if "telemetry" not in self.probes:
+            self.probes.append("telemetry")
 
     def _attach_policy(self, pid: int | None) -> None:
         if self.args.no_policy:
@@ -143,10 +225,10 @@ class Observers:
             # A runtime the agent launched (or one still starting) creates its socket later.
             self.notes.append(f"policy waiting: {exc} (looking again every {POLICY_RETRY_S:.0f} s)")
             self._policy_pid = pid
-            self.daemon.add_tick_hook(self._retry_policy)
+            self._ensure_policy_retry()
 
     def _retry_policy(self, now_ns: int) -> None:
-        if self.policy is not None or now_ns - self._policy_retry_ns < POLICY_RETRY_S * 1e9:
+        if self.policy is not None or self._policy_pid is None or now_ns - self._policy_retry_ns < POLICY_RETRY_S * 1e9:
             return None
         self._policy_retry_ns = now_ns
         try:
@@ -169,6 +251,7 @@ class Observers:
         engine = build_policy(self.args, runtime_pid=pid)
         if engine is None:
             return
+        self._policy_pid = pid
         engine.audit.add_hook(publish.metrics_hook(self.metrics))
         engine.audit.add_hook(publish.tracer_hook(self.tracing.provider.get_tracer("moescope.policy")))
         actuator = getattr(engine, "actuator", None)
@@ -280,8 +363,9 @@ class Observers:
             lines.append(f"nvtx pid {collector.pid}: {s.get('records_received', 0)} records, drops {drops or 0}, anomalies {anomalies or 0}")
         export = self.tracing.stats()
         lines.append(f"export: {_fmt_export(export)}")
-        if self.policy is not None:
-            lines.append(f"policy: {len(self.policy.audit.recent())} audit records")
+        if self.policy is not None or self._closed_audit_records:
+            current = len(self.policy.audit.recent()) if self.policy is not None else 0
+            lines.append(f"policy: {current + self._closed_audit_records} audit records")
         return lines
 
     def snapshot(self) -> st.Snapshot:
@@ -290,11 +374,12 @@ class Observers:
             seq = self._seq
         requests, moe, devices = self.pipeline.panels()
         policy = st.Policy()
-        if self.policy is not None:
+        engine = self.policy  # read once: a re-attach may replace it meanwhile (daemon thread)
+        if engine is not None:
             from agent.policy import publish
 
-            policy = publish.policy_snapshot(self.policy)
-            publish.publish_rule_metrics(self.policy, self.metrics)
+            policy = publish.policy_snapshot(engine)
+            publish.publish_rule_metrics(engine, self.metrics)
         header = st.Header(
             agent_pid=os.getpid(),
             started_unix_s=self.started_unix_s,

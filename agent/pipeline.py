@@ -186,21 +186,25 @@ class Pipeline:
 
     # ------------------------------------------------------------------ steps
     def _experts_for(self, step: StepEvent) -> int:
-        seen = 0
-        for layer in step.layers:
-            router = layer.router
-            if router is not None:
-                for expert in (*router.tokens, *router.dropped):
-                    seen = max(seen, expert + 1)
-            for ev in (*layer.loads, *layer.ffns):
-                seen = max(seen, ev.expert + 1)
-            seen = max(seen, getattr(layer, "num_experts", 0) or 0)
-        if self._configured_experts:
-            return self._configured_experts
-        if seen > self._num_experts:
-            # E is learned from the convention's moe.layer payload, else from the largest id seen.
+        """E: the moe.layer payload (moe/v1) wins; else --num-experts; else the largest expert id seen."""
+        reported = max((layer.num_experts or 0 for layer in step.layers), default=0)
+        if reported:
+            wanted = reported
+        elif self._configured_experts:
+            wanted = self._configured_experts
+        else:
+            seen = 0
+            for layer in step.layers:
+                router = layer.router
+                if router is not None:
+                    for expert in (*router.tokens, *router.dropped):
+                        seen = max(seen, expert + 1)
+                for ev in (*layer.loads, *layer.ffns):
+                    seen = max(seen, ev.expert + 1)
+            wanted = max(seen, self._num_experts)
+        if wanted != self._num_experts:
             self._counts["experts_grown"] += 1
-            self._num_experts = seen
+            self._num_experts = wanted
             self._routing = None  # windows are per E: restart them
         return self._num_experts
 
@@ -360,7 +364,7 @@ class Pipeline:
         }
 
     def _health_attributes(self, step: StepEvent) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
-        num_experts = self._configured_experts or self._num_experts
+        num_experts = self._num_experts
         per_layer: dict[int, dict[str, Any]] = {}
         healths = []
         for routing in self._routings(step, num_experts):
@@ -510,7 +514,7 @@ class Pipeline:
             m.set_layer_health(h)
         if healths:
             m.set_step_health(step_health(healths))
-        num_experts = self._configured_experts or self._num_experts
+        num_experts = self._num_experts
         if num_experts:
             m.set("moescope_experts", num_experts)
         routing = self._routing
