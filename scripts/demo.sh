@@ -3,8 +3,8 @@
 #
 # The agent launches the runtime (so NVTX capture is on from the first step) and shows the TUI in
 # the foreground; a load generator cycles through scenarios that make the policy act and revert:
-#   balanced → hotspot (queue soft limit: router penalties; monopoly: expert moved to cpu:1)
-#   → balanced (penalties removed) → memory (budget crossed: alert, then coldest experts offloaded).
+#   balanced → memory (budget crossed: alert, then coldest experts offloaded) → hotspot (queue
+#   soft limit: router penalties; monopoly: expert moved to cpu:1) → balanced (penalties removed).
 # Quit with q (or Ctrl-C). Without a terminal it runs DEMO_SECONDS and prints one `agent top` frame.
 #
 # Knobs: DEMO_PORT (8000), DEMO_SECONDS (600), DEMO_STATE_DIR (/tmp/moescope-demo),
@@ -34,9 +34,9 @@ then
 fi
 
 # 4 layers x 16 experts, 8 resident at start; experts loaded on demand stay resident (--cache-on-load),
-# so balanced traffic fills the 110 MB device budget to ~0.97: memory_alert, then expert_offload.
+# so traffic fills the 96 MB device budget past 0.95: memory_alert, then expert_offload.
 RUNTIME=("$PY" -m examples.moe_runtime --port "$PORT" --devices cpu,cpu:1
-         --initial-resident-experts 8 --cache-on-load --device-memory-budget-bytes 110000000)
+         --initial-resident-experts 8 --cache-on-load --device-memory-budget-bytes 96000000)
 AGENT_ARGS=(start --state-dir "$STATE" --policy-audit "$STATE/policy-audit.jsonl"
             --policy-state-dir "$STATE" --metrics-port "${DEMO_METRICS_PORT:-9464}")
 [ -n "${DEMO_OTLP:-}" ] && AGENT_ARGS+=(--otlp-endpoint "$DEMO_OTLP")
@@ -50,7 +50,7 @@ load_cycle() {
     done
     local url="http://127.0.0.1:$PORT"
     while "$PY" -c "import urllib.request; urllib.request.urlopen('$url/healthz', timeout=2)" 2>/dev/null; do
-        for scenario in "balanced 20" "hotspot 30" "balanced 40" "memory 30"; do
+        for scenario in "balanced 15" "memory 30" "hotspot 30" "balanced 30"; do
             set -- $scenario
             "$PY" -m examples.moe_runtime.loadgen --url "$url" --scenario "$1" --concurrency 6 \
                 --duration-s "$2" --json-out "$STATE/loadgen-$1.json" >/dev/null 2>&1 || true
