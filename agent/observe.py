@@ -248,6 +248,10 @@ class Observers:
         from agent.policy.stats_source import RuntimeStatsSignals
         from agent.policy.wiring import build_policy
 
+        from agent.policy.actuator import find_control_socket
+
+        if not self.args.control_socket and pid is not None:
+            find_control_socket(pid)  # ControlError until the runtime has made it (also in --dry-run)
         engine = build_policy(self.args, runtime_pid=pid)
         if engine is None:
             return
@@ -373,6 +377,9 @@ class Observers:
             self._seq += 1
             seq = self._seq
         requests, moe, devices = self.pipeline.panels()
+        runtime = getattr(self.stats_signals, "last_state", None)
+        if runtime is not None:
+            moe, devices = _with_runtime_state(moe, devices, runtime)
         policy = st.Policy()
         engine = self.policy  # read once: a re-attach may replace it meanwhile (daemon thread)
         if engine is not None:
@@ -418,6 +425,39 @@ class Observers:
             self.metrics.set_counter_total("moescope_agent_events", float(events), source=source.name)
             out.append(st.SourceStats(name=source.name, events_per_s=rate, drops_total=drops))
         return out
+
+
+def _with_runtime_state(moe: st.Moe, devices: st.Devices, runtime: Any) -> tuple[st.Moe, st.Devices]:
+    """Precision and residency per layer, and the runtime's device pool, from its control-socket stats."""
+    layers = []
+    for layer in moe.layers:
+        keys = [(layer.layer, e) for e in range(runtime.experts)]
+        precisions = [runtime.precision.get(k, runtime.precision_default) for k in keys]
+        base = max(set(precisions), key=precisions.count) if precisions else None
+        others = sum(1 for p in precisions if p != base)
+        tiers = [runtime.tier.get(k) for k in keys]
+        layers.append(
+            replace(
+                layer,
+                precision=f"{base}+{others}" if others else base,
+                expert_precision={str(e): p for e, p in enumerate(precisions) if p != base},
+                resident_device=sum(1 for t in tiers if t == "device"),
+                resident_host=sum(1 for t in tiers if t == "host"),
+            )
+        )
+    if not devices.gpus:
+        pools = [(name, m) for name, m in runtime.memory.items() if m.get("budget_bytes")]
+        if pools:
+            name, pool = max(pools, key=lambda kv: kv[1].get("used_ratio", 0.0))
+            devices = replace(
+                devices,
+                host_budget=st.HostBudget(
+                    source=f"runtime pool {name} (policy signal)",
+                    used_bytes=int(pool.get("used_bytes", 0)),
+                    total_bytes=int(pool.get("budget_bytes", 0)),
+                ),
+            )
+    return replace(moe, layers=layers), devices
 
 
 _PARSER_ANOMALIES = ("unknown_names", "malformed_payloads", "malformed_categories", "misplaced", "orphans", "pending_overflow")

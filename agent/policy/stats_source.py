@@ -53,6 +53,7 @@ class RuntimeStatsSignals:
         self._health: RoutingHealthWindow | None = None
         self._prev_tokens: dict[int, np.ndarray] = {}
         self._last_busy_s: dict[tuple[int, int], float] = {}
+        self.last_state: RuntimeState | None = None
 
     def close(self) -> None:
         if self._conn is not None:
@@ -81,6 +82,7 @@ class RuntimeStatsSignals:
             if self.poll_errors == 1:
                 log.warning("policy: cannot read runtime stats: %s (counting further failures)", exc)
             return Signals(t_s=now_s)
+        self.last_state = state  # the agent's live view shows precision and residency from it
         now_ns = int(now_s * 1e9)
         experts = state.experts
         if self._health is None or self._health.num_experts != experts:
