@@ -169,6 +169,12 @@ static __always_inline int accept_exit(long ret)
 	struct ingress_conn_key key = {};
 	key.tgid = tgid;
 	key.fd = (s32)ret;
+	if (c.family == MS_AF_UNIX) {
+		// UNIX-domain peers (a control socket, local IPC) are not HTTP ingress: never a request.
+		if (conns.delete(&key) == 0)
+			conn_count_add(INGRESS_CC_KERNEL_DELETES);
+		return 0;
+	}
 	if (!conns.lookup(&key)) {
 		// A new key: when the table is already full, the LRU evicts a live entry to make room.
 		u64 live = conn_count_get(INGRESS_CC_KERNEL_INSERTS) + conn_count_get(INGRESS_CC_USER_INSERTS) -

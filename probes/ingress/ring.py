@@ -48,6 +48,9 @@ class RingReader:
         if available <= 0:
             return np.empty(0, dtype=self.record)
         start = consumer & self._mask
+        # the kernel never has more than one ring's worth pending; a nonsense position is not
+        # allowed to slice past the (doubly mapped) data area
+        available = min(available, self._mask + 1)
         count = available // self.slot_bytes
         rows = self._data[start : start + count * self.slot_bytes].reshape(count, self.slot_bytes)
         headers = np.ascontiguousarray(rows[:, :4]).view("<u4").ravel()

@@ -250,3 +250,69 @@ def test_small_ring_wraps_and_every_loss_is_counted(bpf: None, start_server: Cal
         assert set(delivered) <= set(range(1, 101))  # seq keeps counting across the lost ones
     finally:
         tracer.probe.close()
+
+
+UNIX_AND_TCP_SERVER = r"""
+import os, socket, socketserver, sys, threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class Http(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        body = b"ok"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+
+class Line(socketserver.StreamRequestHandler):
+    def handle(self):
+        for line in self.rfile:
+            self.wfile.write(line)
+
+path = sys.argv[1]
+uds = socketserver.ThreadingUnixStreamServer(path, Line)
+http = ThreadingHTTPServer(("127.0.0.1", 0), Http)
+threading.Thread(target=uds.serve_forever, daemon=True).start()
+print(http.server_address[1], flush=True)
+http.serve_forever()
+"""
+
+
+def test_unix_domain_connections_are_not_requests(tracer: Tracer, tmp_path: os.PathLike[str]) -> None:
+    """A serving process's control socket (AF_UNIX) is accepted like TCP but is never HTTP ingress."""
+    import socket
+    import subprocess
+    import sys
+
+    from ingress_harness import stop_process_group
+
+    path = os.path.join(tmp_path, "ctl.sock")
+    server = subprocess.Popen([sys.executable, "-c", UNIX_AND_TCP_SERVER, path], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        tracer.probe.add_target(server.pid)
+        for _ in range(3):  # three UNIX connections, each several request/response round trips
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(path)
+                f = s.makefile("rwb")
+                for i in range(4):
+                    f.write(b"stats %d\n" % i)
+                    f.flush()
+                    assert f.readline() == b"stats %d\n" % i
+        client = HttpClient(port)
+        client.request(path="/a")
+        client.request(path="/b")
+        client.close()
+        records = tracer.wait_count(server.pid, 2)
+        tracer.probe.remove_target(server.pid)  # flushes anything still open: nothing from AF_UNIX
+        records = tracer.of(server.pid)
+        assert len(records) == 2
+        assert {r.peer_port for r in records} == {client.local_port}
+        assert_no_drops(tracer)
+    finally:
+        stop_process_group(server)
