@@ -26,7 +26,7 @@ from agent import errors
 from agent import state as st
 from agent.daemon import Daemon
 from agent.export.config import flags_from_args, resolve_export_config
-from agent.export.setup import Tracing, build_tracing
+from agent.export.setup import Tracing, build_tracing, stats_to_metrics
 from agent.metrics import Metrics, MetricsServer
 from agent.pipeline import Pipeline, resource_attributes
 from agent.policy.rules import Signals
@@ -34,6 +34,7 @@ from agent.policy.rules import Signals
 log = logging.getLogger(__name__)
 
 POLICY_RETRY_S = 1.0
+EXPORT_STATS_PERIOD_NS = 250_000_000
 
 
 class Observers:
@@ -59,6 +60,9 @@ class Observers:
         self._policy_retry_hooked = False
         self._closed_audit_records = 0
         self._telemetry_pid: int | None = None
+        self._export_to_metrics: Any = None
+        self._export_published_ns = 0
+        self._retire_hooked = False
         self.publisher: st.PeriodicPublisher | None = None
         self.started_unix_s = time.time()
         self._meter = st.SelfCostMeter()
@@ -73,14 +77,26 @@ class Observers:
         config = resolve_export_config(flags_from_args(args))
         metrics = Metrics()
         server = MetricsServer(metrics, port=args.metrics_port, addr=args.metrics_addr) if args.metrics_port else None
-        tracing = build_tracing(config, resource_attributes=resource_attributes(args.pid or []), metrics=metrics)
+        # No metrics hook in the export worker: it publishes only between drain rounds, and a round
+        # never ends while a stalled collector blocks each export; the daemon thread publishes instead.
+        tracing = build_tracing(config, resource_attributes=resource_attributes(args.pid or []), metrics=None)
         pipeline = Pipeline(spans=tracing.factory, metrics=metrics, num_experts=args.num_experts)
         daemon.add_sink(pipeline.sink)
         # Unclaimed steps become their own traces after retention, even when traffic stops.
         daemon.add_tick_hook(lambda _now_ns: pipeline.expire())
         obs = cls(args=args, daemon=daemon, pipeline=pipeline, tracing=tracing, metrics=metrics, metrics_server=server)
         obs.notes.append(tracing.describe())
+        obs._export_to_metrics = stats_to_metrics(metrics, tracing.exporter)
+        daemon.add_tick_hook(obs._publish_export_stats)
         return obs
+
+    def _publish_export_stats(self, now_ns: int) -> None:
+        """Export counters into /metrics from one thread (the daemon's), so totals only grow."""
+        if now_ns - self._export_published_ns < EXPORT_STATS_PERIOD_NS:
+            return None
+        self._export_published_ns = now_ns
+        self._export_to_metrics(self.tracing.stats())
+        return None
 
     def child_env(self) -> dict[str, str]:
         """Environment for a command the agent launches: the NVTX injection variables."""
@@ -110,22 +126,25 @@ class Observers:
 
     # ------------------------------------------------------------------ targets coming and going
     def detach(self, pid: int) -> None:
-        """The target `pid` exited: drain and close its NVTX collector, stop the telemetry and the
-        policy that followed it. Its counters stay for the summary."""
+        """The target `pid` exited: stop the telemetry and the policy that followed it. Its NVTX
+        collector drains what is left and finishes by itself (it sees the exit), then leaves the
+        daemon's sources. Counters stay for the summary."""
         self.targets = [t for t in self.targets if t.pid != pid]
-        for collector in [c for c in self.nvtx if c.pid == pid and c in self.daemon.sources]:
-            try:
-                collector.poll(time.monotonic_ns())  # what it sent before exiting
-            except Exception as exc:  # a failing drain must not stop the agent; said, not raised
-                log.warning("nvtx pid %d: last drain failed: %s", pid, exc)
-            collector.close()
-            self.daemon.sources.remove(collector)
+        if not self._retire_hooked:
+            self._retire_hooked = True
+            self.daemon.add_tick_hook(self._retire_finished_nvtx)
         if self.telemetry is not None and self._telemetry_pid == pid:
             self.telemetry.close()
             self.daemon.sources.remove(self.telemetry)
             self.telemetry = None
         if self._policy_pid == pid:
             self._stop_policy()
+
+    def _retire_finished_nvtx(self, _now_ns: int) -> None:
+        for collector in [c for c in self.daemon.sources if c in self.nvtx and c.finished]:
+            collector.close()
+            self.daemon.sources.remove(collector)
+        return None
 
     def reattach(self, pid: int) -> list[str]:
         """A new target (a restarted server): NVTX, telemetry and policy follow it. Returns the
@@ -189,7 +208,8 @@ class Observers:
             parser = MoeConventionParser(sink=self.pipeline.on_steps)
             try:
                 collector = NvtxCollector(pid, sink=parser)
-            except errors.SourceUnavailable as exc:
+            except (errors.SourceUnavailable, errors.NoSuchProcess) as exc:
+                # A target that already exited is reported by the daemon's exit check (exit 8).
                 self.notes.append(f"NVTX off for pid {pid}: {exc}")
                 continue
             self.nvtx.append(collector)
@@ -345,7 +365,9 @@ class Observers:
         if self.publisher is not None:
             self.publisher.stop()
         self.pipeline.expire(flush=True)
-        self.tracing.shutdown()
+        final = self.tracing.shutdown()
+        if self._export_to_metrics is not None:
+            self._export_to_metrics(final)
         if self.metrics_server is not None:
             self.metrics_server.stop()
 
@@ -424,6 +446,14 @@ class Observers:
             self._event_totals[source.name] = (now, events)
             self.metrics.set_counter_total("moescope_agent_events", float(events), source=source.name)
             out.append(st.SourceStats(name=source.name, events_per_s=rate, drops_total=drops))
+        # Trace export as a row of its own: spans exported per second; lost = failed + dropped.
+        export = self.tracing.stats()
+        last = self._event_totals.get("export")
+        rate = None
+        if last is not None and now > last[0]:
+            rate = max(0.0, (export.exported - last[1]) / (now - last[0]))
+        self._event_totals["export"] = (now, export.exported)
+        out.append(st.SourceStats(name="export", events_per_s=rate, drops_total=export.failed + export.dropped))
         return out
 
 

@@ -388,8 +388,17 @@ PEER_PROBE = textwrap.dedent(
         s.connect(sys.argv[1])
     except PermissionError:
         print("EACCES"); sys.exit(0)
-    s.sendall(b'{"id": 1, "cmd": "ping"}\\n')
-    print(s.makefile().readline().strip())
+    try:
+        s.sendall(b'{"id": 1, "cmd": "ping"}\\n')
+    except OSError:
+        pass  # the runtime may already have sent its refusal and closed
+    data = b""
+    try:
+        while chunk := s.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    print(data.decode().splitlines()[0] if data else "")
     """
 )
 
