@@ -12,15 +12,22 @@ OpenTelemetry trace per request (OTLP, or OTLP-JSON files: `agent traces list`),
 /metrics, runs the policy engine against the runtime's control socket, and publishes live state
 for `agent top` (or shows it with --tui). Each of those fails soft with one line at start.
 
-Stops on SIGINT/SIGTERM, after --duration, or when every target has exited; then prints one
-summary line (requests, p50/p99 kernel latency, drops). Exit status: 0, or 8 when the targets
-exited (--pid/--port), or the command's own status (-- CMD).
+A target found by --port is followed through restarts: when it exits, the agent waits for a new
+process to listen on that port (systemd or Kubernetes restarting the server) and re-attaches to it
+by itself — ingress, NVTX, telemetry and policy — saying so on stderr. A --pid target is gone for
+good when it exits (use --port to follow a server across restarts).
+
+Stops on SIGINT/SIGTERM, after --duration, or when every target has exited and none is awaited
+(--pid targets, -- CMD, or --port with --exit-on-target-exit); then prints one summary line
+(requests, p50/p99 kernel latency, drops). Exit status: 0, or 8 when the targets exited
+(--pid, or --port with --exit-on-target-exit), or the command's own status (-- CMD).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -34,17 +41,26 @@ from agent.export.config import add_export_arguments
 from agent.metrics import add_metrics_arguments
 from agent.observe import Observers
 from agent.policy.wiring import add_policy_arguments
-from agent.targets import LaunchedCommand, Target, target_for_pid, targets_for_port
+from agent.targets import LaunchedCommand, Target, successors_on_port, target_for_pid, targets_for_port
 from probes.ingress import loader
 from probes.ingress.loader import IngressOptions, IngressProbe, IngressRecord
 
+log = logging.getLogger(__name__)
+
 STOP_TARGETS_EXITED = "targets_exited"
+# How often a port whose target exited is looked at for a successor: the re-attach bar is 2 s.
+PORT_RESCAN_NS = 200_000_000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pid", type=int, action="append", metavar="PID", help="process to observe (repeatable)")
     parser.add_argument(
         "--port", type=int, action="append", metavar="PORT", help="observe the process(es) listening on this TCP port"
+    )
+    parser.add_argument(
+        "--exit-on-target-exit", action="store_true",
+        help="with --port: stop (exit 8) when the target exits, instead of waiting for a new process on "
+             "the port and re-attaching to it",
     )
     parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
     parser.add_argument("--records", metavar="FILE", help="write one JSON line per request to FILE ('-': stdout)")
@@ -147,6 +163,64 @@ def _drop_counts(daemon: Daemon, probe: IngressProbe) -> dict[str, int]:
     return counts
 
 
+class TargetFollower:
+    """Tick hook: notices targets that exited and, for --port targets, re-attaches to the next process
+    listening on the port. Returns STOP_TARGETS_EXITED once nothing is traced and nothing awaited."""
+
+    def __init__(self, probe: IngressProbe, observers: Observers, *, targets: list[Target], follow_ports: bool) -> None:
+        self.probe = probe
+        self.observers = observers
+        self.live = list(targets)
+        self.follow_ports = follow_ports
+        self.waiting: dict[int, int] = {}  # port -> monotonic ns its last target was seen gone
+        self.reattached = 0
+        self._last_scan_ns = 0
+
+    def tick(self, now_ns: int) -> str | None:
+        for target in [t for t in self.live if not t.alive()]:
+            self.live.remove(target)
+            self.probe.remove_target(target.pid)  # drains and flushes its last requests first
+            try:
+                self.observers.detach(target.pid)
+            except Exception:  # a tick hook that raises would end the agent: say it, go on
+                log.exception("detaching from %s failed", target.describe())
+            # Only a port left with no live target is watched: watching a served port would mean a
+            # scan of every process's fds each period.
+            if target.port is not None and self.follow_ports and not any(t.port == target.port for t in self.live):
+                self.waiting.setdefault(target.port, now_ns)
+                print(f"agent: target {target.describe()} exited; waiting for a process listening on port "
+                      f"{target.port} to re-attach (--exit-on-target-exit to stop instead)", file=sys.stderr, flush=True)
+            else:
+                print(f"agent: target {target.describe()} exited", file=sys.stderr, flush=True)
+        if self.waiting and now_ns - self._last_scan_ns >= PORT_RESCAN_NS:
+            self._last_scan_ns = now_ns
+            self._reattach(now_ns)
+        return None if self.live or self.waiting else STOP_TARGETS_EXITED
+
+    def _reattach(self, now_ns: int) -> None:
+        for port, gone_ns in list(self.waiting.items()):
+            known = {t.pid for t in self.live}
+            for target in successors_on_port(port, known_pids=known):
+                try:
+                    seeded = self.probe.add_target(target.pid)
+                except errors.MoescopeError as exc:  # e.g. the target limit: say it, keep waiting
+                    print(f"agent: cannot re-attach to {target.describe()}: {exc}", file=sys.stderr, flush=True)
+                    continue
+                self.live.append(target)
+                self.reattached += 1
+                self.waiting.pop(port, None)
+                print(f"agent: re-attached to {target.describe()} listening on port {port}, "
+                      f"{(now_ns - gone_ns) / 1e9:.1f} s after the previous target exited; "
+                      f"{seeded} open connections seeded", file=sys.stderr, flush=True)
+                try:
+                    lines = self.observers.reattach(target.pid)
+                except Exception:  # e.g. it exited already: the next tick reaps it; never end the agent
+                    log.exception("re-attaching NVTX/telemetry/policy to %s failed", target.describe())
+                    continue
+                for line in lines:
+                    print(f"agent: {line}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     command = _validate(args)
     options = IngressOptions()
@@ -226,16 +300,8 @@ def _observe(
         raise
     daemon.add_source(probe)
 
-    live = list(targets)
-
-    def reap_exited(_now_ns: int) -> str | None:
-        for target in [t for t in live if not t.alive()]:
-            live.remove(target)
-            probe.remove_target(target.pid)  # drains and flushes its last requests first
-            print(f"agent: target {target.describe()} exited", file=sys.stderr)
-        return None if live else STOP_TARGETS_EXITED
-
-    daemon.add_tick_hook(reap_exited)
+    follower = TargetFollower(probe, observers, targets=targets, follow_ports=not args.exit_on_target_exit)
+    daemon.add_tick_hook(follower.tick)
     duration_ns = None if args.duration is None else int(args.duration * 1e9)
     observers.start()
     try:
@@ -254,6 +320,9 @@ def _observe(
     print(summary.line(drops=_drop_counts(daemon, probe), elapsed_s=observed_s), flush=True)
     for line in observers.summary_lines():
         print(f"agent: {line}", flush=True)
+    if follower.reattached or follower.waiting:
+        waiting = ", ".join(str(port) for port in sorted(follower.waiting)) or "none"
+        print(f"agent: targets: re-attached {follower.reattached} times; still waiting on ports: {waiting}", flush=True)
 
     if reason == STOP_TARGETS_EXITED:
         if launched is not None:

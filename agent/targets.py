@@ -68,6 +68,8 @@ class Target:
     start_ticks: int
     name: str
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    # The TCP port it was found by (--port): when it exits, a new listener there is its successor.
+    port: int | None = None
 
     def alive(self) -> bool:
         if self.popen is not None:
@@ -117,7 +119,31 @@ def pids_listening_on(port: int, *, proc_root: Path = PROC) -> list[int]:
 
 
 def targets_for_port(port: int) -> list[Target]:
-    return [target_for_pid(pid) for pid in pids_listening_on(port)]
+    targets = [target_for_pid(pid) for pid in pids_listening_on(port)]
+    for target in targets:
+        target.port = port
+    return targets
+
+
+def successors_on_port(port: int, *, known_pids: set[int]) -> list[Target]:
+    """Processes now listening on `port` that are not in `known_pids` (a restarted server): [] while
+    nothing (visible) listens there. A process that exits between the scan and the check is left
+    out; the next scan sees its own successor."""
+    try:
+        pids = pids_listening_on(port)
+    except errors.PortNotListening:
+        return []
+    found: list[Target] = []
+    for pid in pids:
+        if pid in known_pids:
+            continue
+        try:
+            target = target_for_pid(pid)
+        except errors.NoSuchProcess:
+            continue
+        target.port = port
+        found.append(target)
+    return found
 
 
 class LaunchedCommand:
