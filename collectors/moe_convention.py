@@ -25,9 +25,10 @@ stats(), never raised.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -56,9 +57,16 @@ MARK_NAMES = frozenset({REQUEST, EXPERT_TOKENS, EXPERT_DROPPED})
 
 # Children waiting for a parent that never completes (e.g. the process died mid-step) are bounded.
 MAX_PENDING_PARENTS = 100_000
+# ... and so are the children waiting in all (one parent that never ends could collect any number).
+MAX_PENDING_CHILDREN = 1_000_000
 
-_INT_TYPES = (PAYLOAD_U64, PAYLOAD_I64, PAYLOAD_U32, PAYLOAD_I32)
-_FLOAT_TYPES = (PAYLOAD_DOUBLE, PAYLOAD_FLOAT)
+_INT_TYPES = frozenset({PAYLOAD_U64, PAYLOAD_I64, PAYLOAD_U32, PAYLOAD_I32})
+_SIGNED_TYPES = frozenset({PAYLOAD_I64, PAYLOAD_I32})
+_FLOAT_TYPES = frozenset({PAYLOAD_DOUBLE, PAYLOAD_FLOAT})
+_U64_AS_DOUBLE = struct.Struct("<Q"), struct.Struct("<d")  # the payload's 64 bits read as a double
+# Columns read once per batch as Python lists: per-row numpy field access costs ~10x a list index.
+_MARK_COLUMNS = ("parent_uid", "payload", "payload_type", "category")
+_RANGE_COLUMNS = ("uid", "parent_uid", "start_ns", "end_ns", "payload", "payload_type", "category", "tid")
 
 
 @dataclass(slots=True)
@@ -134,17 +142,37 @@ _STAT_NAMES = (
 )
 
 
+class _MarkRow(NamedTuple):
+    parent_uid: int
+    payload: int
+    payload_type: int
+    category: int
+
+
+class _RangeRow(NamedTuple):
+    uid: int
+    parent_uid: int
+    start_ns: int
+    end_ns: int
+    payload: int
+    payload_type: int
+    category: int
+    tid: int
+
+
 class MoeConventionParser:
     """An NvtxCollector sink: feed it NvtxBatch objects; completed steps go to `sink` per batch."""
 
     def __init__(self, *, sink: StepSink) -> None:
         self._sink = sink
         self._pending: dict[int, list[Any]] = {}  # parent uid -> completed children
+        self._pending_children = 0  # sum of the lists' lengths
         self._stats: dict[str, int] = dict.fromkeys(_STAT_NAMES, 0)
 
     def stats(self) -> dict[str, int]:
         out = dict(self._stats)
         out["pending_parents"] = len(self._pending)
+        out["pending_children"] = self._pending_children
         return out
 
     def __call__(self, batch: NvtxBatch) -> None:
@@ -152,25 +180,28 @@ class MoeConventionParser:
         if domain_id is None:
             return
         steps: list[StepEvent] = []
+        name_of = batch.strings.strings.get  # string id -> text (None: unknown)
         marks = batch.marks[batch.marks["domain_id"] == domain_id]
         if len(marks):
-            self._marks(marks, batch.strings.names(marks["string_id"]))
+            self._marks(marks, [name_of(i) for i in marks["string_id"].tolist()])
         ranges = batch.ranges[batch.ranges["domain_id"] == domain_id]
         if len(ranges):
             # deepest first: within one batch a child is filed before its parent collects it
             ranges = ranges[np.argsort(-ranges["depth"].astype(np.int64), kind="stable")]
-            names = batch.strings.names(ranges["string_id"])
-            for row, name in zip(ranges, names, strict=True):
-                step = self._range(row, name, batch.pid)
+            names = [name_of(i) for i in ranges["string_id"].tolist()]
+            columns = [ranges[c].tolist() for c in _RANGE_COLUMNS]
+            for name, *row in zip(names, *columns, strict=True):
+                step = self._range(_RangeRow(*row), name, batch.pid)
                 if step is not None:
                     steps.append(step)
         for uid in batch.lost_uids.tolist():
             # a parent whose end was lost (dropped, or its thread/process ended): its children
             # can never be placed
-            self._stats["orphans"] += len(self._pending.pop(int(uid), []))
-        if len(self._pending) > MAX_PENDING_PARENTS:
-            self._stats["pending_overflow"] += sum(len(v) for v in self._pending.values())
+            self._stats["orphans"] += len(self._take(int(uid)))
+        if len(self._pending) > MAX_PENDING_PARENTS or self._pending_children > MAX_PENDING_CHILDREN:
+            self._stats["pending_overflow"] += self._pending_children
             self._pending.clear()
+            self._pending_children = 0
         if steps:
             steps.sort(key=lambda s: s.start_ns)
             try:
@@ -181,23 +212,26 @@ class MoeConventionParser:
     # -- payload checks
 
     def _int(self, row: Any) -> int | None:
-        if int(row["payload_type"]) not in _INT_TYPES:
+        payload_type = row.payload_type
+        if payload_type not in _INT_TYPES:
             self._stats["malformed_payloads"] += 1
             return None
-        value = int(row["payload"])
-        if int(row["payload_type"]) in (PAYLOAD_I64, PAYLOAD_I32) and value >= 1 << 63:
+        value: int = row.payload
+        if payload_type in _SIGNED_TYPES and value >= 1 << 63:
             value -= 1 << 64
         return value
 
     def _float(self, row: Any) -> float | None:
-        if int(row["payload_type"]) not in _FLOAT_TYPES:
+        if row.payload_type not in _FLOAT_TYPES:
             self._stats["malformed_payloads"] += 1
             return None
-        return float(np.uint64(row["payload"]).view(np.float64))
+        u64, f64 = _U64_AS_DOUBLE
+        value: float = f64.unpack(u64.pack(row.payload))[0]
+        return value
 
     def _index(self, row: Any) -> int | None:
         """Layer or expert index from a category (id + 1; 0 means none)."""
-        category = int(row["category"])
+        category: int = row.category
         if category == 0:
             self._stats["malformed_categories"] += 1
             return None
@@ -208,11 +242,20 @@ class MoeConventionParser:
             self._stats["orphans"] += 1
             return
         self._pending.setdefault(parent_uid, []).append(child)
+        self._pending_children += 1
+
+    def _take(self, parent_uid: int) -> list[Any]:
+        """The children waiting for parent_uid, no longer pending."""
+        children = self._pending.pop(parent_uid, [])
+        self._pending_children -= len(children)
+        return children
 
     # -- marks and ranges
 
-    def _marks(self, marks: np.ndarray, names: np.ndarray) -> None:
-        for row, name in zip(marks, names, strict=True):
+    def _marks(self, marks: np.ndarray, names: list[str | None]) -> None:
+        columns = [marks[c].tolist() for c in _MARK_COLUMNS]
+        for name, *values in zip(names, *columns, strict=True):
+            row = _MarkRow(*values)
             if name is None or not name.startswith("moe."):
                 continue
             if name not in MARK_NAMES:
@@ -222,30 +265,29 @@ class MoeConventionParser:
             if name == REQUEST:
                 self._stats["request_marks"] += 1
                 if value is not None:
-                    self._file(int(row["parent_uid"]), ("request", value))
+                    self._file(row.parent_uid, ("request", value))
                 continue
             self._stats["expert_marks"] += 1
             expert = self._index(row)
             if value is not None and expert is not None:
                 kind = "tokens" if name == EXPERT_TOKENS else "dropped"
-                self._file(int(row["parent_uid"]), (kind, expert, value))
+                self._file(row.parent_uid, (kind, expert, value))
 
     def _range(self, row: Any, name: str | None, pid: int) -> StepEvent | None:
         if name is None or not name.startswith("moe."):
             # not ours; moe.* events nested in it are in the wrong place
-            self._stats["misplaced"] += len(self._pending.pop(int(row["uid"]), []))
+            self._stats["misplaced"] += len(self._take(row.uid))
             return None
         if name not in RANGE_NAMES:
             self._stats["unknown_names"] += 1
-            self._pending.pop(int(row["uid"]), None)
+            self._stats["misplaced"] += len(self._take(row.uid))  # children of an unknown range
             return None
-        uid = int(row["uid"])
-        start_ns, end_ns = int(row["start_ns"]), int(row["end_ns"])
-        children = self._pending.pop(uid, [])
-        parent = int(row["parent_uid"])
+        start_ns, end_ns = row.start_ns, row.end_ns
+        children = self._take(row.uid)
+        parent = row.parent_uid
         if name == STEP:
             self._stats["steps"] += 1
-            step = StepEvent(pid=pid, tid=int(row["tid"]), start_ns=start_ns, end_ns=end_ns, tokens=self._int(row))
+            step = StepEvent(pid=pid, tid=row.tid, start_ns=start_ns, end_ns=end_ns, tokens=self._int(row))
             for child in children:
                 if isinstance(child, LayerEvent):
                     step.layers.append(child)
@@ -260,7 +302,7 @@ class MoeConventionParser:
             layer_index = self._index(row)
             if layer_index is None:
                 return None  # a layer that does not say which: counted, left out with its children
-            experts = self._int(row) if int(row["payload_type"]) != PAYLOAD_NONE else None
+            experts = self._int(row) if row.payload_type != PAYLOAD_NONE else None
             layer = LayerEvent(
                 layer=layer_index, start_ns=start_ns, end_ns=end_ns, num_experts=experts if experts and experts > 0 else None
             )

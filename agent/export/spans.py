@@ -5,18 +5,38 @@
 agent's own thread state must not leak into a target's trace) and span links. Attribute values are
 converted to what OTLP carries: numpy scalars/arrays become Python values, ``None`` and NaN are
 left out (an undefined ratio is an absent attribute, not a misleading number).
+
+Cost: the pipeline makes ~30-70 spans per request, so span creation is a hot path. On the agent's
+own tracer (an SDK tracer with the ALWAYS_ON sampler and no attribute-length limit) the factory
+builds the finished ``ReadableSpan`` itself and hands it to the tracer's span processor: the same
+span the SDK would export (ids from the tracer's id generator, trace flags and trace state as the
+SDK sets them, the span limits applied with the SDK's own ``BoundedAttributes``/``BoundedList`` when
+they are exceeded, list attributes as tuples), without the SDK's per-span ``Context``, lock,
+attribute re-validation and ``on_start`` call. Other tracers (another sampler, value-length limits,
+a non-SDK tracer) take the SDK's ``start_span`` path. tests/export/test_spans_direct.py checks that both
+paths export identical spans.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import time
+import traceback
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import trace
+from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.context import Context
-from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.trace import Tracer as SdkTracer
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.sdk.util import BoundedList
+from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+log = logging.getLogger(__name__)
 
 AttributeValue = str | bool | int | float | Sequence[str] | Sequence[bool] | Sequence[int] | Sequence[float]
 
@@ -24,10 +44,31 @@ AttributeValue = str | bool | int | float | Sequence[str] | Sequence[bool] | Seq
 def clean_attributes(attributes: Mapping[str, Any] | None) -> dict[str, AttributeValue]:
     """OTLP-representable attributes: numpy to Python, homogeneous sequences, no None/NaN."""
     out: dict[str, AttributeValue] = {}
-    for key, value in (attributes or {}).items():
-        converted = _convert(value)
-        if converted is not None:
-            out[key] = converted
+    if not attributes:
+        return out
+    for key, value in attributes.items():
+        t = type(value)
+        if t is str or t is int or t is bool:  # the common cases first: no conversion
+            out[key] = value
+        elif t is float:
+            if value == value:  # not NaN
+                out[key] = value
+        elif value is not None:
+            converted = _convert(value)
+            if converted is not None:
+                out[key] = converted
+    return out
+
+
+def _span_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``clean_attributes`` as the SDK stores them: sequences as tuples, only non-empty str keys."""
+    out: dict[str, Any] = clean_attributes(attributes)
+    for key, value in out.items():
+        if type(value) is list:
+            out[key] = tuple(value)
+    if "" in out or not set(map(type, out)) <= {str}:
+        log.warning("span attributes with an empty or non-string key are left out")
+        out = {k: v for k, v in out.items() if type(k) is str and k}
     return out
 
 
@@ -44,6 +85,9 @@ def _convert(value: Any) -> AttributeValue | None:
         items = list(value)
         if not items:
             return None
+        kinds = set(map(type, items))  # one C-level pass decides the common homogeneous cases
+        if len(kinds) == 1 and (int in kinds or bool in kinds or str in kinds or float in kinds):
+            return items
         if all(isinstance(v, bool) for v in items):
             return items
         if all(isinstance(v, int) and not isinstance(v, bool) for v in items):
@@ -67,18 +111,165 @@ class SpanLink:
     attributes: Mapping[str, Any] = field(default_factory=dict)
 
 
+_EMPTY_CONTEXT = Context()
+
+
 def _context_for(parent: SpanContext | None) -> Context:
     # An empty Context makes a new root; never inherit whatever span is current in this thread.
     if parent is None:
-        return Context()
+        return _EMPTY_CONTEXT
     return trace.set_span_in_context(NonRecordingSpan(parent), Context())
 
 
-class SpanFactory:
-    """Build spans with explicit timing, parents and links on a given tracer."""
+_UNSET = Status(StatusCode.UNSET)  # immutable: one shared by every span until it sets its own
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_SAMPLED_RANDOM = TraceFlags(TraceFlags.SAMPLED | TraceFlags.RANDOM_TRACE_ID)
 
-    def __init__(self, tracer: trace.Tracer) -> None:
+
+class _DirectSpan(trace.Span):
+    """A span the factory builds without the SDK's Span: becomes a ReadableSpan when it ends.
+
+    The Span API behaves as the SDK's does: calls after ``end`` are ignored (with a warning), an
+    OK status is final, UNSET never overrides.
+    """
+
+    def __init__(
+        self,
+        factory: SpanFactory,
+        name: str,
+        context: SpanContext,
+        parent: SpanContext | None,
+        kind: SpanKind,
+        attributes: dict[str, Any] | BoundedAttributes,
+        links: Sequence[Link],
+        start_ns: int,
+    ) -> None:
+        self._factory = factory
+        self._name = name
+        self._context = context
+        self._parent = parent
+        self._kind = kind
+        self._attributes = attributes
+        self._links = links
+        self._events: list[Event] | BoundedList = []
+        self._status = _UNSET
+        self._start_ns = start_ns
+        self._ended = False
+
+    def _warn_ended(self, what: str) -> bool:
+        if self._ended:
+            log.warning("span %r already ended: %s ignored", self._name, what)
+        return self._ended
+
+    def get_span_context(self) -> SpanContext:
+        return self._context
+
+    def is_recording(self) -> bool:
+        return not self._ended
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self.set_attributes({key: value})
+
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+        if self._warn_ended("set_attributes"):
+            return
+        self._attributes = self._factory._merge(self._attributes, _span_attributes(attributes))
+
+    def add_event(self, name: str, attributes: Mapping[str, Any] | None = None, timestamp: int | None = None) -> None:
+        if self._warn_ended("add_event"):
+            return
+        limits = self._factory._limits
+        event = Event(
+            name=name,
+            attributes=BoundedAttributes(limits.max_event_attributes, attributes, max_value_len=None, immutable=True),
+            timestamp=timestamp,
+        )
+        if isinstance(self._events, list) and limits.max_events is not None and len(self._events) >= limits.max_events:
+            self._events = BoundedList.from_seq(limits.max_events, self._events)
+        self._events.append(event)
+
+    def update_name(self, name: str) -> None:
+        if not self._warn_ended("update_name"):
+            self._name = name
+
+    def set_status(self, status: Status | StatusCode, description: str | None = None) -> None:
+        if self._warn_ended("set_status"):
+            return
+        if self._status.status_code is StatusCode.OK:
+            return
+        if isinstance(status, Status):
+            if status.status_code is not StatusCode.UNSET:
+                self._status = status
+        elif status is not StatusCode.UNSET:
+            self._status = Status(status, description)
+
+    def record_exception(
+        self,
+        exception: BaseException,
+        attributes: Mapping[str, Any] | None = None,
+        timestamp: int | None = None,
+        escaped: bool = False,
+    ) -> None:
+        module = type(exception).__module__
+        qualname = type(exception).__qualname__
+        attrs: dict[str, Any] = {
+            "exception.type": f"{module}.{qualname}" if module and module != "builtins" else qualname,
+            "exception.message": str(exception),
+            "exception.stacktrace": "".join(traceback.format_exception(exception)),
+            "exception.escaped": str(escaped),
+        }
+        attrs.update(attributes or {})
+        self.add_event("exception", attrs, timestamp)
+
+    def end(self, end_time: int | None = None) -> None:
+        if self._warn_ended("end"):
+            return
+        self._ended = True
+        self._factory._finish(self, time.time_ns() if end_time is None else end_time)
+
+
+class SpanFactory:
+    """Build spans with explicit timing, parents and links on a given tracer.
+
+    ``direct=None`` (default) builds spans directly where the tracer allows it (see the module
+    docstring); ``direct=False`` always goes through the SDK's ``start_span``.
+    """
+
+    def __init__(self, tracer: trace.Tracer, *, direct: bool | None = None) -> None:
         self.tracer = tracer
+        self.direct = self._direct_possible(tracer) if direct is None else direct and self._direct_possible(tracer)
+        if self.direct:
+            assert isinstance(tracer, SdkTracer)
+            self._limits = tracer._span_limits
+            self._ids = tracer.id_generator
+            self._processor = tracer.span_processor
+            self._resource = tracer.resource
+            self._scope = tracer._instrumentation_scope
+            self._info = tracer.instrumentation_info
+            self._root_flags = _SAMPLED_RANDOM if self._ids.is_trace_id_random() else _SAMPLED
+        self._last: tuple[SpanContext | None, Context] = (None, _EMPTY_CONTEXT)  # one tuple: swapped atomically
+
+    @staticmethod
+    def _direct_possible(tracer: trace.Tracer) -> bool:
+        if not isinstance(tracer, SdkTracer) or tracer.sampler is not ALWAYS_ON:
+            return False
+        limits = getattr(tracer, "_span_limits", None)
+        needed = ("_instrumentation_scope", "_is_enabled", "span_processor", "id_generator", "resource")
+        if limits is None or not all(hasattr(tracer, name) for name in needed):
+            return False  # an SDK whose internals differ: its own path
+        # value-length limits truncate strings: the SDK's path does that
+        return limits.max_span_attribute_length is None and limits.max_attribute_length is None
+
+    def _context(self, parent: SpanContext | None) -> Context:
+        # Children of one span arrive together (a layer's router/loads/FFNs): reuse its Context.
+        if parent is None:
+            return _EMPTY_CONTEXT
+        last_parent, last_context = self._last
+        if parent is last_parent:
+            return last_context
+        context = _context_for(parent)
+        self._last = (parent, context)
+        return context
 
     def start(
         self,
@@ -91,14 +282,94 @@ class SpanFactory:
         links: Iterable[SpanLink] = (),
     ) -> trace.Span:
         """Start a span at ``start_ns``; end it later with ``end(span, end_ns=...)``."""
+        if self.direct and self.tracer._is_enabled():  # type: ignore[attr-defined]
+            return self._start_direct(name, int(start_ns), parent, kind, attributes, links)
         return self.tracer.start_span(
             name,
-            context=_context_for(parent),
+            context=self._context(parent),
             kind=kind,
             attributes=clean_attributes(attributes),
             links=[Link(link.context, clean_attributes(link.attributes)) for link in links],
             start_time=int(start_ns),
         )
+
+    # --- the direct path ---------------------------------------------------------------------
+    def _start_direct(
+        self,
+        name: str,
+        start_ns: int,
+        parent: SpanContext | None,
+        kind: SpanKind,
+        attributes: Mapping[str, Any] | None,
+        links: Iterable[SpanLink],
+    ) -> _DirectSpan:
+        # What Tracer.start_span does with the ALWAYS_ON sampler: the parent's trace (and trace
+        # state, and random-trace-id flag) if it is valid, else a new trace.
+        if parent is not None and parent.is_valid:
+            trace_id = parent.trace_id
+            flags = _SAMPLED_RANDOM if parent.trace_flags.random_trace_id else _SAMPLED
+            trace_state = parent.trace_state
+        else:
+            parent = None
+            trace_id = self._ids.generate_trace_id()
+            flags = self._root_flags
+            trace_state = None
+        context = SpanContext(trace_id, self._ids.generate_span_id(), is_remote=False, trace_flags=flags,
+                              trace_state=trace_state)
+        attrs: dict[str, Any] | BoundedAttributes = _span_attributes(attributes)
+        limit = self._limits.max_span_attributes
+        if limit is not None and len(attrs) > limit:
+            attrs = BoundedAttributes(limit, attrs, immutable=False, max_value_len=None)  # drops the oldest, counted
+        span_links: Sequence[Link] = ()
+        if links:
+            valid = []
+            for link in links:
+                link_attrs = clean_attributes(link.attributes)
+                if link.context and (link.context.is_valid or link_attrs or link.context.trace_state):
+                    valid.append(Link(link.context, BoundedAttributes(
+                        self._limits.max_link_attributes, link_attrs, max_value_len=None, immutable=True)))
+            max_links = self._limits.max_links
+            span_links = BoundedList.from_seq(max_links, valid) if max_links is not None and len(valid) > max_links else tuple(valid)
+        return _DirectSpan(self, name, context, parent, kind, attrs, span_links, start_ns)
+
+    def _merge(
+        self, attrs: dict[str, Any] | BoundedAttributes, late: dict[str, Any]
+    ) -> dict[str, Any] | BoundedAttributes:
+        """Late attributes as BoundedAttributes.__setitem__ adds them: a re-set key moves to the end."""
+        limit = self._limits.max_span_attributes
+        for key, value in late.items():
+            if isinstance(attrs, dict):
+                if key in attrs:
+                    del attrs[key]
+                elif limit is not None and len(attrs) >= limit:
+                    attrs = BoundedAttributes(limit, attrs, immutable=False, max_value_len=None)
+                    attrs[key] = value
+                    continue
+                attrs[key] = value
+            else:
+                attrs[key] = value
+        return attrs
+
+    def _finish(self, span: _DirectSpan, end_ns: int) -> None:
+        attrs = span._attributes
+        if isinstance(attrs, BoundedAttributes):
+            attrs._immutable = True  # as Span.end does
+        events = span._events
+        self._processor.on_end(ReadableSpan(
+            name=span._name,
+            context=span._context,
+            parent=span._parent,
+            resource=self._resource,
+            attributes=attrs,
+            events=tuple(events) if isinstance(events, list) else events,
+            links=span._links,
+            kind=span._kind,
+            instrumentation_info=self._info,
+            status=span._status,
+            start_time=span._start_ns,
+            end_time=end_ns,
+            instrumentation_scope=self._scope,
+        ))
 
     @staticmethod
     def end(
@@ -135,5 +406,15 @@ class SpanFactory:
         """A complete span in one call; returns its context (to parent children or link to)."""
         if end_ns < start_ns:
             end_ns = start_ns  # clock skew between sources must not make a negative duration
+        if self.direct and self.tracer._is_enabled():  # type: ignore[attr-defined]
+            # one-shot: straight to the finished span (what end() does, minus its checks on a fresh span)
+            direct = self._start_direct(name, int(start_ns), parent, kind, attributes, links)
+            for event in events:
+                direct.add_event(event.name, clean_attributes(event.attributes), timestamp=int(event.time_ns))
+            if error is not None:
+                direct._status = Status(StatusCode.ERROR, error)
+            direct._ended = True
+            self._finish(direct, int(end_ns))
+            return direct._context
         span = self.start(name, start_ns=start_ns, parent=parent, kind=kind, attributes=attributes, links=links)
         return self.end(span, end_ns=end_ns, events=events, error=error)

@@ -1,0 +1,112 @@
+"""spans_to_line (SDK spans -> OTLP/JSON directly) against the protobuf route it replaces.
+
+The reference is the SDK's own encoder (``encode_spans``) printed by ``google.protobuf.json_format``
+(``request_to_line``): the direct mapping must give the same text, byte for byte, and that text
+must parse back (``json_format``) into the very protobuf request the SDK encodes.
+"""
+
+from __future__ import annotations
+
+import json
+
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
+from opentelemetry.trace import set_span_in_context
+
+from agent.export import SpanEvent, SpanFactory, SpanLink
+from agent.export.otlp_json import line_to_request, request_to_line, spans_to_line
+
+ATTRS = {
+    "s": "text", "empty_s": "", "utf8": "grüße ✓", "b": True, "f_b": False, "i": 42, "zero": 0, "neg": -(1 << 63),
+    "big": (1 << 63) - 1, "f": 0.25, "f_int": 2.0, "f_zero": 0.0, "nan": float("nan"), "inf": float("inf"),
+    "ninf": float("-inf"), "strs": ["a", "", "ü"], "ints": [1, -2, 0], "floats": [0.5, 1.0], "bools": [True, False],
+    "empty": [],
+}
+
+
+def _provider(resource: Resource, exporter: InMemorySpanExporter, *, limits: SpanLimits | None = None) -> TracerProvider:
+    provider = TracerProvider(resource=resource, span_limits=limits or SpanLimits())
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider
+
+
+def _spans() -> list[ReadableSpan]:
+    exporter = InMemorySpanExporter()
+    res_a = Resource.create({"service.name": "svc", "process.pid": 7, "host.tags": ["x", "y"]})
+    res_a2 = Resource.create({"service.name": "svc", "process.pid": 7, "host.tags": ["x", "y"]})  # equal, not identical
+    res_b = Resource({"service.name": "other"}, schema_url="https://opentelemetry.io/schemas/1.21.0")
+    p1 = _provider(res_a, exporter, limits=SpanLimits(max_span_attributes=4, max_links=1, max_events=1))
+    p2 = _provider(res_b, exporter)
+    p3 = _provider(res_a2, exporter)
+    f1 = SpanFactory(p1.get_tracer("moescope", "1.2.3"))
+    f2 = SpanFactory(p2.get_tracer("other-scope", schema_url="https://example.test/schema"))
+    f3 = SpanFactory(p3.get_tracer("moescope", "1.2.3"))
+    t0 = 1_750_000_000_000_000_000
+    root = f2.record("root", start_ns=t0, end_ns=t0 + 900, kind=SpanKind.SERVER, attributes=ATTRS,
+                     events=[SpanEvent("ev", t0 + 5, {"k": 1}), SpanEvent("", t0 + 6)])
+    remote = SpanContext(trace_id=0x0102030405060708090A0B0C0D0E0F10, span_id=0x1112131415161718, is_remote=True,
+                         trace_flags=TraceFlags(1), trace_state=TraceState([("vendor", "v1"), ("b", "2")]))
+    f1.record("child", start_ns=t0 + 10, end_ns=t0 + 20, parent=root, attributes={"a": 1, "b": 2, "c": 3, "d": 4, "e": 5},
+              links=[SpanLink(remote, {"moe.link": "x"}), SpanLink(root)], error="boom",
+              events=[SpanEvent("one", t0 + 11), SpanEvent("two", t0 + 12)])
+    f3.record("under-remote", start_ns=t0 + 30, end_ns=t0 + 40, parent=remote, kind=SpanKind.CLIENT)
+    # The SDK API directly: a span with trace state inherited, OK status, a link without attributes.
+    tracer = p2.get_tracer("other-scope", schema_url="https://example.test/schema")
+    span = tracer.start_span("direct", context=set_span_in_context(NonRecordingSpan(remote)), kind=SpanKind.PRODUCER,
+                             links=[Link(remote)], start_time=t0 + 50)
+    span.set_status(Status(StatusCode.OK))
+    span.end(end_time=t0 + 60)
+    consumer = tracer.start_span("", kind=SpanKind.CONSUMER, start_time=t0 + 70)
+    consumer.end(end_time=t0 + 70)
+    return list(exporter.get_finished_spans())
+
+
+def test_same_text_as_protobuf_route() -> None:
+    spans = _spans()
+    assert len(spans) == 5
+    line = spans_to_line(spans)
+    assert line == request_to_line(encode_spans(spans))
+    # both batches of one span and the empty batch
+    for span in spans:
+        assert spans_to_line([span]) == request_to_line(encode_spans([span]))
+    assert spans_to_line([]) == request_to_line(encode_spans([])) == "{}"
+
+
+def test_parses_back_into_the_sdk_encoding() -> None:
+    spans = _spans()
+    line = spans_to_line(spans)
+    assert line_to_request(line) == encode_spans(spans)
+    data = json.loads(line)
+    # grouping: equal resources merge (2 resources), scopes within them (moescope, other-scope)
+    assert len(data["resourceSpans"]) == 2
+    assert [len(rs["scopeSpans"]) for rs in data["resourceSpans"]] == [1, 1]
+    names = [[s.get("name", "") for ss in rs["scopeSpans"] for s in ss["spans"]] for rs in data["resourceSpans"]]
+    assert names == [["root", "direct", ""], ["child", "under-remote"]]
+    child = data["resourceSpans"][1]["scopeSpans"][0]["spans"][0]
+    assert child["droppedAttributesCount"] == 1 and child["droppedLinksCount"] == 1 and child["droppedEventsCount"] == 1
+    # the SDK keeps the newest link (root's, local: flags say "not remote")
+    assert len(child["links"]) == 1 and child["links"][0]["traceId"] == child["traceId"] and child["links"][0]["flags"] == 0x100
+    under = data["resourceSpans"][1]["scopeSpans"][0]["spans"][1]
+    assert under["parentSpanId"] == "1112131415161718" and under["flags"] == 0x300
+    assert under["traceState"] == "vendor=v1,b=2"
+    direct = data["resourceSpans"][0]["scopeSpans"][0]["spans"][1]
+    assert direct["links"] == [{"traceId": "0102030405060708090a0b0c0d0e0f10", "spanId": "1112131415161718", "flags": 0x300}]
+    assert direct["status"] == {"code": 1} and direct["kind"] == 4
+
+
+def test_unencodable_attribute_is_left_out_like_the_sdk() -> None:
+    exporter = InMemorySpanExporter()
+    provider = _provider(Resource.create({}), exporter)
+    tracer = provider.get_tracer("t")
+    span = tracer.start_span("s", attributes={"ok": 1, "huge": 1 << 70, "huge_list": [1, 1 << 64], "bad": "\ud800"},
+                             start_time=1)
+    span.end(end_time=2)
+    spans = list(exporter.get_finished_spans())
+    out = json.loads(spans_to_line(spans))
+    attrs = out["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["attributes"]
+    assert [a["key"] for a in attrs] == ["ok"]
+    assert spans_to_line(spans) == request_to_line(encode_spans(spans))

@@ -1,0 +1,125 @@
+"""SpanFactory's direct path (ReadableSpan built by the factory) against the SDK's start_span path.
+
+Both factories run the same calls on tracers with the same deterministic id sequence; the spans
+they export must be the same: every field, attribute values with their types, dropped counts under
+tight limits, and the same OTLP-JSON text.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.trace import SpanContext, SpanKind, StatusCode, TraceFlags, TraceState
+
+from agent.export import SpanEvent, SpanFactory, SpanLink
+from agent.export.otlp_json import request_to_line, spans_to_line
+from export.sample_trace import emit_sample
+
+
+class CountingIds(IdGenerator):
+    """Deterministic ids, so two tracers fed the same calls give the same ids."""
+
+    def __init__(self) -> None:
+        self._next = itertools.count(1)
+
+    def generate_span_id(self) -> int:
+        return next(self._next)
+
+    def generate_trace_id(self) -> int:
+        return (1 << 100) + next(self._next)
+
+
+def _factory(*, direct: bool, limits: SpanLimits, ids: IdGenerator | None = None) -> tuple[SpanFactory, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ALWAYS_ON, resource=Resource.create({"service.name": "t"}), span_limits=limits,
+                              id_generator=ids or CountingIds())
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    factory = SpanFactory(provider.get_tracer("moescope", "9.9"), direct=direct)
+    assert factory.direct is direct
+    return factory, exporter
+
+
+def _workload(factory: SpanFactory) -> None:
+    emit_sample(factory)
+    remote = SpanContext(trace_id=0xABC, span_id=0xDEF, is_remote=True, trace_flags=TraceFlags(1),
+                         trace_state=TraceState([("k", "v")]))
+    many = {f"a{i}": i for i in range(6)}
+    span = factory.start("over-limits", start_ns=10, parent=remote, kind=SpanKind.CONSUMER, attributes=many,
+                         links=[SpanLink(remote, {"x": 1, "y": 2, "z": 3}) for _ in range(4)])
+    factory.end(span, end_ns=20, attributes={"a0": "again", "late": [1.5, 2]},
+                events=[SpanEvent(f"e{i}", 11 + i, {"i": i, "j": [i], "k": "s"}) for i in range(5)], error="bad")
+    ok = factory.start("ok-then-error", start_ns=30)
+    ok.set_status(StatusCode.OK)
+    ok.set_status(StatusCode.ERROR, "ignored after OK")
+    ok.set_attribute("moe.x", 3)
+    ok.update_name("renamed")
+    ok.end(end_time=40)
+    ok.end(end_time=50)  # ignored: already ended
+    ok.set_attribute("after", 1)  # ignored: already ended
+    factory.record("skewed", start_ns=100, end_ns=90, attributes={"n": None, "nan": float("nan"), "e": []})
+
+
+def _fields(span: ReadableSpan) -> dict[str, Any]:
+    return {
+        "name": span.name, "context": span.context, "parent": span.parent, "kind": span.kind,
+        "start": span.start_time, "end": span.end_time,
+        "attributes": [(k, v, type(v)) for k, v in span.attributes.items()],
+        "dropped_attributes": span.dropped_attributes,
+        "events": [(e.name, e.timestamp, dict(e.attributes), e.dropped_attributes) for e in span.events],
+        "dropped_events": span.dropped_events,
+        "links": [(lk.context, dict(lk.attributes), lk.dropped_attributes) for lk in span.links],
+        "dropped_links": span.dropped_links,
+        "status": (span.status.status_code, span.status.description),
+        "resource": span.resource, "scope": span.instrumentation_scope,
+    }
+
+
+def test_direct_spans_equal_sdk_spans() -> None:
+    for limits in (SpanLimits(), SpanLimits(max_span_attributes=4, max_events=3, max_links=2, max_event_attributes=2,
+                                            max_link_attributes=2)):
+        direct, direct_out = _factory(direct=True, limits=limits)
+        sdk, sdk_out = _factory(direct=False, limits=limits)
+        _workload(direct)
+        _workload(sdk)
+        a, b = list(direct_out.get_finished_spans()), list(sdk_out.get_finished_spans())
+        assert len(a) == len(b) == 9
+        assert [_fields(s) for s in a] == [_fields(s) for s in b]
+        assert spans_to_line(a) == spans_to_line(b) == request_to_line(encode_spans(b))
+    over = {s.name: s for s in a}["over-limits"]
+    assert (over.dropped_attributes, over.dropped_events, over.dropped_links) == (4, 2, 2)  # the limits did bite
+
+
+def test_random_trace_id_flag_and_remote_parent_as_sdk() -> None:
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+    direct, out = _factory(direct=True, limits=SpanLimits(), ids=RandomIdGenerator())
+    root = direct.record("root", start_ns=1, end_ns=2)
+    child = direct.record("child", start_ns=1, end_ns=2, parent=root)
+    remote = SpanContext(trace_id=5, span_id=6, is_remote=True, trace_flags=TraceFlags(1))
+    under_remote = direct.record("under-remote", start_ns=1, end_ns=2, parent=remote)
+    assert root.trace_flags == child.trace_flags == TraceFlags(TraceFlags.SAMPLED | TraceFlags.RANDOM_TRACE_ID)
+    assert under_remote.trace_flags == TraceFlags(TraceFlags.SAMPLED)  # the remote parent's trace id is not ours
+    assert under_remote.trace_id == 5 and not under_remote.is_remote
+    invalid = SpanContext(trace_id=0, span_id=0, is_remote=False)
+    orphan = direct.record("invalid-parent", start_ns=1, end_ns=2, parent=invalid)
+    spans = {s.name: s for s in out.get_finished_spans()}
+    assert spans["invalid-parent"].parent is None and orphan.trace_id != 0
+    assert spans["child"].parent == root and spans["under-remote"].parent == remote
+
+
+def test_sdk_path_kept_where_direct_would_differ() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()  # ParentBased sampler: the SDK decides
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    assert SpanFactory(provider.get_tracer("t")).direct is False
+    limited = TracerProvider(sampler=ALWAYS_ON, span_limits=SpanLimits(max_span_attribute_length=8))
+    assert SpanFactory(limited.get_tracer("t")).direct is False  # value truncation: the SDK does it
+    assert SpanFactory(TracerProvider(sampler=ALWAYS_ON).get_tracer("t")).direct is True
