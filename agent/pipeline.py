@@ -122,6 +122,7 @@ class Pipeline:
         self._last_memory: Any = None  # collectors.host.MemorySignal
         self._last_nvml: Any = None  # collectors.nvml.NvmlSample
         self._layer_precision: dict[int, str] = {}
+        self._window_gauges_ns = 0
         self._counts: dict[str, int] = dict.fromkeys(
             (
                 "requests", "requests_unanswered", "requests_joined", "steps", "steps_joined",
@@ -518,8 +519,9 @@ class Pipeline:
         if num_experts:
             m.set("moescope_experts", num_experts)
         routing = self._routing
-        if routing is not None:
-            now = step.end_ns
+        # The windowed gauge sums the whole window per layer: once a second is plenty for a scrape.
+        if routing is not None and step.end_ns - self._window_gauges_ns >= 1_000_000_000:
+            self._window_gauges_ns = now = step.end_ns
             for layer in routing.layers():
                 m.set("moescope_expert_load_gini_window", routing.layer_stats(layer, now).gini, layer=str(layer))
 

@@ -344,7 +344,10 @@ def _decode(tp: Any, value: Any, where: str) -> Any:
             # fast path (expert shares are most of the bytes); null is a NaN written by to_json
             if not all(v is None or type(v) is float or type(v) is int for v in value):
                 raise _FormatError(f"{where}: expected a list of numbers")
-            return [math.nan if v is None else float(v) for v in value]
+            try:
+                return [math.nan if v is None else float(v) for v in value]
+            except OverflowError:
+                raise _FormatError(f"{where}: number out of range") from None
         return [_decode(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
@@ -356,7 +359,10 @@ def _decode(tp: Any, value: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _FormatError(f"{where}: expected a number")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond float range
+            raise _FormatError(f"{where}: number out of range") from None
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise _FormatError(f"{where}: expected an integer")
@@ -397,7 +403,12 @@ def from_dict(data: Any) -> Snapshot:
     try:
         return typing.cast(Snapshot, _decode_dataclass(Snapshot, data, "state"))
     except _FormatError as exc:
-        raise errors.SourceUnavailable(f"agent state: bad format: {exc}") from None
+        raise errors.SourceUnavailable(f"agent state: bad format: {_printable(str(exc))}") from None
+
+
+def _printable(message: str) -> str:
+    """One printable line: object keys from the file may hold newlines or terminal escapes."""
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in message)
 
 
 def from_json(text: str) -> Snapshot:
@@ -405,6 +416,10 @@ def from_json(text: str) -> Snapshot:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise errors.SourceUnavailable(f"agent state: not JSON ({exc.msg} at char {exc.pos})") from None
+    except RecursionError:  # json recurses per nested array/object
+        raise errors.SourceUnavailable("agent state: not JSON (nested too deeply)") from None
+    except ValueError as exc:  # e.g. an integer literal over Python's digit limit
+        raise errors.SourceUnavailable(f"agent state: not JSON ({_printable(str(exc))})") from None
     return from_dict(data)
 
 
@@ -563,7 +578,9 @@ def find_agents(state_dir: Path) -> list[AgentFile]:
 
 def read_snapshot(path: Path) -> Snapshot:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise errors.SourceUnavailable(f"{path}: agent state: not UTF-8 (byte {exc.start})") from None
     except FileNotFoundError:
         raise errors.SourceUnavailable(f"agent state file {path} not found (agent not running?)") from None
     except OSError as exc:

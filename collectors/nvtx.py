@@ -159,6 +159,16 @@ THREAD_CHECK_PERIOD_NS = 1_000_000_000
 PROCESS_CHECK_PERIOD_NS = 200_000_000
 STALLED_SLOT_NS = 1_000_000_000  # a reserved slot never committed for this long is skipped
 DEFAULT_BATCH_RECORDS = 1 << 16
+MAX_RING_RECORDS = 1 << 24  # the library's largest ring (MOESCOPE_NVTX_RING_RECORDS)
+# Caps on what a producer can make the agent hold (docs/hardening.md). The library records at most
+# 65536 texts (its intern table) and ids above that never come from it; each text is at most
+# MAX_STRING_BYTES. Entries past these are dropped and counted (`string_entries_dropped`).
+MAX_STRING_ENTRIES = 1 << 16
+MAX_STRING_ID = 1 << 16
+MAX_STRING_TABLE_BYTES = 16 << 20  # all texts together (16x the library's default region)
+# Ranges still open (pushes without their pop, starts without their end) kept between polls; past
+# this the oldest are given up as lost and counted (`ranges_open_overflow`).
+MAX_OPEN_RANGES = 1 << 18
 _MAX_LEVEL = (1 << 12) - 1  # nesting deeper than this loses its parent link (packed sort key)
 
 
@@ -279,10 +289,13 @@ class StringTable:
     thread_names: dict[int, str] = field(default_factory=dict)
     truncated: set[int] = field(default_factory=set)
     known: np.ndarray = field(default_factory=lambda: np.zeros(1024, dtype=bool))
+    entries: int = 0  # texts recorded, all kinds (capped at MAX_STRING_ENTRIES by the collector)
+    text_bytes: int = 0  # their UTF-8 bytes as received (capped at MAX_STRING_TABLE_BYTES)
 
     def add_string(self, string_id: int, text: str) -> None:
         self.strings[string_id] = text
         if string_id >= len(self.known):
+            # string_id <= MAX_STRING_ID (the collector drops others): the mask stays <= 128 KiB
             grown = np.zeros(max(string_id + 1, 2 * len(self.known)), dtype=bool)
             grown[: len(self.known)] = self.known
             self.known = grown
@@ -387,7 +400,7 @@ class NvtxRing:
                 f"{path}: unsupported ring (magic {magic:#x}, version {version}); "
                 "agent and injection library versions differ"
             )
-        if capacity & (capacity - 1) or ring_offset + capacity * RECORD_BYTES > size or strings_offset + strings_bytes > size:
+        if not 0 < capacity <= MAX_RING_RECORDS or capacity & (capacity - 1) or ring_offset + capacity * RECORD_BYTES > size or strings_offset + strings_bytes > size:
             self.close()
             raise NvtxUnavailable(f"{path}: corrupt ring header")
         self.pid = pid
@@ -408,6 +421,7 @@ class NvtxRing:
         self._exited = ctypes.c_uint32.from_buffer(self._map, OFF_PRODUCER_EXITED)
         self._counters = np.frombuffer(self._map, dtype="<u8", count=COUNTERS, offset=OFF_COUNTERS)
         self._strings_read = 0
+        self.strings_corrupt_at = -1  # region offset of an entry that can never be read (-1: none)
 
     # header fields
     @property
@@ -492,7 +506,10 @@ class NvtxRing:
         while offset + STRING_ENTRY_BYTES <= used:
             entry_bytes, kind, flags, sid, domain_id, text_bytes = struct.unpack_from("<IHHIII", self._map, base + offset)
             if entry_bytes < STRING_ENTRY_BYTES or offset + entry_bytes > used or text_bytes > entry_bytes - STRING_ENTRY_BYTES:
-                break  # torn or corrupt: stop; never read past what was published
+                # entries below strings_used are complete (published after the write): corrupt;
+                # stop here, never read past what was published
+                self.strings_corrupt_at = offset
+                break
             start = base + offset + STRING_ENTRY_BYTES
             out.append((kind, flags, sid, domain_id, bytes(self._map[start : start + text_bytes])))
             offset += entry_bytes
@@ -528,6 +545,7 @@ _STAT_NAMES: tuple[str, ...] = (
     "invalid_utf8_strings", "ranges_open_at_thread_exit", "ranges_open_at_exit",
     "lost_uncommitted", "skipped_at_attach", "detached_by_producer", "attaches",
     "sink_errors", "deep_nesting", "stale_rings_removed", "ranges_lost_end", "parent_unknown",
+    "string_entries_dropped", "string_region_corrupt", "ranges_open_overflow",
 )
 
 
@@ -545,10 +563,12 @@ class NvtxCollector:
         batch_records: int = DEFAULT_BATCH_RECORDS,
         directory: Path | None = None,
         now_ns: int | None = None,
+        max_open_ranges: int = MAX_OPEN_RANGES,
     ) -> None:
         self.pid = pid
         self._sink = sink
         self._batch_records = batch_records
+        self._max_open_ranges = max_open_ranges
         self._stats: dict[str, int] = dict.fromkeys(_STAT_NAMES, 0)
         self._producer_base: dict[str, int] = {}
         self._producer_last: dict[str, int] = dict.fromkeys(PRODUCER_COUNTERS, 0)
@@ -731,7 +751,23 @@ class NvtxCollector:
         if ring is None:
             return
         table = self.strings
-        for kind, flags, sid, domain_id, raw in ring.read_strings():
+        corrupt_before = ring.strings_corrupt_at
+        entries = ring.read_strings()
+        if ring.strings_corrupt_at != corrupt_before:
+            self._stats["string_region_corrupt"] += 1
+        for kind, flags, sid, domain_id, raw in entries:
+            if (
+                table.entries >= MAX_STRING_ENTRIES
+                or len(raw) > MAX_STRING_BYTES
+                or table.text_bytes + len(raw) > MAX_STRING_TABLE_BYTES
+                or kind not in (STR_STRING, STR_DOMAIN, STR_CATEGORY, STR_THREAD)
+                or (kind in (STR_STRING, STR_DOMAIN) and not 0 < sid <= MAX_STRING_ID)
+            ):
+                # the library never writes these: a corrupt or hostile region; nothing grows
+                self._stats["string_entries_dropped"] += 1
+                continue
+            table.entries += 1
+            table.text_bytes += len(raw)
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError:
@@ -781,8 +817,9 @@ class NvtxCollector:
             ranges, marks, lost = self._nest(_records_at(records, stacked))
             se = (kind == KIND_START) | (kind == KIND_END)
             if se.any():
-                ranges_se = self._pair_start_end(_records_at(records, se))
+                ranges_se, lost_se = self._pair_start_end(_records_at(records, se))
                 ranges = np.concatenate([ranges, ranges_se]) if len(ranges) else ranges_se
+                lost = np.concatenate([lost, lost_se])
         self._emit(ranges, marks, lost)
 
     def _emit(self, ranges: np.ndarray, marks: np.ndarray, lost: np.ndarray | None = None) -> None:
@@ -933,6 +970,12 @@ class NvtxCollector:
         still = np.flatnonzero(still_open)
         keep = np.argsort(order[still], kind="stable")  # ring order
         still = still[keep]
+        over = len(still) - self._max_open_ranges
+        lost_uids = uid[closed]
+        if over > 0:  # bounded memory: the oldest open pushes are given up, counted, reported lost
+            self._stats["ranges_open_overflow"] += over
+            lost_uids = np.concatenate([lost_uids, uid[still[:over]]])
+            still = still[over:]
         self._open_pushes = take(order[still])
         self._open_uid = uid[still]
         self._open_parent = parent[still]
@@ -946,9 +989,10 @@ class NvtxCollector:
         marks["parent_uid"] = parent[m]
         for name in ("ts_ns", "payload", "tid", "domain_id", "string_id", "category", "color", "payload_type"):
             marks[name] = mark_rec[name]
-        return ranges, marks, uid[closed]
+        return ranges, marks, lost_uids
 
-    def _pair_start_end(self, rows: np.ndarray) -> np.ndarray:
+    def _pair_start_end(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Start/end rows -> completed ranges, and uids of open starts given up at the cap."""
         starts_new = np.zeros(int(np.count_nonzero(rows["kind"] == KIND_START)), dtype=_OPEN_DTYPE)
         start_rows = rows[rows["kind"] == KIND_START]
         for name in ("ts_ns", "payload", "range_id", "tid", "domain_id", "string_id", "category",
@@ -977,8 +1021,16 @@ class NvtxCollector:
         ranges["kind"] = KIND_START
         keep = np.ones(len(starts), dtype=bool)
         keep[matched_start] = False
-        self._open_starts = starts[keep]
-        return ranges
+        open_starts = starts[keep]
+        lost = np.empty(0, dtype=np.uint64)
+        over = len(open_starts) - self._max_open_ranges
+        if over > 0:  # bounded memory: the oldest (smallest uid) open starts are given up, counted
+            by_age = np.argsort(open_starts["uid"], kind="stable")
+            lost = open_starts["uid"][by_age[:over]]
+            open_starts = open_starts[np.sort(by_age[over:])]
+            self._stats["ranges_open_overflow"] += over
+        self._open_starts = open_starts
+        return ranges, lost
 
     def _close_dead_threads(self) -> None:
         if len(self._open_pushes) == 0:

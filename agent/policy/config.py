@@ -44,6 +44,8 @@ RULE_KEYS: Mapping[str, type] = {
 }
 REQUIRED_RULE_KEYS = ("signal", "comparison", "fire", "clear", "cooldown_s", "action")
 WINDOW_PAIRS = (("window_s", "window_evals"), ("clear_window_s", "clear_window_evals"))
+# TOML integers are 64-bit; Python's tomllib does not enforce it, so the loader does.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +83,8 @@ def _check_type(where: str, value: object, kind: type) -> Any:
     expected = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "a table"}[kind]
     if isinstance(value, bool) and kind is not bool:
         raise ConfigError(f"{where}: expected {expected}, got boolean {value!r}")
+    if isinstance(value, int) and not isinstance(value, bool) and not INT64_MIN <= value <= INT64_MAX:
+        raise ConfigError(f"{where}: integer out of the 64-bit range")
     if kind is float and isinstance(value, int | float):
         if not math.isfinite(float(value)):
             raise ConfigError(f"{where}: expected a finite number, got {value!r}")
@@ -95,6 +99,8 @@ def _parse(text: str, source: str) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib recurses per nested array/inline table
+        raise ConfigError(f"{source}: not valid TOML: arrays or tables nested too deeply") from None
 
 
 def _merge(defaults: dict[str, Any], user: dict[str, Any], user_source: str) -> tuple[dict[str, Any], dict[str, str]]:
@@ -138,7 +144,10 @@ def _window_evals(where: str, body: Mapping[str, Any], pair: tuple[str, str], pe
         if seconds <= 0:
             raise ConfigError(f"{where}: key '{seconds_key}': must be > 0 seconds, got {seconds:g}")
         # A duration is that many consecutive sample periods with data (at least one).
-        return max(1, round(seconds * 1000.0 / period_ms)), f"{seconds:g} s"
+        evals_float = seconds * 1000.0 / period_ms
+        if not evals_float <= INT64_MAX:  # also catches inf
+            raise ConfigError(f"{where}: key '{seconds_key}': {seconds:g} s is too long")
+        return max(1, round(evals_float)), f"{seconds:g} s"
     raise ConfigError(f"{where}: missing key '{seconds_key}' (or '{evals_key}')")
 
 
@@ -222,8 +231,20 @@ def _validate_rule(name: str, body: Mapping[str, Any], source: str, period_ms: i
     )
 
 
+def _printable(message: str) -> str:
+    """One printable line: rule names and keys come from the file and may hold newlines or escapes."""
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in message)
+
+
 def load_policy(path: Path | str | None = None) -> PolicyConfig:
     """The effective policy: packaged defaults, overridden by `path` when given."""
+    try:
+        return _load_policy(path)
+    except ConfigError as exc:
+        raise ConfigError(_printable(exc.message)) from None
+
+
+def _load_policy(path: Path | str | None) -> PolicyConfig:
     default_source = f"<defaults {DEFAULT_POLICY_NAME}>"
     tree = _parse(default_policy_text(), default_source)
     sources = [default_source]
@@ -234,6 +255,8 @@ def load_policy(path: Path | str | None = None) -> PolicyConfig:
             text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"{user_source}: cannot read policy file: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{user_source}: not valid TOML: not UTF-8 (byte {exc.start})") from None
         tree, touched = _merge(tree, _parse(text, user_source), user_source)
         rule_sources = {name: touched[name] or default_source for name in touched}
         sources.append(user_source)

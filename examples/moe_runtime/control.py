@@ -20,6 +20,10 @@ from agent.errors import ControlError, MoescopeError, UsageError
 log = logging.getLogger("moe_runtime.control")
 
 MAX_LINE_BYTES = 65536
+# After an over-long line: what is still arriving is read and discarded (this much, this long at
+# most) before the close, so the kernel does not reset the connection and drop the error reply.
+DRAIN_MAX_BYTES = 1 << 20
+DRAIN_TIMEOUT_S = 1.0
 IDLE_TIMEOUT_S = 300.0
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -180,6 +184,7 @@ class ControlServer:
                     if len(buffer) > MAX_LINE_BYTES:
                         _send(conn, {"id": None, "ok": False, "elapsed_ms": 0.0,
                                      "error": f"request line longer than {MAX_LINE_BYTES} bytes; closing"})
+                        _discard_input(conn)
                         return
             except (OSError, socket.timeout):
                 return
@@ -190,7 +195,7 @@ class ControlServer:
         try:
             try:
                 request = json.loads(line)
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            except (ValueError, RecursionError) as exc:  # also: nesting or integer digits past Python's limits
                 raise UsageError(f"malformed JSON: {exc}") from exc
             if not isinstance(request, dict):
                 raise UsageError(f"request must be a JSON object, got {_kind(request)}")
@@ -217,6 +222,18 @@ class ControlServer:
                     "elapsed_ms": _elapsed_ms(start_ns)}
 
 
+def _discard_input(conn: socket.socket) -> None:
+    """Half-closes, then reads what the client still sends (bounded) so the close is an EOF."""
+    conn.shutdown(socket.SHUT_WR)
+    conn.settimeout(DRAIN_TIMEOUT_S)
+    received = 0
+    while received < DRAIN_MAX_BYTES:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return
+        received += len(chunk)
+
+
 def _elapsed_ms(start_ns: int) -> float:
     return round((time.perf_counter_ns() - start_ns) / 1e6, 4)
 
@@ -224,9 +241,13 @@ def _elapsed_ms(start_ns: int) -> float:
 def _send(conn: socket.socket, reply: dict[str, Any]) -> None:
     try:
         line = json.dumps(reply, allow_nan=False)
-    except (TypeError, ValueError) as exc:  # a bug in a result: still one well-formed error line
-        line = json.dumps({"id": reply.get("id"), "ok": False, "elapsed_ms": reply.get("elapsed_ms", 0.0),
-                           "error": f"internal error: reply not JSON-serialisable: {exc}"})
+    except (TypeError, ValueError, RecursionError) as exc:  # a bug in a result: still one well-formed error line
+        error = {"ok": False, "elapsed_ms": reply.get("elapsed_ms", 0.0),
+                 "error": f"internal error: reply not JSON-serialisable: {exc}"}
+        try:
+            line = json.dumps({"id": reply.get("id"), **error}, allow_nan=False)
+        except (TypeError, ValueError, RecursionError):  # the id itself (NaN, nested too deep): null
+            line = json.dumps({"id": None, **error})
     conn.sendall((line + "\n").encode())
 
 
