@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -55,6 +56,9 @@ class Observers:
         self.policy: Any = None
         self.policy_loop: Any = None
         self.stats_signals: Any = None
+        self.nvtx_records: Any = None
+        self._nvtx_announced: set[int] = set()
+        self._nvtx_announce_hooked = False
         self._policy_pid: int | None = None  # the target the policy follows (built, or waiting for its socket)
         self._policy_retry_ns = 0
         self._policy_retry_hooked = False
@@ -80,8 +84,9 @@ class Observers:
         # No metrics hook in the export worker: it publishes only between drain rounds, and a round
         # never ends while a stalled collector blocks each export; the daemon thread publishes instead.
         tracing = build_tracing(config, resource_attributes=resource_attributes(args.pid or []), metrics=None)
-        pipeline = Pipeline(spans=tracing.factory, metrics=metrics, num_experts=args.num_experts)
+        pipeline = Pipeline(spans=tracing.factory, metrics=metrics, num_experts=args.num_experts, defer_requests=True)
         daemon.add_sink(pipeline.sink)
+        daemon.add_tick_hook(pipeline.drain_requests)
         # Unclaimed steps become their own traces after retention, even when traffic stops.
         daemon.add_tick_hook(lambda _now_ns: pipeline.expire())
         obs = cls(args=args, daemon=daemon, pipeline=pipeline, tracing=tracing, metrics=metrics, metrics_server=server)
@@ -204,10 +209,17 @@ class Observers:
         from collectors.moe_convention import MoeConventionParser
         from collectors.nvtx import NvtxCollector
 
+        if self.args.nvtx_records and self.nvtx_records is None:
+            from agent.nvtx_records import NvtxRecordsSink
+
+            self.nvtx_records = NvtxRecordsSink(self.args.nvtx_records)
         for pid in pids:
             parser = MoeConventionParser(sink=self.pipeline.on_steps)
+            sink: Any = parser
+            if self.nvtx_records is not None:
+                sink = self.nvtx_records.chain(parser)
             try:
-                collector = NvtxCollector(pid, sink=parser)
+                collector = NvtxCollector(pid, sink=sink)
             except (errors.SourceUnavailable, errors.NoSuchProcess) as exc:
                 # A target that already exited is reported by the daemon's exit check (exit 8).
                 self.notes.append(f"NVTX off for pid {pid}: {exc}")
@@ -215,8 +227,19 @@ class Observers:
             self.nvtx.append(collector)
             self.parsers.append(parser)
             self.daemon.add_source(collector)
+            if not self._nvtx_announce_hooked:
+                self._nvtx_announce_hooked = True
+                self.daemon.add_tick_hook(self._announce_nvtx)
         if self.nvtx and "nvtx" not in self.probes:
             self.probes.append("nvtx")
+
+    def _announce_nvtx(self, _now_ns: int) -> None:
+        # The injection library idles (records nothing) until an agent attaches to its ring: say when.
+        for collector in self.nvtx:
+            if collector.attached and id(collector) not in self._nvtx_announced:
+                self._nvtx_announced.add(id(collector))
+                print(f"agent: nvtx: attached to the ring of pid {collector.pid}", file=sys.stderr, flush=True)
+        return None
 
     def _attach_telemetry(self, pid: int | None) -> None:
         from collectors.registry import CollectorConfig, Supervisor, SupervisorSource
@@ -319,7 +342,7 @@ class Observers:
         if self.metrics_server is not None:
             try:
                 port = self.metrics_server.start()
-                self.notes.append(f"metrics: http://{self.args.metrics_addr}:{port}/metrics")
+                print(f"agent: metrics: http://{self.args.metrics_addr}:{port}/metrics", file=sys.stderr, flush=True)
             except OSError as exc:
                 log.warning("metrics server off: %s", exc)
         if self.policy is not None:
@@ -364,6 +387,8 @@ class Observers:
             self.stats_signals.close()
         if self.publisher is not None:
             self.publisher.stop()
+        if self.nvtx_records is not None:
+            self.nvtx_records.close()
         self.pipeline.expire(flush=True)
         final = self.tracing.shutdown()
         if self._export_to_metrics is not None:

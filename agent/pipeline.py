@@ -97,8 +97,13 @@ class Pipeline:
         max_buffered_steps: int = DEFAULT_MAX_BUFFERED_STEPS,
         clock: Callable[[], int] = time.monotonic_ns,
         epoch_offset_ns: int | None = None,
+        defer_requests: bool = False,
     ) -> None:
         self.spans = spans
+        # sink() holds request records until drain_requests(now_ns) (a daemon tick hook) sees they ended
+        # before the tick started: the steps of such a request were in the NVTX ring when it was drained.
+        self.defer_requests = defer_requests
+        self._deferred: list[Any] = []
         # Sources stamp CLOCK_MONOTONIC; OTLP wants ns since the Unix epoch: span times are shifted by this.
         self.epoch_offset_ns = time.time_ns() - time.monotonic_ns() if epoch_offset_ns is None else epoch_offset_ns
         self.metrics = metrics
@@ -181,9 +186,30 @@ class Pipeline:
     def sink(self, record: Any) -> None:
         """The daemon's record sink: dispatch by type."""
         if hasattr(record, "first_response_ns"):
-            self.on_request(record)
+            if self.defer_requests:
+                with self._lock:
+                    self._deferred.append(record)
+            else:
+                self.on_request(record)
         elif hasattr(record, "collector") and hasattr(record, "sample"):
             self.on_telemetry(record)
+
+    def drain_requests(self, now_ns: int) -> None:
+        """Daemon tick hook: join the deferred requests that ended before this tick started.
+
+        The daemon polls its sources one after another; a request can end (and its record be read)
+        after the NVTX ring was drained in the same tick, while its steps, which ended before its
+        response, wait in that ring. Every source of this tick was polled at or after ``now_ns``, so
+        a request with ``end_ns < now_ns`` has all its steps buffered now; later ones wait a tick.
+        """
+        with self._lock:
+            ready = [r for r in self._deferred if r.end_ns < now_ns]
+            if not ready:
+                return None
+            self._deferred = [r for r in self._deferred if r.end_ns >= now_ns]
+        for record in sorted(ready, key=lambda r: r.end_ns):
+            self.on_request(record)
+        return None
 
     # ------------------------------------------------------------------ steps
     def _experts_for(self, step: StepEvent) -> int:
@@ -291,6 +317,8 @@ class Pipeline:
 
     def expire(self, *, flush: bool = False) -> None:
         """Retire buffered steps past retention (all with ``flush``); unclaimed ones become traces."""
+        if flush:
+            self.drain_requests(2**63 - 1)  # the sources are closed: every request left is final
         now = self.clock()
         expired: list[_BufferedStep] = []
         with self._lock:

@@ -1,0 +1,154 @@
+"""The embedded default: no OTLP endpoint, so the agent writes OTLP-JSON lines under --state-dir and
+`agent traces list|show` read them back. Same runtime, same checks as the gRPC test, plus the policy
+engine left on (audit and state under the temp dir) so the whole agent runs as a user would start it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from otlp_receiver import FlatSpan
+
+from .harness import (
+    WAIT_S,
+    AgentSummary,
+    Proc,
+    Sent,
+    TraceReport,
+    agent_argv,
+    check_requests,
+    check_traces,
+    completion,
+    parse_summary,
+    run_cli,
+    run_loadgen,
+    runtime_argv,
+    spans_from_otlp_json,
+    wait_nvtx_attached,
+    wait_runtime_ready,
+)
+
+LOADGEN_REQUESTS = 16
+LOADGEN_MAX_TOKENS = 2
+
+
+@dataclass
+class FileRun:
+    rc: int
+    state_dir: Path
+    spans: list[FlatSpan]
+    sent: list[Sent]
+    summary: AgentSummary
+    output: str
+
+
+@pytest.fixture(scope="module")
+def file_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FileRun]:
+    tmp = tmp_path_factory.mktemp("filestore")
+    agent = Proc(agent_argv(state_dir=tmp, extra=[
+        "--metrics-port", "0", "--policy-audit", str(tmp / "audit.jsonl"), "--policy-state-dir", str(tmp),
+        "--", *runtime_argv(),
+    ]), env=_without_otlp_env())
+    try:
+        target_pid = int(agent.wait_for_line(r"^agent: tracing pid (\d+)", stream="err").group(1))
+        agent.wait_for_line(r"^agent: traces: OTLP-JSON files under ", stream="err")
+        port = wait_runtime_ready(agent)
+        wait_nvtx_attached(target_pid)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+        try:
+            sent = [completion(conn, max_tokens=n, prompt=f"file store {n}") for n in (1, 2, 3, 4)]
+        finally:
+            conn.close()
+        run_loadgen(port, requests=LOADGEN_REQUESTS, concurrency=4, max_tokens=LOADGEN_MAX_TOKENS, out=tmp / "lg.json")
+        rc = agent.interrupt_and_wait()
+        yield FileRun(rc=rc, state_dir=tmp, spans=spans_from_otlp_json(tmp / "traces"), sent=sent,
+                      summary=parse_summary(agent.out), output=agent.text())
+    finally:
+        agent.kill_group()
+
+
+def _without_otlp_env() -> dict[str, str]:
+    """This test is about the default: an OTEL_EXPORTER_OTLP_* in the caller's environment must not leak in."""
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+
+
+@pytest.fixture(scope="module")
+def file_report(file_run: FileRun) -> TraceReport:
+    return check_traces(file_run.spans)
+
+
+def test_files_hold_every_request_and_step(bpf: None, file_run: FileRun, file_report: TraceReport) -> None:
+    assert file_run.rc in (0, 130, -2), file_run.output
+    check_requests(file_report, loadgen_requests=LOADGEN_REQUESTS, loadgen_max_tokens=LOADGEN_MAX_TOKENS,
+                   sent=file_run.sent, stepless_expected=2)
+    assert file_report.unjoined_steps == []
+    s = file_run.summary
+    assert s.drops == 0 and s.nvtx_drops == ["0"], file_run.output
+    assert s.pipeline_requests == len(file_report.servers) and s.pipeline_joined == len(file_report.completions)
+    # the policy engine (on in this run) traces each action it takes as its own root span
+    policy = [x for x in file_run.spans if x.scope == "moescope.policy"]
+    assert all(x.name.startswith("moe.policy.") and x.parent_span_id is None for x in policy)
+    assert s.pipeline_spans == len(file_run.spans) - len(policy)
+    e = s.export
+    assert e["accepted"] == e["exported"] == len(file_run.spans), e
+    assert e["failed"] == e["dropped_queue_full"] == e["dropped_shutdown"] == 0, e
+    print(f"\ne2e file store: {len(file_report.servers)} server spans ({len(file_report.completions)} joined, "
+          f"{len(policy)} policy spans), {len(file_report.owner_steps)} owner steps, "
+          f"{len(file_report.stub_steps)} stubs, {len(file_run.spans)} spans")
+
+
+def test_traces_list_matches_the_files(bpf: None, file_run: FileRun) -> None:
+    done = run_cli(["traces", "list", "--state-dir", str(file_run.state_dir), "--limit", "0", "--json"])
+    assert done.returncode == 0, done.stderr
+    listed = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+    per_trace = Counter(s.trace_id for s in file_run.spans)
+    assert {t["trace_id"]: t["spans"] for t in listed} == dict(per_trace)
+    roots = {s.trace_id: s.name for s in file_run.spans if s.parent_span_id is None}
+    assert all(t["root"] == roots[t["trace_id"]] for t in listed)
+    starts = [t["start_ns"] for t in listed]
+    assert starts == sorted(starts, reverse=True)  # newest first
+
+
+def test_traces_show_a_request_with_its_steps(bpf: None, file_run: FileRun, file_report: TraceReport) -> None:
+    # our 4-token request: its trace has the server span and 4 steps reachable from it
+    mine = [s for s in file_report.completions if s.attributes["network.peer.port"] == file_run.sent[-1].local_port]
+    server = max(mine, key=lambda s: s.start_ns)
+    steps = file_report.steps_of[server.span_id]
+    assert len(steps) == 4
+    prefix = server.trace_id[:8]  # a unique prefix works too
+    done = run_cli(["traces", "show", prefix, "--state-dir", str(file_run.state_dir), "--json"])
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout)
+    assert shown["trace_id"] == server.trace_id
+    by_id = {s["span_id"]: s for s in shown["spans"]}
+    assert by_id[server.span_id]["name"] == "http.server.request" and by_id[server.span_id]["kind"] == "SERVER"
+    for step in steps:
+        assert by_id[step.span_id]["parent_span_id"] == server.span_id
+        assert by_id[step.span_id]["name"] == "moe.step"
+    assert len(shown["spans"]) == sum(1 for s in file_run.spans if s.trace_id == server.trace_id)
+
+    text = run_cli(["traces", "show", server.trace_id, "--state-dir", str(file_run.state_dir)])
+    assert text.returncode == 0, text.stderr
+    assert f"trace {server.trace_id}" in text.stdout
+    for name in ("http.server.request [SERVER]", "queue wait", "moe.step"):
+        assert name in text.stdout, text.stdout
+    # a step it owns shows its layers; a step it shares links to its owner
+    if any(not s.attributes.get("moe.step.shared") for s in steps):
+        assert "moe.layer" in text.stdout and "moe.router" in text.stdout and "moe.expert.ffn" in text.stdout
+    if any(s.attributes.get("moe.step.shared") for s in steps):
+        assert 'moe.link="step.owner"' in text.stdout
+
+
+def test_traces_show_unknown_id_is_a_one_line_error(bpf: None, file_run: FileRun) -> None:
+    done = run_cli(["traces", "show", "ffffffffffffffffffffffffffffffff", "--state-dir", str(file_run.state_dir)])
+    assert done.returncode != 0
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
