@@ -70,6 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="live view and state file refresh period (default 0.25 s)")
     src = parser.add_argument_group("sources")
     src.add_argument("--no-nvtx", action="store_true", help="do not capture NVTX ranges (kernel timing only)")
+    src.add_argument("--nvtx-records", metavar="FILE",
+                     help="write every captured NVTX range and mark as one JSON line (any NVTX program)")
     src.add_argument("--no-telemetry", action="store_true", help="do not sample NVML / host memory")
     src.add_argument("--num-experts", type=int, metavar="E",
                      help="experts per MoE layer, for producers that do not report it (moe/v0)")
