@@ -3,7 +3,7 @@ VENV    ?= .venv
 PY      := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup install test demo bench clean help
+.PHONY: setup install test demo bench fuzz clean help
 
 help:
 	@echo "make setup    install system packages, kernel headers, venv, project (idempotent, root)"
@@ -11,6 +11,7 @@ help:
 	@echo "make test     setup + run the whole test suite (BPF tests must run: needs root)"
 	@echo "make demo     setup + reference MoE runtime under load with the agent and its TUI"
 	@echo "make bench    setup + overhead benchmarks (JSON under bench-results/)"
+	@echo "make fuzz     setup + the fuzz tests with the long hypothesis profile (minutes)"
 
 setup:
 	bash scripts/setup.sh
@@ -27,6 +28,9 @@ demo: setup
 
 bench: setup
 	$(PY) -m benchmarks.run_all
+
+fuzz: setup
+	HYPOTHESIS_PROFILE=long $(PY) -m pytest tests/fuzz -q --hypothesis-show-statistics $(PYTEST_ARGS)
 
 clean:
 	rm -rf build *.egg-info bench-results
