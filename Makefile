@@ -27,7 +27,7 @@ demo: setup
 	bash scripts/demo.sh
 
 bench: setup
-	$(PY) -m benchmarks.run_all
+	$(PY) -m benchmarks.run_all $(BENCH_ARGS)
 
 fuzz: setup
 	HYPOTHESIS_PROFILE=long $(PY) -m pytest tests/fuzz -q --hypothesis-show-statistics $(PYTEST_ARGS)

@@ -27,6 +27,12 @@ EXIT_TARGET_EXITED = 8
 EXIT_SOURCE_UNAVAILABLE = 9
 
 
+def one_line(message: str) -> str:
+    """A message safe to print as one line: text from files (keys, names) may hold newlines or
+    terminal escapes; those are shown escaped."""
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in message)
+
+
 class MoescopeError(Exception):
     """Base of every error the agent reports to users as one line and an exit code."""
 

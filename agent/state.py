@@ -403,12 +403,8 @@ def from_dict(data: Any) -> Snapshot:
     try:
         return typing.cast(Snapshot, _decode_dataclass(Snapshot, data, "state"))
     except _FormatError as exc:
-        raise errors.SourceUnavailable(f"agent state: bad format: {_printable(str(exc))}") from None
+        raise errors.SourceUnavailable(f"agent state: bad format: {errors.one_line(str(exc))}") from None
 
-
-def _printable(message: str) -> str:
-    """One printable line: object keys from the file may hold newlines or terminal escapes."""
-    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in message)
 
 
 def from_json(text: str) -> Snapshot:
@@ -419,7 +415,7 @@ def from_json(text: str) -> Snapshot:
     except RecursionError:  # json recurses per nested array/object
         raise errors.SourceUnavailable("agent state: not JSON (nested too deeply)") from None
     except ValueError as exc:  # e.g. an integer literal over Python's digit limit
-        raise errors.SourceUnavailable(f"agent state: not JSON ({_printable(str(exc))})") from None
+        raise errors.SourceUnavailable(f"agent state: not JSON ({errors.one_line(str(exc))})") from None
     return from_dict(data)
 
 

@@ -14,7 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from agent.errors import ConfigError
+from agent.errors import ConfigError, one_line
 from agent.policy.rules import ACTIONS, COMPARISONS, SIGNALS, ArgSpec, RuleSpec, fires_upward
 
 DEFAULT_POLICY_NAME = "default_policy.toml"
@@ -231,17 +231,13 @@ def _validate_rule(name: str, body: Mapping[str, Any], source: str, period_ms: i
     )
 
 
-def _printable(message: str) -> str:
-    """One printable line: rule names and keys come from the file and may hold newlines or escapes."""
-    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in message)
-
 
 def load_policy(path: Path | str | None = None) -> PolicyConfig:
     """The effective policy: packaged defaults, overridden by `path` when given."""
     try:
         return _load_policy(path)
     except ConfigError as exc:
-        raise ConfigError(_printable(exc.message)) from None
+        raise ConfigError(one_line(exc.message)) from None
 
 
 def _load_policy(path: Path | str | None) -> PolicyConfig:
