@@ -1,0 +1,170 @@
+"""Run every benchmark in sequence, collect their JSON, print one summary table (`make bench`).
+
+    sudo .venv/bin/python -m benchmarks.run_all [--quick] [--only NAME ...]
+
+Each benchmark runs as its own process (`python -m benchmarks.<name>`): one that pins CPUs or
+crashes cannot disturb the next, and a crash is told apart from a missed bar. A benchmark counts
+as run when it wrote its JSON during this run and exited 0, or exited 1 with a JSON that records a
+missed bar (ingress_overhead and policy_latency exit 1 for that); anything else (another status, no
+fresh JSON, a traceback, a timeout) is a crash. Writes bench-results/summary.json.
+
+Exit status: 0 when every benchmark ran (bars met or not: misses are recorded as "bar_met": false),
+1 when any crashed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import REPO, RESULTS_DIR, write_result
+
+TIMEOUT_S = 3 * 3600
+TAIL_LINES = 60  # enough to hold an uncaught exception's whole traceback
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One benchmark: its module, arguments (full and --quick), its JSON, and how to read it."""
+
+    name: str
+    args: tuple[str, ...]
+    quick_args: tuple[str, ...]
+    result: str  # file name under bench-results/
+    read: Callable[[dict[str, Any]], tuple[bool, str]]  # JSON -> (bar met, one-line headline)
+
+
+def read_ingress(doc: dict[str, Any]) -> tuple[bool, str]:
+    return bool(doc["pass"]), (
+        f"{doc['added_ns_per_request']:+.0f} ns/request (bar {doc['bar_ns_per_request']}), "
+        f"drops {sum(doc['drops'].values())}"
+    )
+
+
+def read_nvtx(doc: dict[str, Any]) -> tuple[bool, str]:
+    py, c = doc["python_pushpop"], doc["c_pushpop"]
+    return all(doc["bars"].values()), (
+        f"push+pop +{py['added_attached_ns']:.0f} ns Python / +{c['added_attached_ns']:.0f} ns C attached "
+        f"(bar 100); drain {doc['drain']['max_rate_zero_drops_per_s'] / 1e6:.2f}M/s 0 drops (bar 1M)"
+    )
+
+
+def read_policy(doc: dict[str, Any]) -> tuple[bool, str]:
+    text = f"window close -> ack worst median {doc['worst_median_ms']:.1f} ms (bar {doc['bar_ms']:.0f})"
+    if "hot_migration" in doc:
+        m = doc["hot_migration"]
+        text += f"; p99 migrating/steady {m['ratio']:.2f} (bar {m['bar_ratio']}), failed {sum(m['failed_requests'].values())}"
+    return bool(doc["pass"]), text
+
+
+def read_e2e(doc: dict[str, Any]) -> tuple[bool, str]:
+    return bool(doc["bar_met"]), (
+        f"throughput on/off {doc['throughput_ratio_on_over_off']:.3f}, host CPU/request on/off "
+        f"{doc['host_cpu_per_request_ratio_on_over_off']:.3f} (cost bar 1 %), p99 on/off "
+        f"{doc['p99_ratio_on_over_off']:.3f}; agent {doc['agent_cpu_pct_of_core']:.1f} % core (bar 5), "
+        f"peak RSS {doc['agent_peak_rss_bytes'] / 1e6:.0f} MB (bar 100); idle NVTX off/bare "
+        f"{doc['throughput_ratio_off_over_bare']:.3f}"
+    )
+
+
+BENCHMARKS: tuple[Benchmark, ...] = (
+    Benchmark("ingress_overhead", (), ("--pairs", "2", "--requests", "20000"), "ingress_overhead_live.json",
+              read_ingress),
+    Benchmark("nvtx_overhead", (), ("--rounds", "2", "--rates", "250000,1000000", "--rate-seconds", "0.5"),
+              "nvtx_overhead.json", read_nvtx),
+    Benchmark("policy_latency", (), ("--repeats", "3", "--migration-repeats", "1", "--migration-duration-s", "3"),
+              "policy_latency.json", read_policy),
+    Benchmark("e2e_overhead", (), ("--quick",), "e2e_overhead.json", read_e2e),
+)
+
+
+def run_one(bench: Benchmark, *, quick: bool) -> dict[str, Any]:
+    """Run one benchmark process, echo its output, classify the outcome."""
+    path = RESULTS_DIR / bench.result
+    before_ns = path.stat().st_mtime_ns if path.exists() else -1
+    cmd = [sys.executable, "-m", f"benchmarks.{bench.name}", *(bench.quick_args if quick else bench.args)]
+    print(f"== {bench.name}: {' '.join(cmd[1:])}", flush=True)
+    started = time.monotonic()
+    tail: list[str] = []
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:  # echoed live: these runs take minutes
+            print(line, end="", flush=True)
+            tail = (tail + [line.rstrip("\n")])[-TAIL_LINES:]
+        status: int | None = proc.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        status = None
+    entry: dict[str, Any] = {
+        "name": bench.name, "command": " ".join(cmd[1:]), "exit_status": status,
+        "seconds": round(time.monotonic() - started, 1), "result_file": str(path.relative_to(REPO)),
+    }
+    fresh = path.exists() and path.stat().st_mtime_ns != before_ns
+    traceback = any(line.startswith("Traceback (most recent call last)") for line in tail)
+    doc: dict[str, Any] | None = None
+    if fresh:
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            entry["crash"] = f"unreadable result {path.name}: {exc}"
+    if "crash" in entry:
+        pass
+    elif status is None:
+        entry["crash"] = f"timed out after {TIMEOUT_S} s"
+    elif doc is None:
+        entry["crash"] = f"exit status {status} and no fresh {path.name}"
+    elif traceback:
+        entry["crash"] = "raised an exception (traceback in its output)"
+    else:
+        try:
+            bar_met, headline = bench.read(doc)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+            entry["crash"] = f"result {path.name} lacks what the summary reads: {exc!r}"
+        else:
+            if status == 0 or (status == 1 and not bar_met):
+                entry.update({"bar_met": bar_met, "headline": headline})
+            else:
+                entry["crash"] = f"exit status {status} with bar_met={bar_met}"
+    if "crash" in entry:
+        entry["bar_met"] = False
+        entry["output_tail"] = tail[-20:]
+    return entry
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="each benchmark's short smoke settings (minutes)")
+    names = [b.name for b in BENCHMARKS]
+    parser.add_argument("--only", action="append", choices=names, metavar="NAME",
+                        help=f"run only this benchmark (repeatable): {', '.join(names)}")
+    args = parser.parse_args(argv)
+    chosen = [b for b in BENCHMARKS if not args.only or b.name in args.only]
+    entries = [run_one(bench, quick=args.quick) for bench in chosen]
+    crashed = [e["name"] for e in entries if "crash" in e]
+    path = write_result("summary", {
+        "command": "python -m benchmarks.run_all " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "quick": args.quick,
+        "benchmarks": entries,
+        "crashed": crashed,
+        "all_bars_met": not crashed and all(e["bar_met"] for e in entries),
+    })
+    width = max(len(e["name"]) for e in entries)
+    print(f"\n{'benchmark':{width}s}  {'result':7s}  {'time':>6s}  numbers")
+    for e in entries:
+        result = "CRASH" if "crash" in e else ("met" if e["bar_met"] else "MISSED")
+        print(f"{e['name']:{width}s}  {result:7s}  {e['seconds']:5.0f}s  {e.get('crash') or e['headline']}")
+    print(f"summary -> {path}")
+    return 1 if crashed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
