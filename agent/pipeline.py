@@ -33,7 +33,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from opentelemetry.trace import SpanContext, SpanKind
@@ -378,6 +378,10 @@ class Pipeline:
                 )
                 self._counts["stub_spans"] += 1
                 n += 1
+            if b.claims >= len(set(b.step.requests)):
+                # Every request of the batch has its span: only the step's header is needed until
+                # it leaves the buffer, so let its layer tree go now (most of the agent's heap).
+                b.step = replace(b.step, layers=[])
         error = None if record.answered else "connection closed before a response was written"
         spans.end(server, end_ns=record.end_ns + off, error=error)
         self._counts["spans"] += n
