@@ -44,6 +44,7 @@ from agent.metrics import Metrics
 from agent.policy.rules import Signals
 from agent.routing_health import (
     NAN,
+    LayerHealth,
     LayerRouting,
     RoutingHealthWindow,
     SlidingQuantile,
@@ -63,6 +64,9 @@ MAX_ARRAY_EXPERTS = 256  # above this, per-expert arrays become top-16 id/token 
 @dataclass(slots=True)
 class _BufferedStep:
     step: StepEvent
+    num_experts: int
+    healths: list[LayerHealth]  # computed once per step: metrics, windows and spans all use these
+    routings: list[LayerRouting]
     owner: SpanContext | None = None  # the owner's step span, once a request claimed it
     claims: int = 0
 
@@ -244,12 +248,12 @@ class Pipeline:
             for layer in step.layers:
                 for load in layer.loads:
                     self._load_ms.add(load.end_ns, load.duration_ns / 1e6)
-            routings = self._routings(step, num_experts, count_bad=True)
+            routings = self._routings(step, num_experts)
             if num_experts > 0:
                 if self._routing is None:
                     self._routing = RoutingHealthWindow(duration_ns=self.window_ns, num_experts=num_experts)
                 self._routing.add_step(step.end_ns, routings)
-            buffered = _BufferedStep(step)
+            buffered = _BufferedStep(step, num_experts, [layer_health(r) for r in routings], routings)
             self._buffer.append(buffered)
             for key in set(step.requests):
                 self._by_key.setdefault((step.pid, key), deque()).append(buffered)
@@ -257,9 +261,9 @@ class Pipeline:
                 self._counts["steps_evicted_overflow"] += 1
                 self._drop_oldest_locked()
         if self.metrics is not None:
-            self._step_metrics(step, routings)
+            self._step_metrics(step, buffered.healths)
 
-    def _routings(self, step: StepEvent, num_experts: int, *, count_bad: bool = False) -> list[LayerRouting]:
+    def _routings(self, step: StepEvent, num_experts: int) -> list[LayerRouting]:
         out = []
         if num_experts <= 0:
             return out
@@ -277,8 +281,7 @@ class Pipeline:
                 )
             except ValueError:
                 # bad marks (expert id >= a configured E, negative count): this layer's health is left out, counted
-                if count_bad:
-                    self._counts["layers_bad_routing"] += 1
+                self._counts["layers_bad_routing"] += 1
                 continue
             out.append(routing)
         return out
@@ -327,7 +330,7 @@ class Pipeline:
         if self.spans is not None:
             for b in expired:
                 if not b.claims:
-                    self._emit_step_tree(b.step, parent=None, extra={"moe.step.unjoined": True})
+                    self._emit_step_tree(b, parent=None, extra={"moe.step.unjoined": True})
 
     # ------------------------------------------------------------------ traces
     def _emit_request_trace(self, record: Any, steps: list[_BufferedStep]) -> None:
@@ -365,7 +368,7 @@ class Pipeline:
             n += 1
         for b in steps:
             if b.owner is None:
-                b.owner = self._emit_step_tree(b.step, parent=parent, extra={})
+                b.owner = self._emit_step_tree(b, parent=parent, extra={})
                 self._counts["owner_subtrees"] += 1
             else:
                 spans.record(
@@ -396,13 +399,11 @@ class Pipeline:
             "thread.id": step.tid,
         }
 
-    def _health_attributes(self, step: StepEvent) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
-        num_experts = self._num_experts
+    def _health_attributes(self, b: _BufferedStep) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+        num_experts = b.num_experts
+        healths = b.healths
         per_layer: dict[int, dict[str, Any]] = {}
-        healths = []
-        for routing in self._routings(step, num_experts):
-            h = layer_health(routing)
-            healths.append(h)
+        for routing, h in zip(b.routings, healths, strict=True):
             attrs: dict[str, Any] = {
                 "moe.layer.experts": num_experts,
                 "moe.router.entropy_bits": h.router_entropy_bits,
@@ -457,10 +458,11 @@ class Pipeline:
             )
         ]
 
-    def _emit_step_tree(self, step: StepEvent, *, parent: SpanContext | None, extra: dict[str, Any]) -> SpanContext:
+    def _emit_step_tree(self, b: _BufferedStep, *, parent: SpanContext | None, extra: dict[str, Any]) -> SpanContext:
         spans = self.spans
         assert spans is not None
-        step_attrs, per_layer = self._health_attributes(step)
+        step = b.step
+        step_attrs, per_layer = self._health_attributes(b)
         off = self.epoch_offset_ns
         span = spans.start(
             "moe.step",
@@ -528,7 +530,7 @@ class Pipeline:
         return n
 
     # ------------------------------------------------------------------ metrics
-    def _step_metrics(self, step: StepEvent, routings: list[LayerRouting]) -> None:
+    def _step_metrics(self, step: StepEvent, healths: list[LayerHealth]) -> None:
         m = self.metrics
         assert m is not None
         m.inc("moescope_steps")
@@ -542,7 +544,6 @@ class Pipeline:
                     m.inc("moescope_expert_load_bytes", load.bytes_moved)
             if layer.router is not None:
                 m.record_expert_counts(layer=layer.layer, tokens=layer.router.tokens, dropped=layer.router.dropped)
-        healths = [layer_health(r) for r in routings]
         for h in healths:
             m.set_layer_health(h)
         if healths:
