@@ -8,13 +8,12 @@ import json
 import math
 import os
 import signal
-import subprocess
-import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from peer_probe import connect_as_nobody
 from policy_helpers import PERIOD_S, Feeder, RuntimeProc, StartRuntime, levels
 
 from agent.policy.actuator import Actuator
@@ -379,43 +378,12 @@ def test_dry_run_sends_nothing(start_runtime: StartRuntime, make_engine: MakeEng
     assert after["precision"] == before["precision"]
 
 
-PEER_PROBE = textwrap.dedent(
-    """
-    import json, socket, sys
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(10)
-    try:
-        s.connect(sys.argv[1])
-    except PermissionError:
-        print("EACCES"); sys.exit(0)
-    try:
-        s.sendall(b'{"id": 1, "cmd": "ping"}\\n')
-    except OSError:
-        pass  # the runtime may already have sent its refusal and closed
-    data = b""
-    try:
-        while chunk := s.recv(65536):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    print(data.decode().splitlines()[0] if data else "")
-    """
-)
-
-
 def test_control_connection_from_another_uid_is_refused(start_runtime: StartRuntime) -> None:
     rt = start_runtime("--control-socket-mode", "0666")
     os.chmod(rt.workdir, 0o755)  # let uid 65534 reach the socket file: the runtime's peer check decides
 
-    def probe() -> str:
-        out = subprocess.run(
-            ["/usr/bin/python3", "-c", PEER_PROBE, rt.socket_path],
-            user=65534, group=65534, capture_output=True, text=True, timeout=60, check=True,
-        )
-        return out.stdout.strip()
-
-    reply = json.loads(probe())
+    reply = json.loads(connect_as_nobody(rt.socket_path))
     assert reply["ok"] is False and "not permitted" in reply["error"]
     assert rt.call("ping")["protocol"] == "moescope-control/1"  # root is served
     os.chmod(rt.socket_path, 0o600)  # the default mode: the file itself keeps other uids out
-    assert probe() == "EACCES"
+    assert connect_as_nobody(rt.socket_path) == "EACCES"

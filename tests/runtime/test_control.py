@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from peer_probe import connect_as_nobody
 
 from examples.moe_runtime.config import ModelConfig
 from examples.moe_runtime.control import ControlClient
@@ -24,7 +25,6 @@ from examples.moe_runtime.model import SequenceState
 from examples.moe_runtime.runtime import Runtime, RuntimeOptions
 from tests.runtime.conftest import RunningServer
 
-NOBODY = "65534"
 
 
 def raw_exchange(path: str, data: bytes) -> list[dict[str, Any]]:
@@ -119,44 +119,15 @@ def test_every_command_and_malformed_input(start_server: Callable[..., RunningSe
     assert ControlClient(server.socket_path).call("ping")["pid"] == server.proc.pid
 
 
-CONNECT_AS_NOBODY = """
-import socket, sys
-s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-s.settimeout(20)
-try:
-    s.connect(sys.argv[1])
-except PermissionError:
-    print("EACCES"); sys.exit(0)
-try:
-    s.sendall(b'{"id": 1, "cmd": "stats"}\\n')
-except OSError:
-    pass  # the runtime may already have replied and closed
-data = b""
-try:
-    while chunk := s.recv(65536):
-        data += chunk
-except ConnectionResetError:
-    pass
-print(data.decode().strip())
-"""
-
-
-def run_as_nobody(path: str) -> str:
-    cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-           sys.executable, "-c", CONNECT_AS_NOBODY, path]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True)
-    return out.stdout.strip()
-
-
 def test_other_uid_is_refused(start_server: Callable[..., RunningServer]) -> None:
     assert os.getuid() == 0, "this test drops to uid 65534 with setpriv: run it as root"
     strict = start_server(name="strict.sock")
     # Mode 0600: the kernel refuses the connect itself.
-    assert run_as_nobody(strict.socket_path) == "EACCES"
+    assert connect_as_nobody(strict.socket_path) == "EACCES"
     # A looser mode still gets the SO_PEERCRED check: one error reply, then the connection closes.
     loose = start_server("--control-socket-mode", "0666", name="loose.sock")
     assert stat.S_IMODE(os.stat(loose.socket_path).st_mode) == 0o666
-    reply = json.loads(run_as_nobody(loose.socket_path))
+    reply = json.loads(connect_as_nobody(loose.socket_path))
     assert reply["ok"] is False and reply["id"] is None
     assert "peer uid 65534 not permitted" in reply["error"]
     # Root (our uid) is still served on the same socket.
