@@ -21,7 +21,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from benchmarks.common import REPO, RESULTS_DIR, write_result

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import time
 from collections import Counter
-from pathlib import Path
 
 from otlp_receiver import GrpcOtlpReceiver
 

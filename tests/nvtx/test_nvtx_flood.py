@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from nvtx_helpers import HERE, WAIT_S, Capture, Producer, drain_until_finished
+from nvtx_helpers import HERE, Capture, Producer, drain_until_finished
 
 from collectors.nvtx import (
     OFF_CONSUMER_ATTACHED,

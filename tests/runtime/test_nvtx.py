@@ -11,7 +11,6 @@ import json
 import math
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 import tempfile
