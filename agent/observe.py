@@ -31,6 +31,7 @@ from agent.export.setup import Tracing, build_tracing, stats_to_metrics
 from agent.metrics import Metrics, MetricsServer
 from agent.pipeline import Pipeline, resource_attributes
 from agent.policy.rules import Signals
+from probes.ingress.loader import DROP_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class Observers:
         self.started_unix_s = time.time()
         self._meter = st.SelfCostMeter()
         self._event_totals: dict[str, tuple[float, int]] = {}
+        self._sources_view: list[st.SourceStats] = []
         self._seq = 0
         self._lock = threading.Lock()
 
@@ -92,15 +94,22 @@ class Observers:
         obs = cls(args=args, daemon=daemon, pipeline=pipeline, tracing=tracing, metrics=metrics, metrics_server=server)
         obs.notes.append(tracing.describe())
         obs._export_to_metrics = stats_to_metrics(metrics, tracing.exporter)
-        daemon.add_tick_hook(obs._publish_export_stats)
+        daemon.add_tick_hook(obs._publish_metrics)
         return obs
 
-    def _publish_export_stats(self, now_ns: int) -> None:
-        """Export counters into /metrics from one thread (the daemon's), so totals only grow."""
+    def _publish_metrics(self, now_ns: int) -> None:
+        """Self-metrics and the live view's source rows, on the daemon thread (sources are polled
+        there, so their counters are read there too) and whether or not a state file is written."""
         if now_ns - self._export_published_ns < EXPORT_STATS_PERIOD_NS:
             return None
         self._export_published_ns = now_ns
         self._export_to_metrics(self.tracing.stats())
+        self._sources_view = self._source_stats()
+        engine = self.policy
+        if engine is not None:
+            from agent.policy import publish
+
+            publish.publish_rule_metrics(engine, self.metrics)
         return None
 
     def child_env(self) -> dict[str, str]:
@@ -409,7 +418,7 @@ class Observers:
         )
         for collector, parser in zip(self.nvtx, self.parsers, strict=True):
             s = collector.stats()
-            drops = {k: v for k, v in s.items() if "drop" in k and v}
+            drops = {k: v for k, v in s.items() if _is_drop(k) and v}
             anomalies = {k: v for k, v in parser.stats().items() if k in _PARSER_ANOMALIES and v}
             lines.append(f"nvtx pid {collector.pid}: {s.get('records_received', 0)} records, drops {drops or 0}, anomalies {anomalies or 0}")
         export = self.tracing.stats()
@@ -433,13 +442,12 @@ class Observers:
             from agent.policy import publish
 
             policy = publish.policy_snapshot(engine)
-            publish.publish_rule_metrics(engine, self.metrics)
         header = st.Header(
             agent_pid=os.getpid(),
             started_unix_s=self.started_unix_s,
             targets=list(self.targets),
             probes_attached=list(self.probes),
-            sources=self._source_stats(),
+            sources=list(self._sources_view),
             dry_run=bool(getattr(self.args, "dry_run", False)),
         )
         return st.Snapshot(
@@ -463,13 +471,16 @@ class Observers:
             except Exception:  # a source's stats must not break the live view
                 continue
             events = int(stats.get("records", stats.get("records_received", stats.get("samples_emitted", 0))) or 0)
-            drops = sum(int(v) for k, v in stats.items() if "drop" in k and isinstance(v, int))
+            lost = {k: v for k, v in stats.items() if _is_drop(k) and isinstance(v, int)}
+            drops = sum(lost.values())
             last = self._event_totals.get(source.name)
             rate = None
             if last is not None and now > last[0]:
                 rate = max(0.0, (events - last[1]) / (now - last[0]))
             self._event_totals[source.name] = (now, events)
             self.metrics.set_counter_total("moescope_agent_events", float(events), source=source.name)
+            for reason, count in lost.items():
+                self.metrics.set_counter_total("moescope_agent_events_dropped", float(count), source=source.name, reason=reason)
             out.append(st.SourceStats(name=source.name, events_per_s=rate, drops_total=drops))
         # Trace export as a row of its own: spans exported per second; lost = failed + dropped.
         export = self.tracing.stats()
@@ -480,6 +491,15 @@ class Observers:
         self._event_totals["export"] = (now, export.exported)
         out.append(st.SourceStats(name="export", events_per_s=rate, drops_total=export.failed + export.dropped))
         return out
+
+
+_INGRESS_DROPS = frozenset(DROP_NAMES.values())
+
+
+def _is_drop(counter: str) -> bool:
+    """A source counter that counts lost events: named "*drop*", or one of the ingress probe's
+    in-kernel loss counters (ring full, connection evicted, in-flight table full)."""
+    return "drop" in counter or counter in _INGRESS_DROPS
 
 
 def _with_runtime_state(moe: st.Moe, devices: st.Devices, runtime: Any) -> tuple[st.Moe, st.Devices]:
