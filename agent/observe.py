@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import threading
@@ -342,7 +343,7 @@ class Observers:
             )
         # Without a GPU the runtime's own device-pool accounting is the device memory signal; host
         # RSS / cgroup stays in the TUI and metrics. NVML or an explicit --memory-budget-bytes win.
-        if self.pipeline.memory_source() not in ("nvml", "budget") and theirs.device_memory_used_ratio == theirs.device_memory_used_ratio:
+        if self.pipeline.memory_source() not in ("nvml", "budget") and not math.isnan(theirs.device_memory_used_ratio):
             merged = replace(merged, device_memory_used_ratio=theirs.device_memory_used_ratio)
         return merged
 

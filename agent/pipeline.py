@@ -9,9 +9,11 @@ Inputs arrive on the daemon thread, in any interleaving:
 
 Join rule: a step served a request when the step's ``moe.request`` marks carry the request's key
 (the connection's fd), the step ran in the same process (pid == tgid), and the step started inside
-the request's kernel-timed interval [first byte read, last byte written]. Steps always end before
-the response that depends on them is written, so every step of a request is buffered by the time
-its request record arrives; buffered steps are kept for ``step_retention_ns`` and bounded in count.
+the request's kernel-timed interval [first byte read, last byte written]. Steps end before the
+response that depends on them is written, but the daemon polls NVTX and ingress one after the other:
+with ``defer_requests`` (the agent's setting) a request record waits for the first tick that started
+after it ended, by when all its steps have been drained (``drain_requests``). Buffered steps are
+kept for ``step_retention_ns`` and bounded in count.
 
 Trace structure (docs/traces-and-metrics.md "Trace structure"): one trace per request rooted at the
 kernel-timed SERVER span, with a ``queue wait`` child (first byte → first step). The *first request of
