@@ -113,14 +113,6 @@ class Observers:
             publish.publish_rule_metrics(engine, self.metrics)
         return None
 
-    def child_env(self) -> dict[str, str]:
-        """Environment for a command the agent launches: the NVTX injection variables."""
-        if self.args.no_nvtx:
-            return {}
-        from collectors.nvtx import injection_env
-
-        return injection_env()
-
     def attach(self, pids: list[int], *, probe_names: list[str]) -> None:
         """NVTX per target, telemetry and policy for the first target. Soft failures become notes."""
         self.probes = list(probe_names)

@@ -37,7 +37,8 @@ from typing import IO, Any
 
 from agent import errors
 from agent.daemon import STOP_SIGNAL, Daemon, LatencyHistogram
-from agent.export.config import add_export_arguments
+from agent import privileges
+from agent.export.config import add_export_arguments, flags_from_args, resolve_export_config
 from agent.metrics import add_metrics_arguments
 from agent.observe import Observers
 from agent.policy.wiring import add_policy_arguments
@@ -68,6 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tui", action="store_true", help="show the live view (as `agent top`) in the foreground")
     parser.add_argument("--interval", type=float, default=0.25, metavar="S",
                         help="live view and state file refresh period (default 0.25 s)")
+    parser.add_argument(
+        "--keep-privileges", action="store_true",
+        help="do not drop capabilities once the eBPF programs are attached (by default the agent keeps "
+             "only CAP_SYS_PTRACE and CAP_DAC_OVERRIDE from then on: docs/security.md)",
+    )
     src = parser.add_argument_group("sources")
     src.add_argument("--no-nvtx", action="store_true", help="do not capture NVTX ranges (kernel timing only)")
     src.add_argument("--nvtx-records", metavar="FILE",
@@ -223,16 +229,32 @@ class TargetFollower:
                     print(f"agent: {line}", file=sys.stderr, flush=True)
 
 
+def child_env(args: argparse.Namespace) -> dict[str, str]:
+    """Environment for a command the agent launches: the NVTX injection variables."""
+    if args.no_nvtx:
+        return {}
+    from collectors.nvtx import injection_env
+
+    return injection_env()
+
+
+def privileges_to_keep(args: argparse.Namespace) -> tuple[str, ...]:
+    keep = privileges.KEEP_AFTER_ATTACH
+    if args.metrics_port and 0 < args.metrics_port < 1024:  # bound after the drop
+        keep += ("CAP_NET_BIND_SERVICE",)
+    return keep
+
+
 def run(args: argparse.Namespace) -> int:
     command = _validate(args)
+    resolve_export_config(flags_from_args(args))  # a bad export flag fails before anything is loaded
     options = IngressOptions()
     if args.ebpf:
         sys.stdout.write(loader.ebpf_listing(options))
         return errors.EXIT_OK
-    # Root first, before anything touches bcc or other processes' /proc entries.
+    # Root first, before anything touches eBPF or other processes' /proc entries.
     if os.geteuid() != 0:
         raise errors.NotPermitted("agent start needs root (eBPF): run it with sudo")
-    loader.import_bcc()
     loader.check_kernel_headers(loader.kernel_build_dir())
 
     targets: list[Target] = []
@@ -276,16 +298,19 @@ def _observe(
     launched: LaunchedCommand | None = None
     observers: Observers | None = None
     try:
-        observers = Observers.build(args, daemon=daemon)
         probe.load()
         if command:
-            launched = LaunchedCommand(command, extra_env=observers.child_env())
+            launched = LaunchedCommand(command, extra_env=child_env(args))
             targets.append(launched.target)
         seeded = sum(probe.add_target(t.pid) for t in targets)
         attach_s = (time.monotonic_ns() - started_ns) / 1e9
         names = ", ".join(t.describe() for t in targets)
         print(f"agent: tracing {names}; {seeded} open connections seeded; attached in {attach_s:.2f} s",
               file=sys.stderr, flush=True)
+        # Before any thread exists (Observers.build starts the exporters): see agent/privileges.py.
+        if not args.keep_privileges:
+            print(f"agent: {privileges.drop_to(privileges_to_keep(args))}", file=sys.stderr, flush=True)
+        observers = Observers.build(args, daemon=daemon)
         observers.attach([t.pid for t in targets], probe_names=["ingress"])
         if launched is not None:
             launched.release()

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent import errors
+from agent import errors, inherited_environ
 from probes.ingress import procnet
 
 PROC = Path("/proc")
@@ -161,7 +161,7 @@ class LaunchedCommand:
             self.popen: subprocess.Popen[bytes] = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(read_fd), *argv],
                 pass_fds=(read_fd,),
-                env={**os.environ, **extra_env} if extra_env else None,
+                env={**inherited_environ(), **(extra_env or {})},
             )
         finally:
             os.close(read_fd)

@@ -17,7 +17,7 @@ start-up (1-2 s) is outside the measured window. Each run: runtime ready -> (age
 warm-up load -> measured closed-loop load for --duration-s -> agent SIGINT (its summary is kept).
 
 Agent CPU is (utime + stime) of the agent process over the measured window, from /proc/PID/stat,
-as % of one core; its peak RSS is VmHWM (includes the in-process bcc/LLVM compile at attach), with
+as % of one core; its peak RSS is VmHWM (bcc compiles in a child process, not counted), with
 VmRSS and its anon/file/shmem split at the end of the window. Runtime CPU is measured the same way.
 
     sudo .venv/bin/python -m benchmarks.e2e_overhead [--pairs 5] [--duration-s 15] [--quick]

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from agent.daemon import Daemon
 from benchmarks.common import Metrics, alternate_ab, build_c, write_result
-from probes.ingress.loader import DROP_NAMES, IngressOptions, IngressProbe, compile_program, program_text
+from probes.ingress.loader import DROP_NAMES, IngressOptions, IngressProbe, load_program, program_text
 
 BAR_NS_PER_REQUEST = 400
 SOURCE = Path(__file__).resolve().parent / "ingress_keepalive.c"
@@ -134,11 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         return client_run(binary, server_pid=responder.popen.pid, port=responder.port, requests=args.requests, cpu=bench_cpu)
 
     def empty_on() -> Metrics:
-        bpf = compile_program(text=empty_program_text(), flags=[])
+        empty = load_program(text=empty_program_text(), flags=[])
         try:
+            empty.attach()
             return client_run(binary, server_pid=responder.popen.pid, port=responder.port, requests=args.requests, cpu=bench_cpu)
         finally:
-            bpf.cleanup()
+            empty.close()
 
     def probe_on() -> Metrics:
         count = [0]

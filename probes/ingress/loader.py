@@ -1,7 +1,7 @@
-"""Load the ingress probe (ingress.bpf.c) with bcc, manage its targets, drain its ring buffer.
+"""Load the ingress probe (ingress.bpf.c; compiled by bcc in a child process), manage its targets, drain its ring buffer.
 
     probe = IngressProbe(on_record=records.append)
-    probe.load()                 # compile + attach (~0.4 s); tracks nothing until a target is added
+    probe.load()                 # compile (child process) + attach (~0.5 s); tracks nothing until a target is added
     probe.add_target(pid)        # seeds the target's established connections, then tracks it
     probe.poll(time.monotonic_ns())   # drains completed requests into on_record; call on a timer
     probe.stats()                # drop counters, summed over CPUs
@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from agent import errors
+from probes import bpf
 from probes.ingress import procnet
 from probes.ingress.ring import RingReader
 
@@ -56,7 +57,6 @@ K_READ = 2
 K_WRITE = 3
 DROP_NAMES = {DROP_RINGBUF_FULL: "ringbuf_full", DROP_CONN_EVICTED: "conn_evicted", DROP_INFLIGHT_FULL: "inflight_full"}
 
-BPF_NOEXIST = 1  # bpf_map_update_elem flag: create only
 
 
 class IngressEvent(ct.Structure):
@@ -276,25 +276,11 @@ def check_kernel_headers(build_dir: Path) -> None:
         )
 
 
-def import_bcc() -> Any:
-    try:
-        import bcc
-    except ImportError as exc:
-        raise errors.BccMissing(
-            f"bcc is not importable ({exc}): install Debian's python3-bpfcc (`make setup`)"
-        ) from exc
-    return bcc
-
-
-def compile_program(*, text: str, flags: list[str], build_dir: Path | None = None) -> Any:
-    """Compile and load `text` with bcc; TRACEPOINT_PROBE programs attach as they load."""
+def load_program(*, text: str, flags: list[str], build_dir: Path | None = None) -> bpf.LoadedObject:
+    """Compile and load `text` in the eBPF compiler process (probes/bpf.py says why); nothing is
+    attached yet."""
     check_kernel_headers(build_dir or kernel_build_dir())
-    bcc = import_bcc()
-    try:
-        return bcc.BPF(text=text.encode(), cflags=flags)
-    except Exception as exc:  # bcc raises bare Exception for compile and load failures
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise errors.ProbeLoadError(f"eBPF program failed to compile/load: {first_line}") from exc
+    return bpf.load_in_child(text=text, flags=flags)
 
 
 class IngressProbe:
@@ -306,7 +292,8 @@ class IngressProbe:
         self.options = options or IngressOptions()
         self.options.validate()
         self._on_record = on_record
-        self._bpf: Any = None
+        self._object: bpf.LoadedObject | None = None
+        self._maps: _Maps | None = None
         self._ring: RingReader | None = None
         self._peer_cache: dict[tuple[int, bytes], str | None] = {}
         self._targets: set[int] = set()
@@ -320,16 +307,27 @@ class IngressProbe:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def load(self, *, build_dir: Path | None = None) -> None:
-        self._bpf = compile_program(text=program_text(), flags=cflags(self.options), build_dir=build_dir)
-        self._ring = RingReader(
-            map_fd=self._bpf[b"events"].map_fd,
-            data_bytes=self.options.ringbuf_pages * mmap.PAGESIZE,
-            record=EVENT_DTYPE,
-        )
+        loaded = load_program(text=program_text(), flags=cflags(self.options), build_dir=build_dir)
+        try:
+            self._maps = _Maps(loaded.maps)
+            self._ring = RingReader(
+                map_fd=loaded.maps["events"],
+                data_bytes=self.options.ringbuf_pages * mmap.PAGESIZE,
+                record=EVENT_DTYPE,
+            )
+            loaded.attach()
+        except BaseException:
+            if self._ring is not None:
+                self._ring.close()
+                self._ring = None
+            self._maps = None
+            loaded.close()
+            raise
+        self._object = loaded
 
     def close(self) -> None:
         """Stop tracking every target (flushing their answered requests), drain, unload."""
-        if self._bpf is None:
+        if self._object is None:
             return
         for tgid in sorted(self._targets):
             self.remove_target(tgid)
@@ -337,12 +335,13 @@ class IngressProbe:
         if self._ring is not None:
             self._ring.close()
             self._ring = None
-        self._bpf.cleanup()
-        self._bpf = None
+        self._object.close()
+        self._object = None
+        self._maps = None
 
     @property
     def loaded(self) -> bool:
-        return self._bpf is not None
+        return self._object is not None
 
     # ---- targets ---------------------------------------------------------------------------
 
@@ -351,41 +350,39 @@ class IngressProbe:
 
     def add_target(self, tgid: int) -> int:
         """Track process `tgid`; returns how many already-established connections were seeded."""
-        self._require_loaded()
+        maps = self._require_loaded()
         if tgid == os.getpid():
             raise errors.UsageError("the agent cannot trace its own process")
         if tgid not in self._targets and len(self._targets) >= self.options.max_targets:
             raise errors.UsageError(f"at most {self.options.max_targets} targets (max_targets)")
         # Target first, then seed with NOEXIST: a connection accepted in between keeps the
         # kernel's entry; seeding never overwrites it.
-        self._bpf[b"targets"][ct.c_uint32(tgid)] = ct.c_uint8(1)
+        maps.targets.update(ct.c_uint32(tgid), ct.c_uint8(1))
         self._targets.add(tgid)
         self._write_target_slot(tgid)
         seeded = 0
         seeded_fds: set[int] = set()
-        conns = self._bpf[b"conns"]
         for fd, sock in procnet.accepted_connections(tgid):
             key = IngressConnKey(tgid=tgid, fd=fd)
             conn = IngressConn(generation=0, flags=F_SEEDED, family=sock.family, peer_port=sock.remote_port)
             ct.memmove(conn.peer_addr, sock.remote_addr, len(sock.remote_addr))
-            if self._map_update(conns, key, conn, flags=BPF_NOEXIST):
+            if maps.conns.update(key, conn, flags=bpf.BPF_NOEXIST):
                 seeded += 1
                 seeded_fds.add(fd)
         if seeded:
             self._user_inserts += seeded
-            self._bpf[b"conn_count"][ct.c_int(CC_USER_INSERTS)] = ct.c_uint64(self._user_inserts)
-        self._seed_blocked_threads(tgid, seeded_fds=seeded_fds)
+            maps.conn_count.update(ct.c_uint32(CC_USER_INSERTS), ct.c_uint64(self._user_inserts))
+        self._seed_blocked_threads(maps, tgid, seeded_fds=seeded_fds)
         log.debug("ingress: target %d added, %d connections seeded", tgid, seeded)
         return seeded
 
-    def _seed_blocked_threads(self, tgid: int, *, seeded_fds: set[int]) -> None:
+    def _seed_blocked_threads(self, maps: _Maps, tgid: int, *, seeded_fds: set[int]) -> None:
         """A thread already blocked in accept() or in read() on a seeded connection entered its
         syscall before the probe saw it; give it the in-flight entry its exit will look for, so
         the connection it accepts (or the request it reads) is not missed."""
         numbers = procnet.syscall_numbers()
         reads = {numbers[name] for name in procnet.READ_SYSCALLS if name in numbers}
         accepts = {numbers[name] for name in procnet.ACCEPT_SYSCALLS if name in numbers}
-        inflight = self._bpf[b"inflight"]
         for blocked in procnet.blocked_syscalls(tgid):
             fd = ct.c_int32(blocked.args[0] & 0xFFFFFFFF).value
             if blocked.nr in accepts:
@@ -395,25 +392,22 @@ class IngressProbe:
             else:
                 continue
             entry.tgid, entry.tid = tgid, blocked.tid
-            index = ct.c_int(blocked.tid & (self.options.max_inflight - 1))
-            if not inflight[index].kind:  # a slot the kernel filled meanwhile wins
-                inflight[index] = entry
+            index = ct.c_uint32(blocked.tid & (self.options.max_inflight - 1))
+            current = maps.inflight.lookup(index)
+            if current is not None and not current.kind:  # a slot the kernel filled meanwhile wins
+                maps.inflight.update(index, entry)
 
     def remove_target(self, tgid: int, *, flush: bool = True) -> int:
         """Stop tracking `tgid`; drain, then emit its answered-but-not-yet-ended requests (flag
         flushed) and forget its connections. Returns the number of flushed records."""
-        self._require_loaded()
-        try:
-            del self._bpf[b"targets"][ct.c_uint32(tgid)]
-        except KeyError:
-            pass
+        maps = self._require_loaded()
+        maps.targets.delete(ct.c_uint32(tgid))
         self._targets.discard(tgid)
         self._write_target_slot(tgid)
         self._drain()  # records the kernel already submitted come before the flushed ones
-        conns = self._bpf[b"conns"]
         flushed = 0
         deleted = 0
-        for key, conn in list(conns.items()):
+        for key, conn in maps.conns.items():
             if key.tgid != tgid:
                 continue
             if flush and conn.start_ns and conn.bytes_out:
@@ -423,18 +417,14 @@ class IngressProbe:
                 )
                 self._deliver(record)
                 flushed += 1
-            try:
-                del conns[key]
-                deleted += 1
-            except KeyError:
-                pass  # closed meanwhile (the kernel counted that delete)
+            if maps.conns.delete(key):
+                deleted += 1  # else closed meanwhile (the kernel counted that delete)
         if deleted:
             self._user_deletes += deleted
-            self._bpf[b"conn_count"][ct.c_int(CC_USER_DELETES)] = ct.c_uint64(self._user_deletes)
-        inflight = self._bpf[b"inflight"]
-        for index, slot in list(inflight.items()):
+            maps.conn_count.update(ct.c_uint32(CC_USER_DELETES), ct.c_uint64(self._user_deletes))
+        for index, slot in maps.inflight.items():
             if slot.kind and slot.tgid == tgid:
-                inflight[index] = IngressInflight()  # free the slots of its threads
+                maps.inflight.update(index, IngressInflight())  # free the slots of its threads
         self._flushed += flushed
         return flushed
 
@@ -443,18 +433,18 @@ class IngressProbe:
     def poll(self, now_ns: int) -> int:
         """Drain every completed request the kernel has submitted; returns how many."""
         del now_ns  # the ring is drained completely on every call
-        if self._bpf is None:
+        if self._object is None:
             return 0
         return self._drain()
 
     def stats(self) -> dict[str, int]:
         """Counters: records delivered, and every loss (all should stay 0)."""
         result = {"records": self._records, "flushed": self._flushed, "callback_errors": self._callback_errors}
-        return result | (self._read_drops() if self._bpf is not None else self._final_drops)
+        return result | (self._read_drops() if self._maps is not None else self._final_drops)
 
     def _read_drops(self) -> dict[str, int]:
-        drops = self._bpf[b"drops"]
-        return {name: int(drops.sum(ct.c_int(index)).value) for index, name in DROP_NAMES.items()}
+        maps = self._require_loaded()
+        return {name: maps.drops.sum(ct.c_uint32(index)) for index, name in DROP_NAMES.items()}
 
     def drop_total(self) -> int:
         stats = self.stats()
@@ -469,11 +459,12 @@ class IngressProbe:
         index = tgid & mask
         sharing = [t for t in self._targets if t & mask == index]
         value = 0 if not sharing else sharing[0] if len(sharing) == 1 else TARGET_SHARED
-        self._bpf[b"target_slots"][ct.c_int(index)] = ct.c_uint32(value)
+        self._require_loaded().target_slots.update(ct.c_uint32(index), ct.c_uint32(value))
 
-    def _require_loaded(self) -> None:
-        if self._bpf is None:
+    def _require_loaded(self) -> _Maps:
+        if self._maps is None:
             raise errors.ProbeLoadError("ingress probe is not loaded")
+        return self._maps
 
     def _drain(self) -> int:
         if self._ring is None:
@@ -491,8 +482,19 @@ class IngressProbe:
             self._callback_errors += 1
             log.exception("ingress: record callback failed")
 
-    @staticmethod
-    def _map_update(table: Any, key: Any, value: ct.Structure, *, flags: int) -> bool:
-        from bcc.libbcc import lib  # imported here: bcc is loaded by then
 
-        return lib.bpf_update_elem(table.map_fd, ct.byref(key), ct.byref(value), flags) == 0
+class _Maps:
+    """The program's maps by name, typed as ingress.h declares them."""
+
+    def __init__(self, fds: dict[str, int]) -> None:
+        def typed(name: str, key: type[Any], value: type[Any]) -> bpf.BpfMap[Any, Any]:
+            if name not in fds:
+                raise errors.ProbeLoadError(f"the ingress program has no map {name!r}")
+            return bpf.BpfMap(fd=fds[name], name=name, key_type=key, value_type=value)
+
+        self.targets = typed("targets", ct.c_uint32, ct.c_uint8)
+        self.target_slots = typed("target_slots", ct.c_uint32, ct.c_uint32)
+        self.conns = typed("conns", IngressConnKey, IngressConn)
+        self.inflight = typed("inflight", ct.c_uint32, IngressInflight)
+        self.drops = typed("drops", ct.c_uint32, ct.c_uint64)
+        self.conn_count = typed("conn_count", ct.c_uint32, ct.c_uint64)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import signal
 import subprocess
@@ -209,15 +210,21 @@ def test_usage_errors_are_exit_2(bpf: None, run_agent: Callable[..., AgentRun]) 
     assert "command not found" in one_line_error(run, errors.EXIT_USAGE)
 
 
-def test_bcc_missing_is_exit_4(bpf: None, start_server: Callable[..., Server]) -> None:
+def test_bcc_missing_is_exit_4(bpf: None, tmp_path: Path, start_server: Callable[..., Server]) -> None:
     server = start_server("threaded")
-    # The real agent, in a Python where `import bcc` fails.
-    code = "import sys; sys.modules['bcc'] = None; from agent.cli import main; sys.exit(main(sys.argv[1:]))"
+    # The real agent where `import bcc` fails (a `bcc` package first on the path that raises
+    # ImportError): the eBPF compiler process it starts reports it, the agent exits 4 in one line.
+    shadow = tmp_path / "shadow" / "bcc"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('no libbcc here')\n")
+    env = os.environ | {"PYTHONPATH": str(shadow.parent)}
     done = subprocess.run(
-        [sys.executable, "-c", code, "start", "--pid", str(server.pid)], capture_output=True, text=True, timeout=WAIT_S
+        [sys.executable, "-m", "agent", "start", "--pid", str(server.pid)],
+        capture_output=True, text=True, timeout=WAIT_S, env=env,
     )
     assert done.returncode == errors.EXIT_BCC_MISSING, done
-    assert done.stderr.startswith("agent: error: bcc is not importable") and len(done.stderr.splitlines()) == 1
+    assert done.stderr.startswith("agent: error: bcc is not importable (no libbcc here)"), done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
 
 
 def test_command_is_stopped_with_the_agent(bpf: None, tmp_path: Path, run_agent: Callable[..., AgentRun]) -> None:

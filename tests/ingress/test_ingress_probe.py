@@ -188,7 +188,7 @@ def test_the_agent_cannot_target_itself(tracer: Tracer) -> None:
 
 def test_compile_failure_is_a_probe_load_error(bpf: None) -> None:
     with pytest.raises(errors.ProbeLoadError, match="failed to compile"):
-        loader.compile_program(text="int this is not C;", flags=[])
+        loader.load_program(text="int this is not C;", flags=[])
 
 
 def test_targets_sharing_a_filter_slot_are_told_apart(bpf: None, start_server: Callable[..., Server]) -> None:
