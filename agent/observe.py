@@ -87,7 +87,8 @@ class Observers:
         # No metrics hook in the export worker: it publishes only between drain rounds, and a round
         # never ends while a stalled collector blocks each export; the daemon thread publishes instead.
         tracing = build_tracing(config, resource_attributes=resource_attributes(args.pid or []), metrics=None)
-        pipeline = Pipeline(spans=tracing.factory, metrics=metrics, num_experts=args.num_experts, defer_requests=True)
+        pipeline = Pipeline(spans=tracing.factory, metrics=metrics, num_experts=args.num_experts, defer_requests=True,
+                            span_detail=args.span_detail)
         daemon.add_sink(pipeline.sink)
         daemon.add_tick_hook(pipeline.drain_requests)
         # Unclaimed steps become their own traces after retention, even when traffic stops.

@@ -63,6 +63,12 @@ DEFAULT_MAX_BUFFERED_STEPS = 20_000
 MAX_ARRAY_EXPERTS = 256  # above this, per-expert arrays become top-16 id/token lists on spans
 
 
+# How much of the forward pass becomes spans: "layer" (default) puts the router, expert loads and
+# FFNs of a layer into array attributes of its moe.layer span; "expert" gives each its own span.
+SPAN_DETAILS = ("layer", "expert")
+DEFAULT_SPAN_DETAIL = "layer"
+
+
 @dataclass(slots=True)
 class _BufferedStep:
     step: StepEvent
@@ -104,8 +110,12 @@ class Pipeline:
         clock: Callable[[], int] = time.monotonic_ns,
         epoch_offset_ns: int | None = None,
         defer_requests: bool = False,
+        span_detail: str = DEFAULT_SPAN_DETAIL,
     ) -> None:
+        if span_detail not in SPAN_DETAILS:
+            raise ValueError(f"span_detail must be one of {SPAN_DETAILS}, got {span_detail!r}")
         self.spans = spans
+        self.span_detail = span_detail
         # sink() holds request records until drain_requests(now_ns) (a daemon tick hook) sees they ended
         # before the tick started: the steps of such a request were in the NVTX ring when it was drained.
         self.defer_requests = defer_requests
@@ -484,6 +494,12 @@ class Pipeline:
         spans = self.spans
         assert spans is not None
         off = self.epoch_offset_ns
+        if self.span_detail == "layer":
+            spans.record(
+                "moe.layer", start_ns=layer.start_ns + off, end_ns=layer.end_ns + off, parent=parent,
+                attributes={"moe.layer": layer.layer, **attrs, **self._folded_layer_attributes(layer)},
+            )
+            return 1
         span = spans.start(
             "moe.layer", start_ns=layer.start_ns + off, parent=parent, attributes={"moe.layer": layer.layer, **attrs}
         )
@@ -530,6 +546,22 @@ class Pipeline:
             n += 1
         spans.end(span, end_ns=layer.end_ns + off)
         return n
+
+    def _folded_layer_attributes(self, layer: LayerEvent) -> dict[str, Any]:
+        """--span-detail layer: what the router, expert-load and FFN child spans would carry, as
+        attributes of the layer span (one span per layer instead of 2 + experts run + loads)."""
+        attrs: dict[str, Any] = {"moe.precision": self._layer_precision.get(layer.layer)}
+        if layer.router is not None:
+            attrs["moe.layer.router.duration_ms"] = (layer.router.end_ns - layer.router.start_ns) / 1e6
+        if layer.ffns:
+            attrs["moe.layer.ffn.experts"] = [f.expert for f in layer.ffns]
+            attrs["moe.layer.ffn.tokens"] = [f.tokens for f in layer.ffns]
+            attrs["moe.layer.ffn.duration_ms"] = [(f.end_ns - f.start_ns) / 1e6 for f in layer.ffns]
+        if layer.loads:
+            attrs["moe.layer.load.experts"] = [load.expert for load in layer.loads]
+            attrs["moe.layer.load.bytes"] = [load.bytes_moved for load in layer.loads]
+            attrs["moe.layer.load.duration_ms"] = [(load.end_ns - load.start_ns) / 1e6 for load in layer.loads]
+        return attrs
 
     # ------------------------------------------------------------------ metrics
     def _step_metrics(self, step: StepEvent, healths: list[LayerHealth]) -> None:

@@ -338,7 +338,7 @@ def _read_level(version: Literal[1, 2], cg_path: str, directory: Path) -> Cgroup
 
 
 def read_cgroup_memory(
-    pid: int, *, proc_root: Path = Path("/proc"), rootfs: Path = Path("/")
+    pid: int, *, proc_root: Path = Path("/proc"), rootfs: Path = Path("/"), mounts: list[_Mount] | None = None
 ) -> CgroupMemory:
     """The target's cgroup memory, from the level that is closest to its limit.
 
@@ -346,6 +346,7 @@ def read_cgroup_memory(
     target's cgroup up to the mount root is read and the limited level with the highest working-set
     ratio wins; with no limit anywhere, the target's own level is returned with max_bytes None.
     Raises TargetGone if the process is gone, LookupError (one-line reason) if nothing can be read.
+    `mounts`: this process's parsed mountinfo when the caller keeps it (read here otherwise).
     """
     try:
         cgroup_text = _read_text(proc_root / str(pid) / "cgroup")
@@ -359,10 +360,8 @@ def read_cgroup_memory(
         version, cg_path = 2, v2_path
     else:
         raise LookupError(f"process {pid}: no memory cgroup in {proc_root / str(pid) / 'cgroup'}")
-    try:
-        mounts = parse_mountinfo(_read_text(proc_root / "self" / "mountinfo"))
-    except OSError as exc:
-        raise LookupError(f"cannot read mountinfo: {exc}") from exc
+    if mounts is None:
+        mounts = read_mounts(proc_root=proc_root)
     mount = _pick_mount(mounts, cg_path, version=version)
     if mount is None:
         kind = "cgroup2" if version == 2 else "cgroup (memory)"
@@ -392,12 +391,21 @@ def read_cgroup_memory(
     return best if best is not None else leaf
 
 
+def read_mounts(*, proc_root: Path = Path("/proc")) -> list[_Mount]:
+    try:
+        return parse_mountinfo(_read_text(proc_root / "self" / "mountinfo"))
+    except OSError as exc:
+        raise LookupError(f"cannot read mountinfo: {exc}") from exc
+
+
 def _ratio(level: CgroupMemory) -> float:
     assert level.max_bytes is not None
     return level.working_set_bytes / level.max_bytes if level.max_bytes > 0 else math.inf
 
 
 # ---------------------------------------------------------------- the collector
+
+MOUNTS_REFRESH_NS = 10_000_000_000
 
 
 class HostCollector:
@@ -425,6 +433,10 @@ class HostCollector:
         self.rss_source: RssSource = rss_source
         self._gone_reported = False
         self._cgroup_error_reported: str | None = None
+        # mountinfo is re-read every MOUNTS_REFRESH_NS, not every sample (it was a third of the
+        # collector's CPU): cgroup filesystems are mounted once at boot or container start.
+        self._mounts: list[_Mount] | None = None
+        self._mounts_read_ns = 0
 
     def collect(self) -> HostSample:
         now_ns = time.time_ns()
@@ -436,7 +448,12 @@ class HostCollector:
             cgroup: CgroupMemory | None = None
             cgroup_error: str | None = None
             try:
-                cgroup = read_cgroup_memory(self.target_pid, proc_root=self.proc_root, rootfs=self.rootfs)
+                if self._mounts is None or now_ns - self._mounts_read_ns > MOUNTS_REFRESH_NS:
+                    self._mounts, self._mounts_read_ns = None, now_ns
+                    self._mounts = read_mounts(proc_root=self.proc_root)
+                cgroup = read_cgroup_memory(
+                    self.target_pid, proc_root=self.proc_root, rootfs=self.rootfs, mounts=self._mounts
+                )
             except LookupError as exc:
                 cgroup_error = str(exc)
                 if cgroup_error != self._cgroup_error_reported:

@@ -403,8 +403,11 @@ class TraceReport:
     steps_of: dict[str, list[FlatSpan]]  # server span id -> its step spans (owner or stub), by start
 
 
-def check_traces(spans: list[FlatSpan], *, layers: int = LAYERS, experts: int = EXPERTS, top_k: int = TOP_K) -> TraceReport:
-    """Every structural and value assertion that holds for any run of the reference runtime."""
+def check_traces(spans: list[FlatSpan], *, layers: int = LAYERS, experts: int = EXPERTS, top_k: int = TOP_K,
+                 span_detail: str = "layer") -> TraceReport:
+    """Every structural and value assertion that holds for any run of the reference runtime.
+    span_detail: the agent's --span-detail ("layer": router/FFN facts are moe.layer.* attributes of
+    childless layer spans; "expert": they are moe.router / moe.expert.ffn child spans)."""
     by_id = {s.span_id: s for s in spans}
     assert len(by_id) == len(spans), "duplicate span ids"
     children: dict[str, list[FlatSpan]] = defaultdict(list)
@@ -480,24 +483,34 @@ def check_traces(spans: list[FlatSpan], *, layers: int = LAYERS, experts: int = 
             layers_checked += 1
             a = layer.attributes
             kids = children[layer.span_id]
-            routers = [k for k in kids if k.name == "moe.router"]
-            ffns = [k for k in kids if k.name == "moe.expert.ffn"]
-            assert len(routers) == 1 and ffns, [k.name for k in kids]
-            assert all(step.start_ns <= k.start_ns and k.end_ns <= step.end_ns for k in kids)
             assert a["moe.layer.experts"] == experts
             tokens, dropped = a["moe.expert.tokens"], a["moe.expert.dropped"]
             # top-k routing: every token of the step makes k routing decisions in every layer
             assert sum(tokens) == top_k * step_tokens, (tokens, step_tokens)
-            # the FFN spans ran exactly the experts that kept tokens, each on its kept tokens
-            ran = {f.attributes["moe.expert"]: f.attributes["moe.expert.ffn.tokens"] for f in ffns}
-            assert len(ran) == len(ffns)
+            assert a["moe.tokens.routed"] == sum(tokens) and a["moe.tokens.dropped"] == sum(dropped)
+            layer_ms = (layer.end_ns - layer.start_ns) / 1e6
+            if span_detail == "expert":
+                routers = [k for k in kids if k.name == "moe.router"]
+                ffns = [k for k in kids if k.name == "moe.expert.ffn"]
+                assert len(routers) == 1 and ffns, [k.name for k in kids]
+                assert all(step.start_ns <= k.start_ns and k.end_ns <= step.end_ns for k in kids)
+                ran = {f.attributes["moe.expert"]: f.attributes["moe.expert.ffn.tokens"] for f in ffns}
+                assert len(ran) == len(ffns)
+                router = routers[0].attributes
+                assert router["moe.router.entropy_bits"] == a["moe.router.entropy_bits"]
+                assert router["moe.tokens.routed"] == sum(tokens) and router["moe.tokens.dropped"] == sum(dropped)
+            else:
+                assert kids == [], [k.name for k in kids]
+                ffn_experts, ffn_ms = a["moe.layer.ffn.experts"], a["moe.layer.ffn.duration_ms"]
+                ran = dict(zip(ffn_experts, a["moe.layer.ffn.tokens"], strict=True))
+                assert len(ran) == len(ffn_experts) == len(ffn_ms)
+                assert all(0.0 <= ms <= layer_ms for ms in ffn_ms), (ffn_ms, layer_ms)
+                assert 0.0 <= a["moe.layer.router.duration_ms"] <= layer_ms
+            # the FFNs ran exactly the experts that kept tokens, each on its kept tokens
             assert ran == {e: tokens[e] - dropped[e] for e in range(experts) if tokens[e] - dropped[e] > 0}
             want = expected_layer_health(tokens, dropped, a["moe.router.entropy_bits"], experts)
             for name, value in want.items():
                 assert math.isclose(a[name], value, rel_tol=1e-9, abs_tol=1e-12), (name, a[name], value)
-            router = routers[0].attributes
-            assert router["moe.router.entropy_bits"] == a["moe.router.entropy_bits"]
-            assert router["moe.tokens.routed"] == sum(tokens) and router["moe.tokens.dropped"] == sum(dropped)
             assert 0.0 <= a["moe.router.entropy_bits"] <= math.log2(experts) + 1e-9
             weights.append(sum(tokens))
             ginis.append(want["moe.expert_load.gini"])

@@ -54,6 +54,7 @@ def file_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FileRun]:
     tmp = tmp_path_factory.mktemp("filestore")
     agent = Proc(agent_argv(state_dir=tmp, extra=[
         "--metrics-port", "0", "--policy-audit", str(tmp / "audit.jsonl"), "--policy-state-dir", str(tmp),
+        "--span-detail", "expert",  # the full tree here; the gRPC test checks the default (layer)
         "--", *runtime_argv(),
     ]), env=_without_otlp_env())
     try:
@@ -83,7 +84,7 @@ def _without_otlp_env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def file_report(file_run: FileRun) -> TraceReport:
-    return check_traces(file_run.spans)
+    return check_traces(file_run.spans, span_detail="expert")
 
 
 def test_files_hold_every_request_and_step(bpf: None, file_run: FileRun, file_report: TraceReport) -> None:

@@ -175,9 +175,12 @@ def test_every_trace_reaches_its_steps_and_every_step_is_served(bpf: None, grpc_
     assert report.stub_steps
 
 
-def test_every_layer_has_router_and_ffn_spans(bpf: None, report: TraceReport) -> None:
-    # check_traces asserted each one: L moe.layer children, one moe.router and >= 1 moe.expert.ffn each
+def test_every_layer_carries_router_and_ffn_facts(bpf: None, grpc_run: GrpcRun, report: TraceReport) -> None:
+    # --span-detail layer (the default): check_traces asserted, for each of the L moe.layer spans of
+    # every step, no child spans and moe.layer.ffn.* / moe.layer.router.* attributes matching the
+    # routing (the experts that kept tokens ran, on exactly those tokens)
     assert report.layers_checked == LAYERS * (len(report.owner_steps) + len(report.unjoined_steps)) > 0
+    assert not any(s.name in ("moe.router", "moe.expert.ffn", "moe.expert.load") for s in grpc_run.spans)
 
 
 def test_agent_summary_matches_what_was_received(bpf: None, grpc_run: GrpcRun, report: TraceReport) -> None:

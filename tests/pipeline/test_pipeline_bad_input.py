@@ -21,7 +21,8 @@ def test_marks_outside_a_configured_expert_count_are_counted_not_raised(tmp_path
     tracing = build_tracing(resolve_export_config(ExportFlags(state_dir=str(tmp_path)), env={}))
     metrics = Metrics()
     clock = FakeClock()
-    pipeline = Pipeline(spans=tracing.factory, metrics=metrics, num_experts=4, clock=clock, epoch_offset_ns=0)
+    pipeline = Pipeline(spans=tracing.factory, metrics=metrics, num_experts=4, clock=clock, epoch_offset_ns=0,
+                        span_detail="expert")
     first = build_step(rng, pid=1, tid=1, start_ms=10, end_ms=20, keys=[3], tokens=40, load_layer=0)
     second = build_step(rng, pid=1, tid=1, start_ms=30, end_ms=40, keys=[3], tokens=40, load_layer=1)
     for layer in (*first.layers, *second.layers):

@@ -16,7 +16,7 @@ from otlp_receiver import FlatSpan, GrpcOtlpReceiver
 from agent.export import ExportFlags, Tracing, build_tracing, resolve_export_config
 from agent.export.store import StoredSpan, TraceStore
 from agent.pipeline import Pipeline, resource_attributes
-from collectors.moe_convention import StepEvent
+from collectors.moe_convention import LayerEvent, StepEvent
 
 from .scenario import (
     EPOCH_OFFSET_NS,
@@ -51,15 +51,36 @@ def approx_attrs(actual: dict[str, Any], expected: dict[str, Any], where: str) -
             assert got == want and type(got) is type(want), f"{where}: {key}: {got!r} != {want!r}"
 
 
-def run_scenario(tracing: Tracing, scenario: Scenario) -> Pipeline:
+def run_scenario(tracing: Tracing, scenario: Scenario, *, detail: str) -> Pipeline:
     clock = FakeClock()
-    pipeline = Pipeline(spans=tracing.factory, clock=clock, step_retention_ns=RETENTION_NS, epoch_offset_ns=OFF)
+    pipeline = Pipeline(spans=tracing.factory, clock=clock, step_retention_ns=RETENTION_NS, epoch_offset_ns=OFF,
+                        span_detail=detail)
     feed(scenario, pipeline, clock)
     return pipeline
 
 
-def subtree_size(step: StepEvent) -> int:
+def subtree_size(step: StepEvent, detail: str = "expert") -> int:
+    if detail == "layer":
+        return 1 + len(step.layers)
     return 1 + sum(1 + (layer.router is not None) + len(layer.loads) + len(layer.ffns) for layer in step.layers)
+
+
+def folded_layer(layer: LayerEvent) -> dict[str, Any]:
+    """--span-detail layer: the child spans' facts as layer attributes, built from the events."""
+    r = layer.router
+    assert r is not None and layer.ffns
+    out: dict[str, Any] = {
+        "moe.precision": PRECISION[layer.layer],
+        "moe.layer.router.duration_ms": (r.end_ns - r.start_ns) / 1e6,
+        "moe.layer.ffn.experts": [f.expert for f in layer.ffns],
+        "moe.layer.ffn.tokens": [f.tokens for f in layer.ffns],
+        "moe.layer.ffn.duration_ms": [(f.end_ns - f.start_ns) / 1e6 for f in layer.ffns],
+    }
+    if layer.loads:
+        out["moe.layer.load.experts"] = [ev.expert for ev in layer.loads]
+        out["moe.layer.load.bytes"] = [ev.bytes_moved for ev in layer.loads]
+        out["moe.layer.load.duration_ms"] = [(ev.end_ns - ev.start_ns) / 1e6 for ev in layer.loads]
+    return out
 
 
 def step_attributes(step: StepEvent) -> dict[str, Any]:
@@ -75,7 +96,9 @@ def step_attributes(step: StepEvent) -> dict[str, Any]:
     return out
 
 
-def check_step_subtree(step: StepEvent, span: FlatSpan, children: dict[str, list[FlatSpan]], where: str) -> None:
+def check_step_subtree(
+    step: StepEvent, span: FlatSpan, children: dict[str, list[FlatSpan]], where: str, *, detail: str
+) -> None:
     """The owner's full subtree: timing, routing-health attributes, layer/router/load/FFN spans."""
     assert (span.start_ns, span.end_ns) == (step.start_ns + OFF, step.end_ns + OFF), where
     assert span.links == [], where
@@ -98,6 +121,11 @@ def check_step_subtree(step: StepEvent, span: FlatSpan, children: dict[str, list
     for layer, lspan in zip(step.layers, layers, strict=True):
         lw = f"{where} layer {layer.layer}"
         assert (lspan.start_ns, lspan.end_ns) == (layer.start_ns + OFF, layer.end_ns + OFF), lw
+        if detail == "layer":
+            want = {"moe.layer": layer.layer, **ref_layer(layer.router, NUM_EXPERTS), **folded_layer(layer)}
+            approx_attrs(lspan.attributes, want, lw)
+            assert children[lspan.span_id] == [], lw
+            continue
         approx_attrs(lspan.attributes, {"moe.layer": layer.layer, **ref_layer(layer.router, NUM_EXPERTS)}, lw)
         kids = children[lspan.span_id]
         assert all(k.trace_id == span.trace_id and not children[k.span_id] for k in kids), lw
@@ -140,7 +168,7 @@ def check_step_subtree(step: StepEvent, span: FlatSpan, children: dict[str, list
             )
 
 
-def check_received(spans: list[FlatSpan], scenario: Scenario, pipeline: Pipeline) -> None:
+def check_received(spans: list[FlatSpan], scenario: Scenario, pipeline: Pipeline, *, detail: str) -> None:
     by_trace: dict[str, list[FlatSpan]] = defaultdict(list)
     children: dict[str, list[FlatSpan]] = defaultdict(list)
     by_id: dict[str, FlatSpan] = {}
@@ -218,7 +246,7 @@ def check_received(spans: list[FlatSpan], scenario: Scenario, pipeline: Pipeline
             where = f"{name}/{step_name}"
             if scenario.owner_of(step_name) == name:
                 approx_attrs(span.attributes, {**step_attributes(step), **ref_step(step, NUM_EXPERTS)}, where)
-                check_step_subtree(step, span, children, where)
+                check_step_subtree(step, span, children, where, detail=detail)
                 owner_span[step_name] = span
             else:
                 owner = owner_span[step_name]
@@ -237,7 +265,7 @@ def check_received(spans: list[FlatSpan], scenario: Scenario, pipeline: Pipeline
         approx_attrs(
             span.attributes, {**step_attributes(step), **ref_step(step, NUM_EXPERTS), "moe.step.unjoined": True}, name
         )
-        check_step_subtree(step, span, children, name)
+        check_step_subtree(step, span, children, name, detail=detail)
     assert len(by_trace) == len(scenario.records) + len(scenario.unjoined)
 
     # Counts: what arrived is what the pipeline says it made, and both equal the scenario's count.
@@ -246,7 +274,7 @@ def check_received(spans: list[FlatSpan], scenario: Scenario, pipeline: Pipeline
         len(scenario.records)
         + sum(1 for v in scenario.served_by.values() if v)  # queue waits
         + stubs
-        + sum(subtree_size(scenario.steps[n]) for n in (*scenario.joined_steps(), *scenario.unjoined))
+        + sum(subtree_size(scenario.steps[n], detail) for n in (*scenario.joined_steps(), *scenario.unjoined))
     )
     assert len(spans) == expected_spans
     assert pipeline.stats() == {
@@ -274,7 +302,7 @@ def test_scenario_over_otlp_grpc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     with GrpcOtlpReceiver() as rx:
         config = resolve_export_config(ExportFlags(endpoint=rx.endpoint, state_dir=str(tmp_path)), env={})
         tracing = build_tracing(config, resource_attributes=resource)
-        pipeline = run_scenario(tracing, scenario)
+        pipeline = run_scenario(tracing, scenario, detail="expert")  # the full tree over gRPC
         stats = tracing.shutdown(timeout_s=30)
         spans = rx.spans()
     assert stats.dropped == 0 and stats.failed == 0 and stats.exported == len(spans)
@@ -285,7 +313,7 @@ def test_scenario_over_otlp_grpc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert res["process.pid"] == os.getpid()
     with open(f"/proc/{os.getpid()}/comm", encoding="utf-8") as f:
         assert res["process.executable.name"] == f.read().strip()
-    check_received(spans, scenario, pipeline)
+    check_received(spans, scenario, pipeline, detail="expert")
 
 
 def stored_to_flat(s: StoredSpan) -> FlatSpan:
@@ -303,13 +331,13 @@ def test_scenario_through_the_file_default(tmp_path: Path) -> None:
     config = resolve_export_config(ExportFlags(state_dir=str(tmp_path)), env={})
     assert config.otlp is None
     tracing = build_tracing(config, resource_attributes={"service.name": "moe-file"})
-    pipeline = run_scenario(tracing, scenario)
+    pipeline = run_scenario(tracing, scenario, detail="layer")  # the default detail, to the file store
     stats = tracing.shutdown(timeout_s=30)
     store = TraceStore.load(config.traces_dir)
     assert store.bad_lines == 0
     spans = [stored_to_flat(s) for t in store.trace_ids() for s in store.spans(t)]
     assert stats.dropped == 0 and stats.exported == len(spans)
-    check_received(spans, scenario, pipeline)
+    check_received(spans, scenario, pipeline, detail="layer")
 
 
 def _memory_tracing(tmp_path: Path) -> Tracing:
@@ -407,7 +435,8 @@ def test_an_unclaimed_step_becomes_its_own_trace_only_after_retention(tmp_path: 
     rng = np.random.default_rng(3)
     tracing = _memory_tracing(tmp_path)
     clock = FakeClock()
-    pipeline = Pipeline(spans=tracing.factory, clock=clock, step_retention_ns=RETENTION_NS, epoch_offset_ns=OFF)
+    pipeline = Pipeline(spans=tracing.factory, clock=clock, step_retention_ns=RETENTION_NS, epoch_offset_ns=OFF,
+                        span_detail="expert")
     step = build_step(rng, pid=1, tid=1, start_ms=10, end_ms=20, keys=[5], tokens=6)
     clock.now_ns = step.end_ns
     pipeline.on_steps([step])
