@@ -257,6 +257,9 @@ class Metrics:
         self._families = {spec.name: _build(spec, self.registry) for spec in specs}
         self._series: dict[str, set[tuple[str, ...]]] = {name: set() for name in self._specs}
         self._counter_totals: dict[tuple[str, tuple[str, ...]], float] = {}
+        # (name, label values) -> the family's child: prometheus_client's labels() validates and
+        # locks on every call; the pipeline makes ~100 labelled updates per step.
+        self._children: dict[tuple[str, tuple[str, ...]], Counter | Gauge | Histogram] = {}
         self._lock = threading.Lock()
         self.expert_labels = ExpertLabels(max_layers=max_layers, max_experts_per_layer=max_experts_per_layer)
         if version and "moescope_build_info" in self._specs:
@@ -265,12 +268,14 @@ class Metrics:
     # --- generic, bounded updates -----------------------------------------------------------
     def _child(self, name: str, labels: Mapping[str, str]) -> Counter | Gauge | Histogram | None:
         spec = self._specs[name]
-        if set(labels) != set(spec.labels):
+        if len(labels) != len(spec.labels) or set(labels) != set(spec.labels):
             raise ValueError(f"{name}: labels {sorted(labels)} != declared {list(spec.labels)}")
-        family = self._families[name]
         if not spec.labels:
-            return family
+            return self._families[name]
         key = tuple(str(labels[label]) for label in spec.labels)
+        child = self._children.get((name, key))
+        if child is not None:
+            return child
         with self._lock:
             series = self._series[name]
             if key not in series:
@@ -278,7 +283,8 @@ class Metrics:
                     self._count_series_drop(name)
                     return None
                 series.add(key)
-        return family.labels(*key)
+            child = self._children[(name, key)] = self._families[name].labels(*key)
+        return child
 
     def _count_series_drop(self, name: str) -> None:
         drop = "moescope_agent_metric_series_dropped"

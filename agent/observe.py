@@ -90,7 +90,14 @@ class Observers:
         pipeline = Pipeline(spans=tracing.factory, metrics=metrics, num_experts=args.num_experts, defer_requests=True,
                             span_detail=args.span_detail)
         daemon.add_sink(pipeline.sink)
-        daemon.add_tick_hook(pipeline.drain_requests)
+
+        def drain_requests(now_ns: int) -> None:
+            # Join only requests that ended before every attached NVTX ring's last full drain
+            # (rings are drained every 200 ms, or sooner when filling): their steps are in.
+            watermark = min([now_ns] + [c.drained_through_ns for c in obs.nvtx if c.attached and not c.finished])
+            pipeline.drain_requests(watermark)
+
+        daemon.add_tick_hook(drain_requests)
         # Unclaimed steps become their own traces after retention, even when traffic stops.
         daemon.add_tick_hook(lambda _now_ns: pipeline.expire())
         obs = cls(args=args, daemon=daemon, pipeline=pipeline, tracing=tracing, metrics=metrics, metrics_server=server)

@@ -397,6 +397,7 @@ class Pipeline:
                 # Every request of the batch has its span: only the step's header is needed until
                 # it leaves the buffer, so let its layer tree go now (most of the agent's heap).
                 b.step = replace(b.step, layers=[])
+                b.routings, b.healths = [], []  # per-layer arrays: only an unclaimed step's tree uses them
         error = None if record.answered else "connection closed before a response was written"
         spans.end(server, end_ns=record.end_ns + off, error=error)
         self._counts["spans"] += n

@@ -1,7 +1,8 @@
 """The agent's NVTX ring parser under hostile ring contents: the real NvtxCollector attached to a
 ring file the test writes with the documented layout (tests/fuzz/ringfile.py), then polled as the
 daemon polls it. Nothing may escape, every anomaly must be counted, and what the agent keeps
-(string table, open ranges) must stay under the caps in docs/hardening.md."""
+(string table, open ranges) must stay under the caps in docs/hardening.md. The polls use a fake
+clock, so collectors here drain on every poll (drain_period_ns=0; tests/nvtx checks the period)."""
 
 from __future__ import annotations
 
@@ -97,7 +98,8 @@ def test_corrupt_header_is_refused_in_one_line_or_read_safely(
     path.write_bytes(header[:size].ljust(size, b"\0"))
     sink = Counting()
     try:
-        collector = NvtxCollector(PID, sink=sink, directory=directory, now_ns=1)
+        collector = NvtxCollector(PID, sink=sink, directory=directory, now_ns=1,
+                              drain_period_ns=0)
     except NvtxUnavailable as exc:
         assert "\n" not in str(exc) and str(path) in str(exc)
         event("header refused")
@@ -194,7 +196,8 @@ def test_wild_records_and_strings_are_counted_never_fatal(
     directory = fresh_dir(ring_root)
     ring = RingFile(directory, pid=PID, capacity=capacity, strings_bytes=1 << 16)
     sink = Counting()
-    collector = NvtxCollector(PID, sink=sink, directory=directory, now_ns=1)
+    collector = NvtxCollector(PID, sink=sink, directory=directory, now_ns=1,
+                              drain_period_ns=0)
     try:
         ring.add_strings(blob)
         now = 2
@@ -268,7 +271,8 @@ def test_string_table_stops_at_its_cap_and_counts_the_rest(ring_root: Path) -> N
     directory = fresh_dir(ring_root)
     ring = RingFile(directory, pid=PID, capacity=64, strings_bytes=len(blob))
     assert ring.add_strings(blob) == len(blob)
-    collector = NvtxCollector(PID, sink=lambda batch: None, directory=directory, now_ns=1)
+    collector = NvtxCollector(PID, sink=lambda batch: None, directory=directory, now_ns=1,
+                              drain_period_ns=0)
     try:
         collector.poll(2)
         stats = collector.stats()
@@ -288,7 +292,8 @@ def test_string_table_stops_at_its_byte_cap(ring_root: Path) -> None:
     directory = fresh_dir(ring_root)
     ring = RingFile(directory, pid=PID, capacity=64, strings_bytes=len(blob))
     assert ring.add_strings(blob) == len(blob)
-    collector = NvtxCollector(PID, sink=lambda batch: None, directory=directory, now_ns=1)
+    collector = NvtxCollector(PID, sink=lambda batch: None, directory=directory, now_ns=1,
+                              drain_period_ns=0)
     try:
         collector.poll(2)
         table = collector.strings
@@ -305,7 +310,8 @@ def test_a_huge_string_id_does_not_grow_the_table(ring_root: Path) -> None:
     ring = RingFile(directory, pid=PID, capacity=64)
     ring.add_strings(string_entry(kind=nvtx.STR_STRING, sid=(1 << 32) - 1, text=b"far")
                      + string_entry(kind=nvtx.STR_STRING, sid=nvtx.MAX_STRING_ID, text=b"last"))
-    collector = NvtxCollector(PID, sink=lambda batch: None, directory=directory, now_ns=1)
+    collector = NvtxCollector(PID, sink=lambda batch: None, directory=directory, now_ns=1,
+                              drain_period_ns=0)
     try:
         collector.poll(2)
         assert collector.stats()["string_entries_dropped"] == 1
@@ -323,6 +329,7 @@ def test_open_ranges_stop_at_their_cap_and_the_oldest_are_reported_lost(ring_roo
     ring = RingFile(directory, pid=PID, capacity=512)
     lost: list[int] = []
     collector = NvtxCollector(PID, sink=lambda batch: lost.extend(batch.lost_uids.tolist()), directory=directory,
+                              drain_period_ns=0,
                               now_ns=1, max_open_ranges=cap)
     try:
         # pushes nested ever deeper on one live thread (never closed), or starts never ended

@@ -1,0 +1,69 @@
+"""The collector drains its ring fully at most every drain period, sooner when the ring fills, and
+always at close: batching drains never loses or delays a record past those bounds.
+
+Real producer (tests/nvtx/producer.py, flood mode paused at half), real ring, real collector."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from nvtx_helpers import Capture, Producer, drain_until_finished
+
+from collectors.nvtx import EARLY_DRAIN_FRACTION, NvtxCollector
+
+HOUR_NS = 3600 * 10**9
+
+
+def _paused_flood(start_producer: Callable[..., Producer], *, events: int) -> Producer:
+    # one thread; `events` NVTX calls (push, mark, pop) before it stops at "half"
+    producer = start_producer("--mode", "flood", "--pause", "--threads", "1", "--count", str(2 * events))
+    producer.expect_line("ready")
+    return producer
+
+
+def test_a_small_backlog_waits_for_the_period_and_the_close_drains_it(start_producer: Callable[..., Producer]) -> None:
+    producer = _paused_flood(start_producer, events=300)
+    capture = Capture()
+    collector = NvtxCollector(producer.pid, sink=capture, directory=producer.ring_dir, drain_period_ns=HOUR_NS)
+    try:
+        t0 = time.monotonic_ns()
+        collector.poll(t0)  # the first poll always drains
+        assert collector.drained_through_ns == t0
+        before = collector.stats()["records_received"]
+        producer.go()
+        producer.expect_line("half")
+        # 300 records wait in a 65536-record ring: below 1/8 full, inside the period -> not drained
+        assert collector.poll(t0 + 1) == 0
+        assert collector.stats()["records_received"] == before
+        assert collector.drained_through_ns == t0
+        collector.close()  # ... but a closing collector drains what is there
+        assert collector.stats()["records_received"] == before + 300
+        assert len(capture.ranges()) == 100 and len(capture.marks()) == 100
+    finally:
+        collector.close()
+        producer.go()
+        producer.wait()
+
+
+def test_a_filling_ring_is_drained_before_the_period_ends(start_producer: Callable[..., Producer]) -> None:
+    events = 65536 // EARLY_DRAIN_FRACTION + 3000  # past the early-drain mark of the default ring
+    producer = _paused_flood(start_producer, events=events - events % 3)
+    capture = Capture()
+    collector = NvtxCollector(producer.pid, sink=capture, directory=producer.ring_dir, drain_period_ns=HOUR_NS)
+    try:
+        t0 = time.monotonic_ns()
+        collector.poll(t0)
+        producer.go()
+        producer.expect_line("half")
+        drained = collector.poll(t0 + 1)
+        stats = collector.stats()
+        assert drained == stats["records_received"] == events - events % 3, stats
+        assert stats["dropped_ring_full"] == 0, stats
+        assert collector.drained_through_ns == t0 + 1
+        producer.go()
+        drain_until_finished(collector)  # the producer exited: drained regardless of the period
+        assert producer.wait() == 0
+        assert collector.stats()["records_received"] == 2 * (events - events % 3)
+    finally:
+        collector.close()
