@@ -147,6 +147,9 @@ METRICS: tuple[MetricSpec, ...] = (
     # --- policy ---
     MetricSpec("moescope_policy_actions", "counter", "Policy actions by rule, action and outcome.",
                labels=("rule", "action", "outcome"), max_series=_RULES * 16),
+    MetricSpec("moescope_policy_decisions", "counter",
+               "Policy decisions by kind, audited or not (fire, revert, dry-run, suppressed-by-*).",
+               labels=("decision",), max_series=16),
     MetricSpec("moescope_policy_rule_state", "gauge",
                "1 for the rule's current state (ok, pending, firing, cooldown), 0 for the others.",
                labels=("rule", "state"), max_series=_RULES * 4),

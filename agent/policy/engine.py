@@ -100,7 +100,9 @@ class PolicyEngine:
         self._last_t_s = math.nan
         self.evaluations = 0
         self.bad_signals = 0
-        self.decisions: Counter[str] = Counter()
+        self.decisions: Counter[str] = Counter()  # every decision, audited or not
+        # rule -> engine time of its last audited rate-limit suppression (see _suppress)
+        self._rate_limit_audited_t_s: dict[str, float] = {}
         self.runtime_state_read = False
         for spec in self.rules:
             if spec.target_kind is TargetKind.GLOBAL:
@@ -290,9 +292,22 @@ class PolicyEngine:
         future.add_done_callback(self._futures.discard)
 
     def _suppress(self, d: _Decision, decision: str) -> None:
-        # Audit the first of a streak only: a held condition retries every evaluation.
-        if d.inst.suppressed_streak == 0:
+        # Audit the first of a streak only: a held condition retries every evaluation. A rate-limit
+        # suppression is audited at most once per rule per rate window as well: per-target rules
+        # (a penalty per expert) come and go by the dozen under a burst, and each new instance
+        # starts a streak (one soak: 6557 such records against 349 actions). All are counted in
+        # `decisions` (moescope_policy_decisions{decision}).
+        audit = d.inst.suppressed_streak == 0
+        if audit and decision == "suppressed-by-rate-limit":
+            last = self._rate_limit_audited_t_s.get(d.inst.spec.name)
+            if last is not None and d.t_s - last < self.config.rate_window_s - TIME_EPS_S:
+                audit = False
+            else:
+                self._rate_limit_audited_t_s[d.inst.spec.name] = d.t_s
+        if audit:
             self._record(d, decision=decision, outcome="not-sent")
+        else:
+            self.decisions[decision] += 1
         d.inst.suppressed_streak += 1
 
     def _run_action(self, d: _Decision, context: dict[str, Any]) -> None:

@@ -33,6 +33,7 @@ class MetricsSink(Protocol):
     def inc(self, name: str, amount: float = 1.0, **labels: str) -> None: ...
     def set(self, name: str, value: float, **labels: str) -> None: ...
     def set_policy_state(self, *, rule: str, state: str) -> None: ...
+    def set_counter_total(self, name: str, total: float, **labels: str) -> None: ...
 
 
 class TracerLike(Protocol):
@@ -104,7 +105,10 @@ def metrics_hook(metrics: MetricsSink) -> AuditHook:
 
 
 def publish_rule_metrics(engine: PolicyEngine, metrics: MetricsSink) -> None:
-    """Per rule: the most severe state over its instances, and its signal's most extreme value."""
+    """Per rule: the most severe state over its instances, and its signal's most extreme value;
+    and the engine's decision counts (a suppression past the first of its window is not audited)."""
+    for decision, count in sorted(engine.decisions.items()):
+        metrics.set_counter_total("moescope_policy_decisions", float(count), decision=decision)
     views = engine.views()
     for spec in engine.rules:
         mine = [v for v in views if v.rule == spec.name]

@@ -184,6 +184,23 @@ def test_rate_limit_suppresses_once_then_lets_through() -> None:
     assert decisions[3][2] == pytest.approx(t0 + 10.0, abs=1e-6)
 
 
+def test_a_burst_of_per_expert_instances_audits_one_suppression_per_rule_and_window() -> None:
+    # 20 experts over the soft limit, 2 actions per 10 s: instances come and go (a penalty dry-run
+    # re-arms after its cooldown), each would start a streak; the audit keeps one suppression per
+    # rule per rate window and the engine still counts every one of them.
+    f, audit = feeder("expert_queue_soft_limit", max_actions=2, rate_window_s=10.0)
+    hot = {(0, e): 80.0 + e for e in range(20)}
+    for _ in range(150):  # 30 s held
+        f.engine.evaluate(Signals(t_s=f.t_s, expert_queue_tokens=hot))
+        f.t_s = round(f.t_s + PERIOD_S, 9)
+    suppressed = [r.t_s for r in records(audit) if r.decision == "suppressed-by-rate-limit"]
+    sent = [r for r in records(audit) if r.decision == "dry-run"]
+    assert len(sent) == 6  # 2 per window, 3 windows
+    assert 1 <= len(suppressed) <= 3 and all(b - a >= 10.0 - 1e-6 for a, b in zip(suppressed, suppressed[1:]))
+    assert f.engine.decisions["suppressed-by-rate-limit"] > 18 * 3  # every other expert, every window
+    assert f.engine.decisions["dry-run"] == len(sent)
+
+
 def test_alerts_are_not_rate_limited() -> None:
     config = dataclasses.replace(
         DEFAULTS, rules=(DEFAULTS.rule("router_collapse"),), max_actions=1, rate_window_s=60.0

@@ -62,6 +62,7 @@ def test_metrics_and_spans_per_record() -> None:
     assert metrics.get("moescope_policy_rule_state", rule="router_collapse", state="firing") == 1
     assert metrics.get("moescope_policy_rule_state", rule="router_collapse", state="ok") == 0
     assert metrics.get("moescope_policy_rule_signal", rule="router_collapse") == 0.4  # the lowest layer
+    assert metrics.get("moescope_policy_decisions", decision="fire") == engine.decisions["fire"] == 1
     # 30 tokens: in the dead band, never fired, so no instance and an "ok" state.
     assert metrics.get("moescope_policy_rule_state", rule="expert_queue_soft_limit", state="ok") == 1
     (span,) = exporter.get_finished_spans()
