@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import re
 import signal
 import socket
@@ -43,7 +42,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -53,6 +51,7 @@ from typing import Any
 from benchmarks.common import REPO, ABResult, Metrics, write_result
 from agent.pipeline import DEFAULT_STEP_RETENTION_NS
 from collectors.nvtx import INJECTION_ENV, RING_DIR_ENV, injection_env
+from examples.moe_runtime.launch import LaunchError, LineReader, launch, runtime_argv
 
 ARMS: tuple[str, ...] = ("off", "on", "bare")
 BAR_THROUGHPUT_COST = 0.01
@@ -108,37 +107,6 @@ def scrape_requests(port: int) -> float:
     return total
 
 
-class LinePump:
-    """Reads a child's stream on a thread (so its pipe never fills) and keeps every line."""
-
-    def __init__(self, stream: Any) -> None:
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, args=(stream,), daemon=True)
-        self._thread.start()
-
-    def _run(self, stream: Any) -> None:
-        for line in stream:
-            self.lines.append(line.rstrip("\n"))
-            self._queue.put(self.lines[-1])
-        self._queue.put(None)
-
-    def wait_for(self, prefix: str, *, timeout_s: float) -> str:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise BenchError(f"timed out after {timeout_s:.0f} s waiting for {prefix!r}") from None
-            if line is None:
-                raise BenchError(f"process exited before printing {prefix!r}: {self.lines[-5:]}")
-            if line.startswith(prefix):
-                return line
-
-    def join(self, timeout_s: float) -> None:
-        self._thread.join(timeout=timeout_s)
-
-
 def stop_group(proc: subprocess.Popen[str], *, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> None:
     """Signal the child's process group, then SIGKILL it if it has not exited in time."""
     if proc.poll() is None:
@@ -157,7 +125,7 @@ class Runtime:
     """One reference-runtime process, started and ready."""
 
     proc: subprocess.Popen[str]
-    pump: LinePump
+    stdout: LineReader
     port: int
     control_socket: Path
     nvtx_line: str
@@ -169,24 +137,17 @@ def start_runtime(workdir: Path, *, inject: bool, name: str) -> Runtime:
     if inject:
         env.update(injection_env())
     control_socket = workdir / f"{name}.sock"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "examples.moe_runtime", "--port", "0", "--control-socket", str(control_socket)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
-    )
-    assert proc.stdout is not None
-    pump = LinePump(proc.stdout)
     try:
-        port = int(pump.wait_for("http port: ", timeout_s=START_TIMEOUT_S).removeprefix("http port: "))
-        nvtx_line = pump.wait_for("nvtx: ", timeout_s=START_TIMEOUT_S)
-        pump.wait_for("ready", timeout_s=START_TIMEOUT_S)
-    except BaseException:
-        stop_group(proc)
-        raise
-    expected = "nvtx: active" if inject else "nvtx: inactive"
-    if not nvtx_line.startswith(expected):
-        stop_group(proc)
-        raise BenchError(f"runtime {name}: expected {expected!r}, got {nvtx_line!r}")
-    return Runtime(proc=proc, pump=pump, port=port, control_socket=control_socket, nvtx_line=nvtx_line)
+        launched = launch(runtime_argv("--port", "0", "--control-socket", str(control_socket)),
+                          timeout_s=START_TIMEOUT_S, env=env, cwd=REPO, stderr=subprocess.DEVNULL)
+    except LaunchError as exc:  # launch() already killed and reaped it
+        raise BenchError(f"runtime {name}: {exc}") from None
+    expected = "active" if inject else "inactive"
+    if not launched.banner.nvtx.startswith(expected):
+        stop_group(launched.popen)
+        raise BenchError(f"runtime {name}: expected 'nvtx: {expected}', got {launched.banner.nvtx_line!r}")
+    return Runtime(proc=launched.popen, stdout=launched.stdout, port=launched.banner.http_port,
+                   control_socket=control_socket, nvtx_line=launched.banner.nvtx_line)
 
 
 @dataclass
@@ -194,8 +155,8 @@ class Agent:
     """`agent start --pid` with every probe and exporter on; policy in dry-run."""
 
     proc: subprocess.Popen[str]
-    err: LinePump
-    out: LinePump
+    err: LineReader
+    out: LineReader
     metrics_port: int
     notes: list[str] = field(default_factory=list)
 
@@ -213,14 +174,21 @@ def start_agent(runtime: Runtime, workdir: Path, *, name: str, extra_args: tuple
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     assert proc.stdout is not None and proc.stderr is not None
-    agent = Agent(proc=proc, err=LinePump(proc.stderr), out=LinePump(proc.stdout), metrics_port=metrics_port)
+    # Every line kept: the notes and the summary are read from them.
+    agent = Agent(proc=proc, err=LineReader(proc.stderr, keep_lines=None),
+                  out=LineReader(proc.stdout, keep_lines=None), metrics_port=metrics_port)
     try:
         agent.err.wait_for("agent: tracing ", timeout_s=START_TIMEOUT_S)
         agent.err.wait_for("agent: policy", timeout_s=START_TIMEOUT_S)  # the last note: all observers attached
+    except LaunchError as exc:
+        stop_group(proc, sig=signal.SIGKILL)
+        raise BenchError(f"agent: {exc}") from None
     except BaseException:
         stop_group(proc, sig=signal.SIGKILL)
         raise
-    agent.notes = [line for line in agent.err.lines if line.startswith("agent: ")]
+    agent.err.drain()
+    agent.out.drain()
+    agent.notes = [line for line in agent.err.lines() if line.startswith("agent: ")]
     off = [n for n in agent.notes if any(word in n for word in ("NVTX off", "policy off", "policy waiting"))]
     if extra_args:  # a cost breakdown switches parts off on purpose
         off = []
@@ -235,7 +203,7 @@ def stop_agent(agent: Agent) -> list[str]:
     stop_group(agent.proc, sig=signal.SIGINT, timeout_s=60.0)
     agent.out.join(10.0)
     agent.err.join(10.0)
-    return [line for line in agent.out.lines if line.startswith("agent: ")]
+    return [line for line in agent.out.lines() if line.startswith("agent: ")]
 
 
 def run_loadgen(port: int, *, duration_s: float, concurrency: int, out: Path | None) -> dict[str, Any]:

@@ -25,7 +25,6 @@ import json
 import math
 import os
 import platform
-import queue
 import signal
 import statistics
 import subprocess
@@ -41,6 +40,7 @@ from agent.policy.audit import AuditLog
 from agent.policy.config import load_policy
 from agent.policy.engine import PolicyEngine
 from agent.policy.rules import Signals
+from examples.moe_runtime.launch import LaunchError, launch, runtime_argv
 
 BAR_MS = 250.0
 PERIOD_S = 0.2
@@ -56,28 +56,12 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 
 def start_runtime(workdir: Path, *extra: str) -> tuple[subprocess.Popen[str], str, int]:
     sock = workdir / "rt.sock"
-    cmd = [sys.executable, "-m", "examples.moe_runtime", "--port", "0", "--no-nvtx", "--threads", "1",
-           "--control-socket", str(sock), *MODEL, *extra]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            start_new_session=True)
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line.rstrip("\n"))
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    port = 0
-    while True:
-        line = lines.get(timeout=120)
-        if line is None:
-            raise RuntimeError("runtime exited before ready")
-        if line.startswith("http port: "):
-            port = int(line.removeprefix("http port: "))
-        if line == "ready":
-            return proc, str(sock), port
+    cmd = runtime_argv("--port", "0", "--no-nvtx", "--threads", "1", "--control-socket", str(sock), *MODEL, *extra)
+    try:
+        launched = launch(cmd, timeout_s=120, cwd=REPO, stderr=subprocess.DEVNULL)
+    except LaunchError as exc:  # launch() already killed and reaped it
+        raise RuntimeError(f"runtime did not become ready: {exc}") from None
+    return launched.popen, str(sock), launched.banner.http_port
 
 
 def stop(proc: subprocess.Popen[str]) -> None:

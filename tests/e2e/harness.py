@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 
 from collectors.nvtx import OFF_CONSUMER_ATTACHED, ring_path
+from examples.moe_runtime.launch import READY_LINE, LaunchError, parse_banner
+from examples.moe_runtime.launch import runtime_argv as launch_runtime_argv
 from otlp_receiver import FlatSpan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,6 +86,10 @@ class Proc:
                 self._cond.notify_all()
         with self._cond:
             self._cond.notify_all()
+
+    def out_lines(self) -> list[str]:
+        with self._cond:
+            return list(self.out)
 
     def text(self) -> str:
         with self._cond:
@@ -145,14 +151,18 @@ def agent_argv(*, state_dir: Path, extra: list[str]) -> list[str]:
 
 
 def runtime_argv() -> list[str]:
-    return [PYTHON, "-m", "examples.moe_runtime", "--port", "0", "--device", "cpu", *SMALL_MODEL]
+    return launch_runtime_argv("--port", "0", "--device", "cpu", *SMALL_MODEL, python=PYTHON)
 
 
 def wait_runtime_ready(proc: Proc) -> int:
-    """The runtime's HTTP port once it printed ``ready`` (its stdout, or the agent's it inherited)."""
-    port = int(proc.wait_for_line(r"^http port: (\d+)$", stream="out").group(1))
-    proc.wait_for_line(r"^ready$", stream="out")
-    return port
+    """The runtime's HTTP port once it printed ``ready``, from its stdout or from the agent's (with
+    ``agent start -- RUNTIME`` the agent launches it and it inherits the agent's stdout, so
+    ``examples.moe_runtime.launch.launch`` cannot start it; ``parse_banner`` skips the agent's lines)."""
+    proc.wait_for_line(rf"^{READY_LINE}$", stream="out")
+    try:
+        return parse_banner(proc.out_lines()).http_port
+    except LaunchError as exc:
+        raise AssertionError(f"{exc}:\n{proc.text()}") from None
 
 
 def wait_nvtx_attached(pid: int, *, timeout_s: float = WAIT_S) -> None:

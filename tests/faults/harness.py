@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -22,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from collectors.nvtx import injection_env
+from examples.moe_runtime.launch import Banner, LaunchError, launch, runtime_argv
 
 REPO = Path(__file__).resolve().parents[2]
 AGENT = Path(sys.executable).parent / "agent"
@@ -71,16 +70,19 @@ class Runtime:
     """`python -m examples.moe_runtime` in its own session, NVTX injection on."""
 
     popen: subprocess.Popen[str]
-    port: int
-    banner: dict[str, str]
+    banner: Banner
 
     @property
     def pid(self) -> int:
         return self.popen.pid
 
     @property
+    def port(self) -> int:
+        return self.banner.http_port
+
+    @property
     def control_socket(self) -> str:
-        return self.banner["control socket"]
+        return self.banner.control_socket
 
     def stop(self, sig: int = signal.SIGKILL) -> None:
         kill_group(self.popen, sig)
@@ -92,40 +94,12 @@ class Runtime:
 
 
 def start_runtime(*, port: int = 0, extra: tuple[str, ...] = ()) -> Runtime:
-    popen = subprocess.Popen(
-        [sys.executable, "-m", "examples.moe_runtime", "--port", str(port), *SMALL_MODEL, *extra],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
-        env={**os.environ, **injection_env()},
-    )
-    lines: queue.Queue[str | None] = queue.Queue()
-    assert popen.stdout is not None
-    stdout = popen.stdout
-
-    def reader() -> None:  # a thread, so a silent child cannot hang the test
-        for line in stdout:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=reader, daemon=True).start()
-    banner: dict[str, str] = {}
-    deadline = time.monotonic() + WAIT_S * 2
     try:
-        while time.monotonic() < deadline:
-            try:
-                line = lines.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            if line is None:
-                break
-            if line.strip() == "ready":
-                return Runtime(popen=popen, port=int(banner["http port"]), banner=banner)
-            key, _, value = line.strip().partition(": ")
-            banner[key] = value
-    except BaseException:
-        kill_group(popen)
-        raise
-    kill_group(popen)
-    raise AssertionError(f"runtime did not become ready (rc={popen.poll()}): {banner}")
+        launched = launch(runtime_argv("--port", str(port), *SMALL_MODEL, *extra), timeout_s=WAIT_S * 2,
+                          env={**os.environ, **injection_env()}, cwd=REPO, stderr=subprocess.DEVNULL)
+    except LaunchError as exc:  # launch() already killed and reaped it
+        raise AssertionError(f"runtime did not become ready: {exc}") from None
+    return Runtime(popen=launched.popen, banner=launched.banner)
 
 
 @dataclass

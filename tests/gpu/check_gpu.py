@@ -14,7 +14,6 @@ import argparse
 import json
 import logging
 import os
-import queue
 import re
 import signal
 import socket
@@ -22,7 +21,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from collectors.nvml import NvmlCollector, NvmlSample, format_sample, is_na, open_nvml  # noqa: E402
+from examples.moe_runtime.launch import LaunchError, LineReader, launch, runtime_argv  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MIB = 1 << 20
@@ -81,34 +80,24 @@ class Children:
                     proc.wait(timeout=15)
 
 
-class Lines:
-    """Reads a child's stdout on a thread (echoing it), so a pipe never fills and no line is lost
-    in a buffer that select() cannot see."""
+def echo(label: str) -> Callable[[str], None]:
+    """Prints a child's stdout lines as they arrive, labelled (called on its reader thread)."""
 
-    def __init__(self, proc: subprocess.Popen[str], label: str) -> None:
-        self.queue: queue.Queue[str | None] = queue.Queue()
-        self.label = label
-        threading.Thread(target=self._pump, args=(proc,), daemon=True).start()
+    def show(line: str) -> None:
+        print(f"    {label}| {line}", flush=True)
 
-    def _pump(self, proc: subprocess.Popen[str]) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            print(f"    {self.label}| {line.rstrip()}", flush=True)
-            self.queue.put(line.strip())
-        self.queue.put(None)
+    return show
 
-    def wait_for(self, pattern: str, *, timeout_s: float) -> str | None:
-        """The first line matching pattern, or None at EOF or timeout."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                line = self.queue.get(timeout=max(deadline - time.monotonic(), 0.001))
-            except queue.Empty:
-                return None
-            if line is None:
-                return None
-            if re.search(pattern, line):
-                return line
+
+def first_line(proc: subprocess.Popen[str], label: str, pattern: str, *, timeout_s: float) -> str | None:
+    """The first stdout line matching pattern (every line echoed; the pipe drained on a thread, so
+    it never fills), or None at EOF or timeout."""
+    assert proc.stdout is not None
+    try:
+        reader = LineReader(proc.stdout, on_line=echo(label))
+        return reader.wait_for(re.compile(pattern), timeout_s=timeout_s).strip()
+    except LaunchError:
+        return None
 
 
 def sample_for(collector: NvmlCollector, seconds: float, *, show: bool) -> tuple[list[NvmlSample], list[float]]:
@@ -165,7 +154,7 @@ def check_nvml(report: Report, children: Children, args: argparse.Namespace) -> 
             stdout=subprocess.PIPE,
             stdin=subprocess.PIPE,
         )
-        line = Lines(alloc, "cuda_alloc").wait_for(r"^allocated|^error", timeout_s=60)
+        line = first_line(alloc, "cuda_alloc", r"^allocated|^error", timeout_s=60)
         if not report.check(line is not None and line.startswith("allocated"), "CUDA process allocates 1 GiB", line or "no answer"):
             return
         collector.target_pid = alloc.pid
@@ -252,18 +241,16 @@ def check_runtime(report: Report, children: Children, args: argparse.Namespace) 
             return
     tmp = Path(tempfile.mkdtemp(prefix="moescope-gpu-check-"))
     sock_path = str(tmp / "control.sock")
-    runtime = children.start(
-        [sys.executable, "-m", "examples.moe_runtime", "--device", args.device, "--port", "0",
-         "--control-socket", sock_path],
-        stdout=subprocess.PIPE,
-    )
-    lines = Lines(runtime, "runtime")
-    port_line = lines.wait_for(r"^http port: \d+", timeout_s=180)
-    ready = lines.wait_for(r"^ready", timeout_s=180) if port_line else None
-    if not report.check(bool(port_line and ready), f"runtime starts on {args.device}", port_line or "no 'ready' line"):
+    try:
+        launched = launch(runtime_argv("--device", args.device, "--port", "0", "--control-socket", sock_path),
+                          timeout_s=180, cwd=REPO, on_line=echo("runtime"))
+    except LaunchError as exc:  # launch() already killed and reaped it
+        report.check(False, f"runtime starts on {args.device}", str(exc)[-300:])
         return
-    assert port_line is not None
-    port = int(port_line.split()[-1])
+    runtime = launched.popen
+    children.procs.append(runtime)
+    port = launched.banner.http_port
+    report.check(True, f"runtime starts on {args.device}", f"http port: {port}")
     ctl = Control(sock_path)
     collector = open_nvml(library_path=args.nvml_library, target_pid=runtime.pid) if args.device.startswith("cuda") else None
     load_out = tmp / "load.json"

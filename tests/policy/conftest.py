@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import queue
 import shutil
-import subprocess
-import sys
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from examples.moe_runtime.launch import LaunchError, launch, runtime_argv
 from policy_helpers import REPO, RuntimeProc, StartRuntime
 
 # Small enough for 2 shared cores: 2 layers x 8 experts of 24 KiB (fp32) each.
@@ -28,37 +25,18 @@ def start_runtime() -> Iterator[StartRuntime]:
 
     def start(*extra: str) -> RuntimeProc:
         sock = workdir / f"rt{len(started)}.sock"
-        cmd = [sys.executable, "-m", "examples.moe_runtime", "--port", "0", "--no-nvtx", "--threads", "1",
-               "--control-socket", str(sock), *SMALL_MODEL, *extra]
-        stderr = (workdir / f"rt{len(started)}.err").open("w")
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                start_new_session=True)
-        stderr.close()
-        lines: queue.Queue[str | None] = queue.Queue()
-
-        def pump() -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                lines.put(line.rstrip("\n"))
-            lines.put(None)
-
-        threading.Thread(target=pump, daemon=True).start()
-        rt = RuntimeProc(proc=proc, socket_path="", http_port=0, workdir=workdir)
-        started.append(rt)
-        while True:
+        cmd = runtime_argv("--port", "0", "--no-nvtx", "--threads", "1", "--control-socket", str(sock),
+                           *SMALL_MODEL, *extra)
+        err_path = workdir / f"rt{len(started)}.err"
+        with err_path.open("w") as stderr:
             try:
-                line = lines.get(timeout=60)
-            except queue.Empty:
-                pytest.fail("runtime printed nothing for 60 s")
-            if line is None:
-                err = (workdir / f"rt{len(started) - 1}.err").read_text()
-                pytest.fail(f"runtime exited before ready: {err[-2000:]}")
-            if line.startswith("control socket: "):
-                rt.socket_path = line.removeprefix("control socket: ")
-            elif line.startswith("http port: "):
-                rt.http_port = int(line.removeprefix("http port: "))
-            elif line == "ready":
-                return rt
+                launched = launch(cmd, timeout_s=60, cwd=REPO, stderr=stderr)
+            except LaunchError as exc:  # launch() already killed and reaped it
+                pytest.fail(f"runtime not ready: {exc}: {err_path.read_text()[-2000:]}")
+        rt = RuntimeProc(proc=launched.popen, socket_path=launched.banner.control_socket,
+                         http_port=launched.banner.http_port, workdir=workdir)
+        started.append(rt)
+        return rt
 
     try:
         yield start

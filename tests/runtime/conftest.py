@@ -6,17 +6,16 @@ import dataclasses
 import http.client
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+
+from examples.moe_runtime.launch import LaunchError, LineReader, read_banner
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Small model: the tests are about behaviour, not size, and share 2 cores.
@@ -55,32 +54,15 @@ class RunningServer:
 
 
 def _read_banner(proc: subprocess.Popen[str], *, timeout_s: float) -> dict[str, str]:
-    """Reads `key: value` lines up to `ready` (a reader thread, so a silent child cannot hang us)."""
+    """The banner up to `ready`, read with examples.moe_runtime.launch (bounded: a reader thread)."""
     assert proc.stdout is not None
-    stdout = proc.stdout
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def reader() -> None:
-        for line in stdout:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=reader, daemon=True).start()
-    banner: dict[str, str] = {}
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=0.5)
-        except queue.Empty:
-            continue
-        if line is None:
-            break
-        line = line.strip()
-        if line == "ready":
-            return banner
-        key, _, value = line.partition(": ")
-        banner[key] = value
-    raise AssertionError(f"runtime did not become ready (rc={proc.poll()}): banner so far {banner}")
+    reader = LineReader(proc.stdout)
+    try:
+        banner = read_banner(reader, timeout_s=timeout_s)
+    except LaunchError as exc:
+        raise AssertionError(f"runtime did not become ready (rc={proc.poll()}): {exc}") from None
+    reader.drain()  # keeps reading to EOF, queues nothing more
+    return {"http port": str(banner.http_port), "control socket": banner.control_socket, "nvtx": banner.nvtx}
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
