@@ -24,7 +24,7 @@ import math
 import os
 import resource
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 from wsgiref.simple_server import WSGIServer
@@ -264,6 +264,7 @@ class Metrics:
         # locks on every call; the pipeline makes ~100 labelled updates per step.
         self._children: dict[tuple[str, tuple[str, ...]], Counter | Gauge | Histogram] = {}
         self._lock = threading.Lock()
+        self._refresh_hooks: list[Callable[[], None]] = []
         self.expert_labels = ExpertLabels(max_layers=max_layers, max_experts_per_layer=max_experts_per_layer)
         if version and "moescope_build_info" in self._specs:
             self.set("moescope_build_info", 1.0, version=version)
@@ -381,8 +382,18 @@ class Metrics:
         self.set_counter_total("moescope_agent_cpu_seconds", usage.ru_utime + usage.ru_stime)
         self.set("moescope_agent_resident_memory_bytes", float(_rss_bytes()))
 
+    def add_refresh_hook(self, hook: Callable[[], None]) -> None:
+        """`hook` writes updates it holds back (agent.pipeline.Pipeline.flush_metrics); it runs
+        before every scrape and every get(), and whenever the owner calls refresh()."""
+        self._refresh_hooks.append(hook)
+
+    def refresh(self) -> None:
+        for hook in self._refresh_hooks:
+            hook()
+
     def get(self, name: str, **labels: str) -> float:
         """Current value of one series (counters: the total; histograms: the count) — for tests and the TUI."""
+        self.refresh()
         spec = self._specs[name]
         wanted = {"_total": "counter", "_count": "histogram", "": "gauge"}
         for metric in self._families[name].collect():
@@ -412,6 +423,10 @@ class _RefreshOnScrape(Collector):
             self._metrics.refresh_self()
         except OSError as exc:
             log.warning("self-metrics refresh failed: %s", exc)
+        try:
+            self._metrics.refresh()
+        except Exception:  # a scrape must still answer; the next one retries
+            log.exception("metrics refresh hook failed")
         return []
 
     def describe(self) -> Iterable[object]:

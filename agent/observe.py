@@ -99,7 +99,11 @@ class Observers:
 
         daemon.add_tick_hook(drain_requests)
         # Unclaimed steps become their own traces after retention, even when traffic stops.
-        daemon.add_tick_hook(lambda _now_ns: pipeline.expire())
+
+        def expire_steps(_now_ns: int) -> None:
+            pipeline.expire()
+
+        daemon.add_tick_hook(expire_steps)
         obs = cls(args=args, daemon=daemon, pipeline=pipeline, tracing=tracing, metrics=metrics, metrics_server=server)
         obs.notes.append(tracing.describe())
         obs._export_to_metrics = stats_to_metrics(metrics, tracing.exporter)
@@ -112,6 +116,7 @@ class Observers:
         if now_ns - self._export_published_ns < EXPORT_STATS_PERIOD_NS:
             return None
         self._export_published_ns = now_ns
+        self.metrics.refresh()  # the pipeline's held-back per-step metrics (also done at every scrape)
         self._export_to_metrics(self.tracing.stats())
         self._sources_view = self._source_stats()
         engine = self.policy
@@ -333,6 +338,8 @@ class Observers:
         mine = self.pipeline.signals()
         if self.stats_signals is None:
             return mine
+        # The runtime's own routing view is only the fallback where NVTX is off: skip computing it.
+        self.stats_signals.with_routing = not self.nvtx
         theirs = self.stats_signals()
         merged = replace(mine, expert_queue_tokens=dict(theirs.expert_queue_tokens))
         if not self.nvtx:  # no NVTX: routing and memory as the runtime reports them

@@ -144,6 +144,17 @@ class Pipeline:
         self._last_nvml: Any = None  # collectors.nvml.NvmlSample
         self._layer_precision: dict[int, str] = {}
         self._window_gauges_ns = 0
+        # Per-step metrics that need no per-step precision are kept here and written to the
+        # registry by flush_metrics() (daemon tick and every scrape): per-expert token counters
+        # summed, routing-health gauges at their latest value. Writing ~80 labelled series per step
+        # was a fifth of the agent's CPU under load.
+        self._metrics_lock = threading.Lock()
+        self._pending_tokens: dict[int, dict[int, int]] = {}
+        self._pending_dropped: dict[int, dict[int, int]] = {}
+        self._latest_layer_health: dict[int, LayerHealth] = {}
+        self._latest_step_health: Any = None
+        if metrics is not None:
+            metrics.add_refresh_hook(self.flush_metrics)
         self._counts: dict[str, int] = dict.fromkeys(
             (
                 "requests", "requests_unanswered", "requests_joined", "steps", "steps_joined",
@@ -577,12 +588,19 @@ class Pipeline:
                 m.observe("moescope_expert_load_duration_seconds", load.duration_ns / 1e9)
                 if load.bytes_moved is not None and load.bytes_moved > 0:
                     m.inc("moescope_expert_load_bytes", load.bytes_moved)
-            if layer.router is not None:
-                m.record_expert_counts(layer=layer.layer, tokens=layer.router.tokens, dropped=layer.router.dropped)
-        for h in healths:
-            m.set_layer_health(h)
-        if healths:
-            m.set_step_health(step_health(healths))
+        with self._metrics_lock:
+            for layer in step.layers:
+                router = layer.router
+                if router is None:
+                    continue
+                for pending, counts in ((self._pending_tokens, router.tokens), (self._pending_dropped, router.dropped)):
+                    acc = pending.setdefault(layer.layer, {})
+                    for expert, n in counts.items():
+                        acc[expert] = acc.get(expert, 0) + n
+            for h in healths:
+                self._latest_layer_health[h.layer] = h
+            if healths:
+                self._latest_step_health = healths
         num_experts = self._num_experts
         if num_experts:
             m.set("moescope_experts", num_experts)
@@ -592,6 +610,24 @@ class Pipeline:
             self._window_gauges_ns = now = step.end_ns
             for layer in routing.layers():
                 m.set("moescope_expert_load_gini_window", routing.layer_stats(layer, now).gini, layer=str(layer))
+
+    def flush_metrics(self) -> None:
+        """Write the per-step metrics kept since the last flush into the registry (any thread)."""
+        m = self.metrics
+        if m is None:
+            return
+        with self._metrics_lock:
+            tokens, dropped = self._pending_tokens, self._pending_dropped
+            healths = list(self._latest_layer_health.values())
+            step_healths = self._latest_step_health
+            self._pending_tokens, self._pending_dropped = {}, {}
+            self._latest_layer_health, self._latest_step_health = {}, None
+        for layer in sorted(tokens.keys() | dropped.keys()):
+            m.record_expert_counts(layer=layer, tokens=tokens.get(layer, {}), dropped=dropped.get(layer))
+        for h in healths:
+            m.set_layer_health(h)
+        if step_healths:
+            m.set_step_health(step_health(step_healths))
 
     def _telemetry_metrics(self, sample: Any) -> None:
         m = self.metrics

@@ -359,6 +359,8 @@ def _observe(
     print(summary.line(drops=_drop_counts(daemon, probe), elapsed_s=observed_s), flush=True)
     for line in observers.summary_lines():
         print(f"agent: {line}", flush=True)
+    if daemon.cpu_ns:
+        print(f"agent: main loop CPU: {daemon.cpu_line() or 'under 5 ms per part'}", flush=True)
     if follower.reattached or follower.waiting:
         waiting = ", ".join(str(port) for port in sorted(follower.waiting)) or "none"
         print(f"agent: targets: re-attached {follower.reattached} times; still waiting on ports: {waiting}", flush=True)

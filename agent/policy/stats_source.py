@@ -54,6 +54,9 @@ class RuntimeStatsSignals:
         self._prev_tokens: dict[int, np.ndarray] = {}
         self._last_busy_s: dict[tuple[int, int], float] = {}
         self.last_state: RuntimeState | None = None
+        # Routing health from the runtime's cumulative token counts (Gini, entropy per layer): the
+        # agent turns it off while NVTX gives it the same per step.
+        self.with_routing = True
 
     def close(self) -> None:
         if self._conn is not None:
@@ -84,6 +87,13 @@ class RuntimeStatsSignals:
             return Signals(t_s=now_s)
         self.last_state = state  # the agent's live view shows precision and residency from it
         now_ns = int(now_s * 1e9)
+        if not self.with_routing:
+            self._health, self._prev_tokens = None, {}  # a baseline again if routing is turned back on
+            return Signals(
+                t_s=now_s,
+                device_memory_used_ratio=self._memory_ratio(state),
+                expert_queue_tokens=self._queue(state, now_s),
+            )
         experts = state.experts
         if self._health is None or self._health.num_experts != experts:
             self._health = RoutingHealthWindow(duration_ns=int(self.window_s * 1e9), num_experts=experts)
@@ -110,6 +120,15 @@ class RuntimeStatsSignals:
         for layer in self._health.layers():
             gini[layer] = self._health.layer_stats(layer, now_ns).gini
             entropy[layer] = normalised_router_entropy(self._health.router_entropy_bits(layer, now_ns), experts)
+        return Signals(
+            t_s=now_s,
+            device_memory_used_ratio=self._memory_ratio(state),
+            expert_queue_tokens=self._queue(state, now_s),
+            expert_load_gini=gini,
+            router_entropy_ratio=entropy,
+        )
+
+    def _queue(self, state: RuntimeState, now_s: float) -> dict[tuple[int, int], float]:
         for key, depth in state.queue_depth.items():
             # A penalised expert is reported too, so a penalty taken over at start sees its queue clear.
             if depth > 0 or state.penalty.get(key, 0.0) > 0:
@@ -120,11 +139,9 @@ class RuntimeStatsSignals:
                 del self._last_busy_s[key]
                 continue
             queue[key] = float(state.queue_depth[key])
+        return queue
+
+    @staticmethod
+    def _memory_ratio(state: RuntimeState) -> float:
         ratios = [float(m["used_ratio"]) for m in state.memory.values()]
-        return Signals(
-            t_s=now_s,
-            device_memory_used_ratio=max(ratios) if ratios else math.nan,
-            expert_queue_tokens=queue,
-            expert_load_gini=gini,
-            router_entropy_ratio=entropy,
-        )
+        return max(ratios) if ratios else math.nan
