@@ -53,3 +53,29 @@ def test_signals_from_runtime_stats(start_runtime: StartRuntime) -> None:
         assert source.poll_errors == 1 and math.isnan(fourth.device_memory_used_ratio)
     finally:
         source.close()
+
+
+def test_without_routing_only_queues_and_memory_are_read(start_runtime: StartRuntime) -> None:
+    # The agent turns routing off while NVTX supplies it: the poll still reads queues and memory.
+    rt = start_runtime()
+    now = {"t": 100.0}
+    source = RuntimeStatsSignals(rt.socket_path, timeout_s=10.0, clock=lambda: now["t"])
+    source.with_routing = False
+    try:
+        source()
+        rt.complete("hello world")
+        rt.call("set_router_penalty", {"layer": 0, "expert": 3, "penalty": 0.3})
+        now["t"] = 101.0
+        signals = source()
+        assert signals.expert_load_gini == {} and signals.router_entropy_ratio == {}
+        assert signals.expert_queue_tokens == {(0, 3): 0.0}
+        assert signals.device_memory_used_ratio == rt.stats()["memory"]["devices"]["cpu"]["used_ratio"]
+        # turned back on: the next poll is a new baseline, the one after has routing again
+        source.with_routing = True
+        now["t"] = 102.0
+        assert source().expert_load_gini == {}
+        rt.complete("mixture of experts")
+        now["t"] = 103.0
+        assert set(source().expert_load_gini) == {0, 1}
+    finally:
+        source.close()
