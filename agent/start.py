@@ -38,6 +38,7 @@ from typing import IO, Any
 from agent import errors
 from agent.daemon import STOP_SIGNAL, Daemon, LatencyHistogram
 from agent import privileges
+from agent.allocator import Allocator
 from agent.export.config import add_export_arguments, flags_from_args, resolve_export_config
 from agent.metrics import add_metrics_arguments
 from agent.observe import Observers
@@ -322,6 +323,9 @@ def _observe(
         # Before any thread exists (Observers.build starts the exporters): see agent/privileges.py.
         if not args.keep_privileges:
             print(f"agent: {privileges.drop_to(privileges_to_keep(args))}", file=sys.stderr, flush=True)
+        allocator = Allocator()
+        allocator.limit_arenas()  # before the threads: see agent/allocator.py
+        daemon.add_tick_hook(allocator.trim)
         observers = Observers.build(args, daemon=daemon)
         observers.attach([t.pid for t in targets], probe_names=["ingress"])
         if launched is not None:
