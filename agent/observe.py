@@ -98,9 +98,9 @@ class Observers:
             pipeline.drain_requests(watermark)
 
         daemon.add_tick_hook(drain_requests)
-        # Unclaimed steps become their own traces after retention, even when traffic stops.
 
         def expire_steps(_now_ns: int) -> None:
+            # Unclaimed steps become their own traces after retention, even when traffic stops.
             pipeline.expire()
 
         daemon.add_tick_hook(expire_steps)

@@ -35,10 +35,9 @@ import time
 from types import FrameType
 from typing import IO, Any
 
-from agent import errors
-from agent.daemon import STOP_SIGNAL, Daemon, LatencyHistogram
-from agent import privileges
+from agent import errors, privileges
 from agent.allocator import Allocator
+from agent.daemon import STOP_SIGNAL, Daemon, LatencyHistogram
 from agent.export.config import add_export_arguments, flags_from_args, resolve_export_config
 from agent.metrics import add_metrics_arguments
 from agent.observe import Observers
