@@ -61,11 +61,13 @@ MAX_PENDING_PARENTS = 100_000
 MAX_PENDING_CHILDREN = 1_000_000
 
 _INT_TYPES = frozenset({PAYLOAD_U64, PAYLOAD_I64, PAYLOAD_U32, PAYLOAD_I32})
+_INT_TYPE_LIST = sorted(_INT_TYPES)
 _SIGNED_TYPES = frozenset({PAYLOAD_I64, PAYLOAD_I32})
+# mark names as small codes, for the column-wise mark pass
+_OTHER, _UNKNOWN, _REQUEST, _TOKENS, _DROPPED = 0, 1, 2, 3, 4
 _FLOAT_TYPES = frozenset({PAYLOAD_DOUBLE, PAYLOAD_FLOAT})
 _U64_AS_DOUBLE = struct.Struct("<Q"), struct.Struct("<d")  # the payload's 64 bits read as a double
 # Columns read once per batch as Python lists: per-row numpy field access costs ~10x a list index.
-_MARK_COLUMNS = ("parent_uid", "payload", "payload_type", "category")
 _RANGE_COLUMNS = ("uid", "parent_uid", "start_ns", "end_ns", "payload", "payload_type", "category", "tid")
 
 
@@ -142,13 +144,6 @@ _STAT_NAMES = (
 )
 
 
-class _MarkRow(NamedTuple):
-    parent_uid: int
-    payload: int
-    payload_type: int
-    category: int
-
-
 class _RangeRow(NamedTuple):
     uid: int
     parent_uid: int
@@ -166,7 +161,8 @@ class MoeConventionParser:
     def __init__(self, *, sink: StepSink) -> None:
         self._sink = sink
         self._pending: dict[int, list[Any]] = {}  # parent uid -> completed children
-        self._pending_children = 0  # sum of the lists' lengths
+        self._pending_events: dict[int, int] = {}  # parent uid -> events its children stand for
+        self._pending_children = 0  # events waiting (a grouped expert-count entry counts its events)
         self._stats: dict[str, int] = dict.fromkeys(_STAT_NAMES, 0)
 
     def stats(self) -> dict[str, int]:
@@ -183,7 +179,7 @@ class MoeConventionParser:
         name_of = batch.strings.strings.get  # string id -> text (None: unknown)
         marks = batch.marks[batch.marks["domain_id"] == domain_id]
         if len(marks):
-            self._marks(marks, [name_of(i) for i in marks["string_id"].tolist()])
+            self._marks(marks, name_of)
         ranges = batch.ranges[batch.ranges["domain_id"] == domain_id]
         if len(ranges):
             # deepest first: within one batch a child is filed before its parent collects it
@@ -197,10 +193,11 @@ class MoeConventionParser:
         for uid in batch.lost_uids.tolist():
             # a parent whose end was lost (dropped, or its thread/process ended): its children
             # can never be placed
-            self._stats["orphans"] += len(self._take(int(uid)))
+            self._stats["orphans"] += self._take(int(uid))[1]
         if len(self._pending) > MAX_PENDING_PARENTS or self._pending_children > MAX_PENDING_CHILDREN:
             self._stats["pending_overflow"] += self._pending_children
             self._pending.clear()
+            self._pending_events.clear()
             self._pending_children = 0
         if steps:
             steps.sort(key=lambda s: s.start_ns)
@@ -237,53 +234,87 @@ class MoeConventionParser:
             return None
         return category - 1
 
-    def _file(self, parent_uid: int, child: Any) -> None:
+    def _file(self, parent_uid: int, child: Any, events: int = 1) -> None:
         if parent_uid == 0:
-            self._stats["orphans"] += 1
+            self._stats["orphans"] += events
             return
         self._pending.setdefault(parent_uid, []).append(child)
-        self._pending_children += 1
+        self._pending_events[parent_uid] = self._pending_events.get(parent_uid, 0) + events
+        self._pending_children += events
 
-    def _take(self, parent_uid: int) -> list[Any]:
-        """The children waiting for parent_uid, no longer pending."""
-        children = self._pending.pop(parent_uid, [])
-        self._pending_children -= len(children)
-        return children
+    def _take(self, parent_uid: int) -> tuple[list[Any], int]:
+        """The children waiting for parent_uid, no longer pending, and how many events they are."""
+        children = self._pending.pop(parent_uid, None)
+        if children is None:
+            return [], 0
+        events = self._pending_events.pop(parent_uid)
+        self._pending_children -= events
+        return children, events
 
     # -- marks and ranges
 
-    def _marks(self, marks: np.ndarray, names: list[str | None]) -> None:
-        columns = [marks[c].tolist() for c in _MARK_COLUMNS]
-        for name, *values in zip(names, *columns, strict=True):
-            row = _MarkRow(*values)
-            if name is None or not name.startswith("moe."):
-                continue
-            if name not in MARK_NAMES:
-                self._stats["unknown_names"] += 1
-                continue
-            value = self._int(row)
-            if name == REQUEST:
-                self._stats["request_marks"] += 1
-                if value is not None:
-                    self._file(row.parent_uid, ("request", value))
-                continue
-            self._stats["expert_marks"] += 1
-            expert = self._index(row)
-            if value is not None and expert is not None:
-                kind = "tokens" if name == EXPERT_TOKENS else "dropped"
-                self._file(row.parent_uid, (kind, expert, value))
+    def _marks(self, marks: np.ndarray, name_of: Callable[[int], str | None]) -> None:
+        """Marks, column-wise: a step has a token and a drop mark per expert per layer, so these
+        are most of the convention's events. Expert marks are summed per (parent, kind, expert)
+        and filed as one ("counts", kind, {expert: n}, events) entry per parent and kind."""
+        sids = marks["string_id"]
+        uniq, inverse = np.unique(sids, return_inverse=True)
+        codes = np.array([_mark_code(name_of(sid)) for sid in uniq.tolist()], dtype=np.int8)[inverse]
+        unknown = codes == _UNKNOWN
+        self._stats["unknown_names"] += int(np.count_nonzero(unknown))
+        ptype = marks["payload_type"]
+        valid_int = np.isin(ptype, _INT_TYPE_LIST)
+        ours = (codes == _REQUEST) | (codes == _TOKENS) | (codes == _DROPPED)
+        self._stats["malformed_payloads"] += int(np.count_nonzero(ours & ~valid_int))
+        requests = np.flatnonzero(codes == _REQUEST)
+        if len(requests):
+            self._stats["request_marks"] += len(requests)
+            for parent, value, payload_type in zip(marks["parent_uid"][requests].tolist(), marks["payload"][requests].tolist(),
+                                                   ptype[requests].tolist(), strict=True):
+                if payload_type in _INT_TYPES:
+                    self._file(parent, ("request", _signed(value, payload_type)))
+        expert_rows = (codes == _TOKENS) | (codes == _DROPPED)
+        n_expert = int(np.count_nonzero(expert_rows))
+        if not n_expert:
+            return
+        self._stats["expert_marks"] += n_expert
+        category = marks["category"]
+        self._stats["malformed_categories"] += int(np.count_nonzero(expert_rows & (category == 0)))
+        keep = np.flatnonzero(expert_rows & valid_int & (category != 0))
+        if not len(keep):
+            return
+        # one entry per (parent, kind): sort by them, then sum per expert in Python over the runs
+        parent = marks["parent_uid"][keep]
+        kind = codes[keep]
+        order = np.lexsort((kind, parent))
+        parent, kind = parent[order].tolist(), kind[order].tolist()
+        expert = (category[keep][order].astype(np.int64) - 1).tolist()
+        values = marks["payload"][keep][order].tolist()
+        types = ptype[keep][order].tolist()
+        start = 0
+        n = len(parent)
+        while start < n:
+            end = start + 1
+            while end < n and parent[end] == parent[start] and kind[end] == kind[start]:
+                end += 1
+            counts: dict[int, int] = {}
+            for i in range(start, end):
+                counts[expert[i]] = counts.get(expert[i], 0) + _signed(values[i], types[i])
+            self._file(parent[start], ("counts", "tokens" if kind[start] == _TOKENS else "dropped", counts, end - start),
+                       events=end - start)
+            start = end
 
     def _range(self, row: Any, name: str | None, pid: int) -> StepEvent | None:
         if name is None or not name.startswith("moe."):
             # not ours; moe.* events nested in it are in the wrong place
-            self._stats["misplaced"] += len(self._take(row.uid))
+            self._stats["misplaced"] += self._take(row.uid)[1]
             return None
         if name not in RANGE_NAMES:
             self._stats["unknown_names"] += 1
-            self._stats["misplaced"] += len(self._take(row.uid))  # children of an unknown range
+            self._stats["misplaced"] += self._take(row.uid)[1]  # children of an unknown range
             return None
         start_ns, end_ns = row.start_ns, row.end_ns
-        children = self._take(row.uid)
+        children, child_events = self._take(row.uid)
         parent = row.parent_uid
         if name == STEP:
             self._stats["steps"] += 1
@@ -294,7 +325,7 @@ class MoeConventionParser:
                 elif isinstance(child, tuple) and child[0] == "request":
                     step.requests.append(child[1])
                 else:
-                    self._stats["misplaced"] += 1
+                    self._stats["misplaced"] += _events([child])
             step.layers.sort(key=lambda layer: layer.start_ns)
             return step
         if name == LAYER:
@@ -314,7 +345,7 @@ class MoeConventionParser:
                 elif isinstance(child, ExpertFfnEvent):
                     layer.ffns.append(child)
                 else:
-                    self._stats["misplaced"] += 1
+                    self._stats["misplaced"] += _events([child])
             layer.loads.sort(key=lambda e: e.start_ns)
             layer.ffns.sort(key=lambda e: e.start_ns)
             self._file(parent, layer)
@@ -327,17 +358,19 @@ class MoeConventionParser:
             router = RouterEvent(layer=router_layer, start_ns=start_ns, end_ns=end_ns,
                                  entropy_bits=self._float(row))
             for child in children:
-                if isinstance(child, tuple) and child[0] == "tokens":
-                    router.tokens[child[1]] = router.tokens.get(child[1], 0) + child[2]
-                elif isinstance(child, tuple) and child[0] == "dropped":
-                    router.dropped[child[1]] = router.dropped.get(child[1], 0) + child[2]
+                if isinstance(child, tuple) and child[0] == "counts":
+                    into = router.tokens if child[1] == "tokens" else router.dropped
+                    if into:
+                        for expert_id, n in child[2].items():
+                            into[expert_id] = into.get(expert_id, 0) + n
+                    else:
+                        into.update(child[2])
                 else:
-                    self._stats["misplaced"] += 1
+                    self._stats["misplaced"] += _events([child])
             self._file(parent, router)
             return None
         expert = self._index(row)
-        misplaced_children = len(children)
-        self._stats["misplaced"] += misplaced_children
+        self._stats["misplaced"] += child_events
         if expert is None:
             return None
         if name == EXPERT_LOAD:
@@ -347,3 +380,24 @@ class MoeConventionParser:
             self._stats["expert_ffns"] += 1
             self._file(parent, ExpertFfnEvent(expert=expert, start_ns=start_ns, end_ns=end_ns, tokens=self._int(row)))
         return None
+
+
+_MARK_CODES = {REQUEST: _REQUEST, EXPERT_TOKENS: _TOKENS, EXPERT_DROPPED: _DROPPED}
+
+
+def _mark_code(name: str | None) -> int:
+    if not name or not name.startswith("moe."):
+        return _OTHER
+    return _MARK_CODES.get(name, _UNKNOWN)
+
+
+def _signed(value: int, payload_type: int) -> int:
+    """An integer payload as the producer meant it (int64/int32 arrive as their 64-bit pattern)."""
+    if payload_type in _SIGNED_TYPES and value >= 1 << 63:
+        return value - (1 << 64)
+    return value
+
+
+def _events(children: list[Any]) -> int:
+    """How many events a list of pending children stands for (a grouped count entry carries its own)."""
+    return sum(c[3] if isinstance(c, tuple) and c[0] == "counts" else 1 for c in children)

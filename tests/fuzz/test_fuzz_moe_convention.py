@@ -108,7 +108,7 @@ def test_any_event_stream_is_parsed_or_counted(batches: list[tuple[list[dict[str
     assert stats["sink_errors"] == (len(calls) if sink_fails else 0)  # a failing sink is counted, parsing goes on
     assert all(n > 0 for n in calls)
     assert stats["pending_parents"] <= conv.MAX_PENDING_PARENTS
-    assert stats["pending_children"] == sum(len(v) for v in parser._pending.values())
+    assert stats["pending_children"] == sum(conv._events(v) for v in parser._pending.values())
     for step in delivered:
         assert isinstance(step.tokens, int | None)
         for layer in step.layers:
@@ -133,3 +133,91 @@ def test_children_of_a_parent_that_never_ends_are_bounded() -> None:
     assert stats["request_marks"] == batches * per_batch
     assert stats["pending_overflow"] + stats["pending_children"] == batches * per_batch
     assert stats["pending_overflow"] > 0
+
+
+def reference_marks(events: list[dict[str, int]]) -> tuple[dict[tuple[int, str, int], int], list[tuple[int, int]], dict[str, int]]:
+    """The convention's mark rules, one mark at a time (docs/nvtx-convention.md): what the parser
+    files per (parent, kind, expert), the request keys per parent, and the counters."""
+    by_id = {sid: name for name, sid in NAME_IDS.items()}
+    counts: dict[tuple[int, str, int], int] = {}
+    requests: list[tuple[int, int]] = []
+    stats = dict.fromkeys(("unknown_names", "malformed_payloads", "malformed_categories", "request_marks",
+                           "expert_marks", "orphans"), 0)
+    for e in events:
+        name = by_id.get(e["string_id"], "")
+        if e["domain_id"] != MOE_DOMAIN or not name.startswith("moe."):
+            continue
+        if name not in conv.MARK_NAMES:
+            stats["unknown_names"] += 1
+            continue
+        value: int | None = e["payload"]
+        if e["payload_type"] not in conv._INT_TYPES:
+            stats["malformed_payloads"] += 1
+            value = None
+        elif e["payload_type"] in conv._SIGNED_TYPES and e["payload"] >= 1 << 63:
+            value = e["payload"] - (1 << 64)
+        parent = e["parent"]
+        if name == conv.REQUEST:
+            stats["request_marks"] += 1
+            if value is not None:
+                if parent:
+                    requests.append((parent, value))
+                else:
+                    stats["orphans"] += 1
+            continue
+        stats["expert_marks"] += 1
+        if e["category"] == 0:
+            stats["malformed_categories"] += 1
+            continue
+        if value is None:
+            continue
+        if not parent:
+            stats["orphans"] += 1
+            continue
+        kind = "tokens" if name == conv.EXPERT_TOKENS else "dropped"
+        key = (parent, kind, e["category"] - 1)
+        counts[key] = counts.get(key, 0) + value
+    return counts, requests, stats
+
+
+mark_fields = st.fixed_dictionaries({
+    "string_id": st.sampled_from([NAME_IDS[n] for n in ("moe.expert.tokens", "moe.expert.dropped", "moe.request",
+                                                        "moe.bogus", "other")] + [0, UNKNOWN_SID]),
+    "domain_id": st.sampled_from([MOE_DOMAIN, MOE_DOMAIN, MOE_DOMAIN, OTHER_DOMAIN]),
+    "payload_type": st.sampled_from([*sorted(conv._INT_TYPES), 0, 5, 6, 9]),
+    "payload": st.one_of(st.integers(0, 64), st.integers((1 << 64) - 8, (1 << 64) - 1), U64),
+    "category": st.integers(0, 5),
+    "tid": st.just(1),
+    "ts": st.integers(0, 10**6),
+    "dur": st.just(0),
+    "parent": st.integers(0, 4),
+    "depth": st.just(0),
+    "is_mark": st.just(True),
+})
+
+
+@fuzz(200)
+@given(st.lists(mark_fields, max_size=60))
+def test_marks_column_wise_equal_the_one_at_a_time_rules(events: list[dict[str, int]]) -> None:
+    # the parser sums expert marks per (parent, kind, expert) with array operations; the reference
+    # applies the rules mark by mark: what is filed, and every counter, must be the same
+    marks_only = [dict(e, is_mark=True) for e in events]
+    batch, _, _ = build_batch(marks_only, [], uid_base=0)
+    parser = MoeConventionParser(sink=lambda steps: None)
+    parser(batch)
+    want_counts, want_requests, want_stats = reference_marks(marks_only)
+    got_counts: dict[tuple[int, str, int], int] = {}
+    got_requests: list[tuple[int, int]] = []
+    for parent, children in parser._pending.items():
+        for child in children:
+            if child[0] == "request":
+                got_requests.append((parent, child[1]))
+            else:
+                _, kind, per_expert, _events = child
+                for expert, n in per_expert.items():
+                    got_counts[(parent, kind, expert)] = got_counts.get((parent, kind, expert), 0) + n
+    assert got_counts == want_counts
+    assert sorted(got_requests) == sorted(want_requests)
+    stats = parser.stats()
+    assert {k: stats[k] for k in want_stats} == want_stats
+    assert stats["pending_children"] == sum(conv._events(v) for v in parser._pending.values())
