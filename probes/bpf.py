@@ -52,7 +52,7 @@ PERF_EVENT_IOC_ENABLE = 0x2400  # _IO('$', 0)
 PERF_EVENT_IOC_SET_BPF = 0x40042408  # _IOW('$', 8, __u32)
 TRACEFS_DIRS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 CHILD_TIMEOUT_S = 120.0
-_MAX_FDS = 250  # SCM_RIGHTS carries at most 253 descriptors in one message
+MAX_FDS = 250  # SCM_RIGHTS carries at most 253 descriptors in one message
 
 _libc = ct.CDLL(None, use_errno=True)
 _libc.syscall.restype = ct.c_long
@@ -316,24 +316,31 @@ def load_in_child(*, text: str, flags: list[str], timeout_s: float = CHILD_TIMEO
 
 def _receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     """One reply: 8-byte length, JSON, with the descriptors attached to its first bytes."""
-    head, fds, _, _ = socket.recv_fds(sock, 8, _MAX_FDS)
+    head, fds, _, _ = socket.recv_fds(sock, 8, MAX_FDS)
     if not head:
         return {}, list(fds)
-    while len(head) < 8:
-        more = sock.recv(8 - len(head))
-        if not more:
-            raise ValueError("reply cut short")
-        head += more
+    return read_message(sock, head=head), list(fds)
+
+
+def read_message(sock: socket.socket, *, head: bytes = b"", limit_bytes: int = 16 << 20) -> dict[str, Any]:
+    """One message of the compiler protocol: an 8-byte little-endian length, then that much JSON
+    (`head`: bytes of it already received). ValueError when cut short or too long."""
+    head = head + _recv_exact(sock, 8 - len(head))
     size = int.from_bytes(head, "little")
-    if size > 16 << 20:
-        raise ValueError(f"reply of {size} bytes")
-    body = b""
-    while len(body) < size:
-        more = sock.recv(size - len(body))
+    if size > limit_bytes:
+        raise ValueError(f"message of {size} bytes")
+    message: dict[str, Any] = json.loads(_recv_exact(sock, size))
+    return message
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        more = sock.recv(size - len(data))
         if not more:
-            raise ValueError("reply cut short")
-        body += more
-    return json.loads(body), list(fds)
+            raise ValueError("message cut short")
+        data += more
+    return data
 
 
 def _last_line(stderr: bytes | None) -> str:

@@ -16,29 +16,7 @@ import socket
 import sys
 from typing import Any
 
-from probes.bpf import _MAX_FDS
-
-_MAX_REQUEST_BYTES = 16 << 20
-
-
-def _read_request(sock: socket.socket) -> dict[str, Any]:
-    head = b""
-    while len(head) < 8:
-        more = sock.recv(8 - len(head))
-        if not more:
-            raise ValueError("request cut short")
-        head += more
-    size = int.from_bytes(head, "little")
-    if size > _MAX_REQUEST_BYTES:
-        raise ValueError(f"request of {size} bytes")
-    body = b""
-    while len(body) < size:
-        more = sock.recv(size - len(body))
-        if not more:
-            raise ValueError("request cut short")
-        body += more
-    request: dict[str, Any] = json.loads(body)
-    return request
+from probes.bpf import MAX_FDS, read_message
 
 
 def _reply(sock: socket.socket, message: dict[str, Any], fds: list[int]) -> None:
@@ -87,8 +65,8 @@ def _load(request: dict[str, Any]) -> tuple[dict[str, Any], list[int], Any]:
             fds.append(module.get_table(table_name).map_fd)
     except Exception as exc:  # bcc raises bare Exception for compile and load failures
         return {"error": "ProbeLoadError", "message": f"eBPF program failed to compile/load: {_one_line(exc)}"}, [], None
-    if len(fds) > _MAX_FDS:
-        return {"error": "ProbeLoadError", "message": f"{len(fds)} programs and maps: at most {_MAX_FDS}"}, [], None
+    if len(fds) > MAX_FDS:
+        return {"error": "ProbeLoadError", "message": f"{len(fds)} programs and maps: at most {MAX_FDS}"}, [], None
     return {"programs": programs, "maps": maps}, fds, module
 
 
@@ -96,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     sock = socket.socket(fileno=int(args[0]))
     try:
-        request = _read_request(sock)
+        request = read_message(sock)
     except (OSError, ValueError) as exc:
         print(f"bpf_child: bad request: {exc}", file=sys.stderr)
         return 2
