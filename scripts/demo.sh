@@ -63,6 +63,7 @@ LOAD_PID=$!
 cleanup() { kill "$LOAD_PID" 2>/dev/null || true; wait "$LOAD_PID" 2>/dev/null || true; }
 trap cleanup EXIT
 
+STARTED=$(date +%s)  # the audit file is appended to across demos: the summary counts this one only
 echo "demo: runtime on http://127.0.0.1:$PORT, agent state in $STATE, audit $STATE/policy-audit.jsonl" >&2
 if [ -t 1 ] && [ -t 0 ]; then
     "$AGENT" "${AGENT_ARGS[@]}" --tui --duration "$SECONDS_TOTAL" -- "${RUNTIME[@]}" 2>"$STATE/agent.log" || true
@@ -75,8 +76,8 @@ else
     wait "$AGENT_PID" || true
     cat "$STATE/agent.out"
 fi
-echo "demo: policy actions:" >&2
-"$PY" - "$STATE/policy-audit.jsonl" <<'EOF' >&2 || true
+echo "demo: policy actions (this run):" >&2
+"$PY" - "$STATE/policy-audit.jsonl" "$STARTED" <<'EOF' >&2 || true
 import json, sys
 from collections import Counter
 try:
@@ -86,7 +87,8 @@ except OSError:
 c = Counter()
 for line in lines:
     r = json.loads(line)
-    c[(r.get("rule"), r.get("decision"), r.get("outcome"))] += 1
+    if (r.get("ts_unix_s") or 0) >= float(sys.argv[2]):
+        c[(r.get("rule"), r.get("decision"), r.get("outcome"))] += 1
 for (rule, decision, outcome), n in sorted(c.items(), key=str):
     print(f"  {rule:26} {decision:10} {outcome:28} x{n}")
 EOF
