@@ -88,11 +88,15 @@ class _Rate:
 
     def add(self, t_ns: int) -> None:
         self.times.append(t_ns)
+        self._prune(t_ns)  # here too: rate() is only called by a live view, which may be off
 
     def rate(self, now_ns: int) -> float:
+        self._prune(now_ns)
+        return len(self.times) / (self.window_ns / 1e9)
+
+    def _prune(self, now_ns: int) -> None:
         while self.times and self.times[0] < now_ns - self.window_ns:
             self.times.popleft()
-        return len(self.times) / (self.window_ns / 1e9)
 
 
 class Pipeline:

@@ -408,3 +408,14 @@ def test_metrics_equal_what_was_fed() -> None:
     assert metrics.get("moescope_device_memory_used_bytes", device="host") == MEMORY.used_bytes
     assert metrics.get("moescope_target_memory_bytes", device="host") == TARGET_RSS_BYTES
     assert math.isnan(metrics.get("moescope_agent_metric_series_dropped", metric="moescope_expert_tokens"))
+
+
+def test_rates_stay_bounded_without_a_live_view() -> None:
+    # Nobody reads the request/step rates when no state file is written: adding must prune too.
+    from agent.pipeline import _Rate
+
+    rate = _Rate(window_ns=1_000)
+    for t in range(100_000):
+        rate.add(t)
+    assert len(rate.times) == 1_001  # the last window_ns (inclusive), not all 100 000
+    assert rate.rate(99_999) == pytest.approx(1_001 / 1e-6)
