@@ -113,7 +113,9 @@ class Observers:
     def _publish_metrics(self, now_ns: int) -> None:
         """Self-metrics and the live view's source rows, on the daemon thread (sources are polled
         there, so their counters are read there too) and whether or not a state file is written."""
-        if now_ns - self._export_published_ns < EXPORT_STATS_PERIOD_NS:
+        # as often as the live state is published (1 s; 250 ms with --tui), at most every 250 ms:
+        # a scrape refreshes /metrics by itself, so nothing needs it more often (3.7 ms a round)
+        if now_ns - self._export_published_ns < max(EXPORT_STATS_PERIOD_NS, int(self.args.interval * 1e9)):
             return None
         self._export_published_ns = now_ns
         self.metrics.refresh()  # the pipeline's held-back per-step metrics (also done at every scrape)
