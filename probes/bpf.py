@@ -26,6 +26,7 @@ import platform
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -273,36 +274,44 @@ def load_in_child(*, text: str, flags: list[str], timeout_s: float = CHILD_TIMEO
     Raises BccMissing / ProbeLoadError with the child's one-line reason."""
     parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     request = json.dumps({"text": text, "flags": flags}).encode()
-    try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "probes.bpf_child", str(child_sock.fileno())],
-            pass_fds=[child_sock.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parent.parent,
-        )
-    except OSError as exc:
-        parent_sock.close()
+    # stderr to a file, not a pipe: clang can warn for pages against mismatched headers, and a
+    # full pipe would block the child before it answers.
+    with tempfile.TemporaryFile() as stderr_file:
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "probes.bpf_child", str(child_sock.fileno())],
+                pass_fds=[child_sock.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=stderr_file, cwd=Path(__file__).resolve().parent.parent,
+            )
+        except OSError as exc:
+            parent_sock.close()
+            child_sock.close()
+            raise errors.ProbeLoadError(f"cannot start the eBPF compiler process: {exc}") from exc
         child_sock.close()
-        raise errors.ProbeLoadError(f"cannot start the eBPF compiler process: {exc}") from exc
-    child_sock.close()
-    try:
-        parent_sock.settimeout(timeout_s)
-        parent_sock.sendall(len(request).to_bytes(8, "little") + request)
-        message, fds = _receive(parent_sock)
-    except (OSError, ValueError) as exc:
-        proc.kill()
-        message, fds = {"error": "ProbeLoadError", "message": f"eBPF compiler process failed: {exc}"}, []
-    finally:
-        parent_sock.close()
-    try:
-        _, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        _, stderr = proc.communicate()
+        try:
+            parent_sock.settimeout(timeout_s)
+            parent_sock.sendall(len(request).to_bytes(8, "little") + request)
+            message, fds = _receive(parent_sock)
+        except (OSError, ValueError) as exc:
+            proc.kill()
+            message, fds = {"error": "ProbeLoadError", "message": f"eBPF compiler process failed: {exc}"}, []
+        finally:
+            parent_sock.close()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        stderr_file.seek(0)
+        stderr = stderr_file.read()
     if "error" in message or not message:
         for fd in fds:
             os.close(fd)
         reason = message.get("message") or _last_line(stderr) or f"exit status {proc.returncode}"
         kind = errors.BccMissing if message.get("error") == "BccMissing" else errors.ProbeLoadError
+        first_error = _first_error(stderr)
+        if kind is errors.ProbeLoadError and first_error and first_error not in reason:
+            reason = f"{reason} ({first_error})"  # clang's own words: which line, what is wrong
         raise kind(reason)
     names: list[str] = message["programs"] + message["maps"]
     if len(names) != len(fds):
@@ -341,6 +350,13 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
             raise ValueError("message cut short")
         data += more
     return data
+
+
+def _first_error(stderr: bytes | None) -> str:
+    for line in (stderr or b"").decode(errors="replace").splitlines():
+        if "error:" in line:
+            return line.strip()[:300]
+    return ""
 
 
 def _last_line(stderr: bytes | None) -> str:
