@@ -252,8 +252,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"spans queued for export before new ones are dropped and counted (default {DEFAULT_QUEUE_SPANS})")
     g.add_argument("--span-detail", choices=("layer", "expert"), default="layer",
                    help="layer (default): one moe.layer span per layer, its router, expert loads and FFNs as "
-                        "array attributes (moe.layer.ffn.*); expert: a span for each of them too (~5x the spans "
-                        "and agent CPU)")
+                        "array attributes (moe.layer.ffn.*); expert: a span for each of them too (~4x the spans, "
+                        "more agent CPU)")
 
 
 def add_state_dir_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
