@@ -26,7 +26,6 @@ import platform
 import socket
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -274,9 +273,10 @@ def load_in_child(*, text: str, flags: list[str], timeout_s: float = CHILD_TIMEO
     Raises BccMissing / ProbeLoadError with the child's one-line reason."""
     parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     request = json.dumps({"text": text, "flags": flags}).encode()
-    # stderr to a file, not a pipe: clang can warn for pages against mismatched headers, and a
-    # full pipe would block the child before it answers.
-    with tempfile.TemporaryFile() as stderr_file:
+    # stderr to an in-memory file, not a pipe: clang can warn for pages against mismatched headers,
+    # and a full pipe would block the child before it answers. memfd, not a temp file: a container's
+    # root filesystem is read-only (tests/deploy checks that layout).
+    with os.fdopen(os.memfd_create("moescope-bpf-child-stderr", os.MFD_CLOEXEC), "w+b") as stderr_file:
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "probes.bpf_child", str(child_sock.fileno())],
