@@ -30,7 +30,24 @@ def thread_caps(pid: int) -> list[privileges.Capabilities]:
     return found
 
 
-def traced_requests(run: AgentRun, server: Server) -> tuple[list[privileges.Capabilities], str, str]:
+def startup_lines(run: AgentRun) -> list[str]:
+    """The agent's stderr up to its last start-up note (`agent: policy ...`), read line by line.
+
+    Read here, not by communicate() at the end: a text pipe's readline() buffers ahead, and
+    communicate() reads the descriptor, so lines already buffered would be lost."""
+    assert run.popen.stderr is not None
+    lines = []
+    for _ in range(50):  # bounded: the agent prints about ten lines before it serves
+        line = run.popen.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("agent: policy"):
+            break
+    return lines
+
+
+def traced_requests(run: AgentRun, server: Server) -> tuple[list[privileges.Capabilities], str]:
     """Serve REQUESTS requests, read every thread's capabilities, stop the agent (SIGINT)."""
     client = HttpClient(server.port)
     for _ in range(REQUESTS):
@@ -38,19 +55,20 @@ def traced_requests(run: AgentRun, server: Server) -> tuple[list[privileges.Capa
     client.request(close=True)
     caps = thread_caps(run.popen.pid)
     run.popen.send_signal(signal.SIGINT)
-    out, err = run.popen.communicate(timeout=WAIT_S * 2)
-    return caps, out, run.attach_line + err
+    out, _ = run.popen.communicate(timeout=WAIT_S * 2)
+    return caps, out
 
 
 def test_every_thread_drops_bpf_and_perfmon_after_attach(
     bpf: None, start_server: Callable[..., Server], run_agent: Callable[..., AgentRun]
 ) -> None:
     server = start_server("threaded")
-    run = run_agent("--pid", str(server.pid), "--metrics-port", "0")
-    assert "tracing pid" in run.attach_line, run.attach_line
-    caps, out, err = traced_requests(run, server)
-    assert run.popen.returncode == 0, err
-    assert "privileges dropped after attach: kept CAP_DAC_OVERRIDE, CAP_SYS_PTRACE" in err, err
+    run = run_agent("--pid", str(server.pid), "--metrics-port", "0", wait_attach=False)
+    err = "".join(startup_lines(run))
+    assert "agent: tracing pid" in err, err
+    assert "agent: privileges dropped after attach: kept CAP_DAC_OVERRIDE, CAP_SYS_PTRACE" in err, err
+    caps, out = traced_requests(run, server)
+    assert run.popen.returncode == 0, out
     # several threads by then (exporter, telemetry, state publisher...), each with only the two kept
     assert len(caps) > 1, caps
     for thread in caps:
@@ -63,10 +81,11 @@ def test_keep_privileges_keeps_them(
     bpf: None, start_server: Callable[..., Server], run_agent: Callable[..., AgentRun]
 ) -> None:
     server = start_server("threaded")
-    run = run_agent("--pid", str(server.pid), "--keep-privileges")
-    caps, out, err = traced_requests(run, server)
-    assert run.popen.returncode == 0, err
-    assert "privileges dropped" not in err
+    run = run_agent("--pid", str(server.pid), "--keep-privileges", wait_attach=False)
+    err = "".join(startup_lines(run))
+    assert "agent: tracing pid" in err and "privileges dropped" not in err, err
+    caps, out = traced_requests(run, server)
+    assert run.popen.returncode == 0, out
     assert caps and all(thread.effective & BPF_MASK == BPF_MASK for thread in caps)
 
 
