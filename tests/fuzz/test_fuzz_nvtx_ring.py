@@ -13,6 +13,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,6 +32,13 @@ TID = threading.get_native_id()
 U32 = st.integers(min_value=0, max_value=(1 << 32) - 1)
 U64 = st.integers(min_value=0, max_value=(1 << 64) - 1)
 I32 = st.integers(min_value=-(1 << 31), max_value=(1 << 31) - 1)
+
+
+def fake_clock_collector(directory: Path, *, sink: Any = None, **options: Any) -> NvtxCollector:
+    """The real collector on the test's fake clock (now_ns=1, then poll(2), poll(3), ...): it drains
+    on every poll (drain_period_ns=0), since the polls here are not spaced like the daemon's."""
+    return NvtxCollector(PID, sink=sink or (lambda batch: None), directory=directory, now_ns=1,
+                         drain_period_ns=0, **options)
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +106,7 @@ def test_corrupt_header_is_refused_in_one_line_or_read_safely(
     path.write_bytes(header[:size].ljust(size, b"\0"))
     sink = Counting()
     try:
-        collector = NvtxCollector(PID, sink=sink, directory=directory, now_ns=1,
-                              drain_period_ns=0)
+        collector = fake_clock_collector(directory, sink=sink)
     except NvtxUnavailable as exc:
         assert "\n" not in str(exc) and str(path) in str(exc)
         event("header refused")
@@ -196,8 +203,7 @@ def test_wild_records_and_strings_are_counted_never_fatal(
     directory = fresh_dir(ring_root)
     ring = RingFile(directory, pid=PID, capacity=capacity, strings_bytes=1 << 16)
     sink = Counting()
-    collector = NvtxCollector(PID, sink=sink, directory=directory, now_ns=1,
-                              drain_period_ns=0)
+    collector = fake_clock_collector(directory, sink=sink)
     try:
         ring.add_strings(blob)
         now = 2
@@ -271,8 +277,7 @@ def test_string_table_stops_at_its_cap_and_counts_the_rest(ring_root: Path) -> N
     directory = fresh_dir(ring_root)
     ring = RingFile(directory, pid=PID, capacity=64, strings_bytes=len(blob))
     assert ring.add_strings(blob) == len(blob)
-    collector = NvtxCollector(PID, sink=lambda batch: None, directory=directory, now_ns=1,
-                              drain_period_ns=0)
+    collector = fake_clock_collector(directory)
     try:
         collector.poll(2)
         stats = collector.stats()
@@ -292,8 +297,7 @@ def test_string_table_stops_at_its_byte_cap(ring_root: Path) -> None:
     directory = fresh_dir(ring_root)
     ring = RingFile(directory, pid=PID, capacity=64, strings_bytes=len(blob))
     assert ring.add_strings(blob) == len(blob)
-    collector = NvtxCollector(PID, sink=lambda batch: None, directory=directory, now_ns=1,
-                              drain_period_ns=0)
+    collector = fake_clock_collector(directory)
     try:
         collector.poll(2)
         table = collector.strings
@@ -310,8 +314,7 @@ def test_a_huge_string_id_does_not_grow_the_table(ring_root: Path) -> None:
     ring = RingFile(directory, pid=PID, capacity=64)
     ring.add_strings(string_entry(kind=nvtx.STR_STRING, sid=(1 << 32) - 1, text=b"far")
                      + string_entry(kind=nvtx.STR_STRING, sid=nvtx.MAX_STRING_ID, text=b"last"))
-    collector = NvtxCollector(PID, sink=lambda batch: None, directory=directory, now_ns=1,
-                              drain_period_ns=0)
+    collector = fake_clock_collector(directory)
     try:
         collector.poll(2)
         assert collector.stats()["string_entries_dropped"] == 1
@@ -328,9 +331,8 @@ def test_open_ranges_stop_at_their_cap_and_the_oldest_are_reported_lost(ring_roo
     directory = fresh_dir(ring_root)
     ring = RingFile(directory, pid=PID, capacity=512)
     lost: list[int] = []
-    collector = NvtxCollector(PID, sink=lambda batch: lost.extend(batch.lost_uids.tolist()), directory=directory,
-                              drain_period_ns=0,
-                              now_ns=1, max_open_ranges=cap)
+    collector = fake_clock_collector(directory, sink=lambda batch: lost.extend(batch.lost_uids.tolist()),
+                                     max_open_ranges=cap)
     try:
         # pushes nested ever deeper on one live thread (never closed), or starts never ended
         ring.add_records([Record(kind=kind, tid=TID, level=i if kind == nvtx.KIND_PUSH else 0, range_id=i + 1)
