@@ -27,7 +27,7 @@ from typing import Any
 from agent import errors
 from agent import state as st
 from agent.daemon import Daemon
-from agent.export.config import flags_from_args, resolve_export_config
+from agent.export.config import ExportConfig
 from agent.export.setup import Tracing, build_tracing, stats_to_metrics
 from agent.metrics import Metrics, MetricsServer
 from agent.pipeline import Pipeline, resource_attributes
@@ -79,9 +79,8 @@ class Observers:
 
     # ------------------------------------------------------------------ build
     @classmethod
-    def build(cls, args: argparse.Namespace, *, daemon: Daemon) -> Observers:
-        """Exporters and the pipeline; raises ConfigError (exit 2) for bad export flags/env."""
-        config = resolve_export_config(flags_from_args(args))
+    def build(cls, args: argparse.Namespace, *, daemon: Daemon, config: ExportConfig) -> Observers:
+        """Exporters and the pipeline, for the export config `agent start` resolved from its flags."""
         metrics = Metrics()
         server = MetricsServer(metrics, port=args.metrics_port, addr=args.metrics_addr) if args.metrics_port else None
         # No metrics hook in the export worker: it publishes only between drain rounds, and a round

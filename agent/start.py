@@ -38,7 +38,7 @@ from typing import IO, Any
 from agent import errors, privileges
 from agent.allocator import Allocator
 from agent.daemon import STOP_SIGNAL, Daemon, LatencyHistogram
-from agent.export.config import add_export_arguments, flags_from_args, resolve_export_config
+from agent.export.config import ExportConfig, add_export_arguments, flags_from_args, resolve_export_config
 from agent.metrics import add_metrics_arguments
 from agent.observe import Observers
 from agent.policy.wiring import add_policy_arguments
@@ -259,7 +259,7 @@ def privileges_to_keep(args: argparse.Namespace) -> tuple[str, ...]:
 
 def run(args: argparse.Namespace) -> int:
     command = _validate(args)
-    resolve_export_config(flags_from_args(args))  # a bad export flag fails before anything is loaded
+    export_config = resolve_export_config(flags_from_args(args))  # a bad flag fails before anything loads
     options = IngressOptions()
     if args.ebpf:
         sys.stdout.write(loader.ebpf_listing(options))
@@ -289,7 +289,8 @@ def run(args: argparse.Namespace) -> int:
     # Installed before attaching: a signal at any point from here on ends in the summary.
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _observe(daemon, summary, records_sink, args=args, targets=targets, command=command, options=options)
+        return _observe(daemon, summary, records_sink, args=args, targets=targets, command=command, options=options,
+                        export_config=export_config)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -304,6 +305,7 @@ def _observe(
     targets: list[Target],
     command: list[str],
     options: IngressOptions,
+    export_config: ExportConfig,
 ) -> int:
     started_ns = time.monotonic_ns()
     probe = IngressProbe(on_record=daemon.emit, options=options)
@@ -325,7 +327,7 @@ def _observe(
         allocator = Allocator()
         allocator.limit_arenas()  # before the threads: see agent/allocator.py
         daemon.add_tick_hook(allocator.trim)
-        observers = Observers.build(args, daemon=daemon)
+        observers = Observers.build(args, daemon=daemon, config=export_config)
         observers.attach([t.pid for t in targets], probe_names=["ingress"])
         if launched is not None:
             launched.release()
