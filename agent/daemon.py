@@ -64,6 +64,7 @@ class Daemon:
         # Main-loop CPU (thread time) per source poll and per tick hook, in ns: where the agent's
         # own cost goes, for its summary (a source's poll includes the sinks it feeds).
         self.cpu_ns: dict[str, int] = {}
+        self._hook_names: dict[TickHook, str] = {}
 
     def add_source(self, source: Source) -> None:
         self.sources.append(source)
@@ -73,6 +74,7 @@ class Daemon:
 
     def add_tick_hook(self, hook: TickHook) -> None:
         self.tick_hooks.append(hook)
+        self._hook_names[hook] = _hook_name(hook)
 
     def emit(self, record: Any) -> None:
         """Give one record to every sink. Never raises: sink failures are counted."""
@@ -109,7 +111,7 @@ class Daemon:
         for hook in self.tick_hooks:
             reason = hook(now_ns)
             t1 = time.thread_time_ns()
-            name = getattr(hook, "__qualname__", "hook").replace(".<locals>", "")
+            name = self._hook_names.get(hook) or _hook_name(hook)
             cpu[name] = cpu.get(name, 0) + t1 - t0
             t0 = t1
             if reason is not None:
@@ -202,3 +204,8 @@ class LatencyHistogram:
             if seen >= rank:
                 return self._bucket_low(bucket)
         return self._bucket_low(max(self._counts))
+
+
+def _hook_name(hook: TickHook) -> str:
+    """`Observers._publish_metrics`, `Observers.build.drain_requests`: the hook's qualified name."""
+    return getattr(hook, "__qualname__", "hook").replace(".<locals>", "")
