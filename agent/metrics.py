@@ -272,11 +272,14 @@ class Metrics:
     # --- generic, bounded updates -----------------------------------------------------------
     def _child(self, name: str, labels: Mapping[str, str]) -> Counter | Gauge | Histogram | None:
         spec = self._specs[name]
-        if len(labels) != len(spec.labels) or set(labels) != set(spec.labels):
-            raise ValueError(f"{name}: labels {sorted(labels)} != declared {list(spec.labels)}")
+        try:  # same count and every declared name present: the same set, without building sets
+            if len(labels) != len(spec.labels):
+                raise KeyError(name)
+            key = tuple(str(labels[label]) for label in spec.labels)
+        except KeyError:
+            raise ValueError(f"{name}: labels {sorted(labels)} != declared {list(spec.labels)}") from None
         if not spec.labels:
             return self._families[name]
-        key = tuple(str(labels[label]) for label in spec.labels)
         child = self._children.get((name, key))
         if child is not None:
             return child
