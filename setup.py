@@ -3,16 +3,25 @@
 The library is a plain C shared object (no Python API) that NVTX dlopen()s inside the serving
 process; it is built here as an Extension so that `pip install -e .` (scripts/setup.sh) and wheel
 builds both produce collectors/nvtx_inject/libmoescope_nvtx.so, where collectors/nvtx.py finds it.
+Each top-level folder installs as a subpackage of `moescope` (see PACKAGE_DIR).
 """
 
 from __future__ import annotations
 
 import sysconfig
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
-NVTX_EXT_NAME = "collectors.nvtx_inject.libmoescope_nvtx"
+NVTX_EXT_NAME = "moescope.collectors.nvtx_inject.libmoescope_nvtx"
+
+# Everything installs under one import namespace, `moescope`: each top-level folder of the
+# repository is a subpackage (agent/ -> moescope.agent, ...); nothing generic lands in site-packages.
+NAMESPACED_FOLDERS = ("agent", "collectors", "probes", "examples")
+PACKAGE_DIR = {"moescope": "moescope", **{f"moescope.{top}": top for top in NAMESPACED_FOLDERS}}
+PACKAGES = ["moescope"] + [
+    f"moescope.{pkg}" for pkg in find_packages(include=[f"{top}*" for top in NAMESPACED_FOLDERS])
+]
 
 
 class BuildNativeLibrary(build_ext):
@@ -41,4 +50,9 @@ nvtx_injection = Extension(
     extra_link_args=["-pthread"],
 )
 
-setup(ext_modules=[nvtx_injection], cmdclass={"build_ext": BuildNativeLibrary})
+setup(
+    packages=PACKAGES,
+    package_dir=PACKAGE_DIR,
+    ext_modules=[nvtx_injection],
+    cmdclass={"build_ext": BuildNativeLibrary},
+)

@@ -1,3 +1,3 @@
-from agent.cli import entry
+from moescope.agent.cli import entry
 
 entry()

@@ -8,15 +8,15 @@ import logging
 import os
 import sys
 
-from agent import errors
+from moescope import errors
 
 # (name, module, one-line help). Each module defines add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: list[tuple[str, str, str]] = [
-    ("start", "agent.start", "attach to a serving process and observe it (needs root)"),
-    ("traces", "agent.traces_cmd", "list and show traces kept by the embedded OTLP-JSON store"),
-    ("policy", "agent.policy_cmd", "policy rules: show the effective rules, or run the loop on a runtime"),
-    ("top", "agent.top_cmd", "live view of a running agent (reads its state file; no root needed)"),
-    ("nvtx-env", "agent.nvtx_env", "print NVTX_INJECTION64_PATH=... for a serving process's environment"),
+    ("start", "moescope.agent.start", "attach to a serving process and observe it (needs root)"),
+    ("traces", "moescope.agent.traces_cmd", "list and show traces kept by the embedded OTLP-JSON store"),
+    ("policy", "moescope.agent.policy_cmd", "policy rules: show the effective rules, or run the loop on a runtime"),
+    ("top", "moescope.agent.top_cmd", "live view of a running agent (reads its state file; no root needed)"),
+    ("nvtx-env", "moescope.agent.nvtx_env", "print NVTX_INJECTION64_PATH=... for a serving process's environment"),
 ]
 
 EPILOG = """\

@@ -32,8 +32,8 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.registry import Collector
 
-from agent import errors
-from agent.routing_health import LayerHealth, StepHealth
+from moescope import errors
+from moescope.agent.routing_health import LayerHealth, StepHealth
 
 log = logging.getLogger(__name__)
 
@@ -386,7 +386,7 @@ class Metrics:
         self.set("moescope_agent_resident_memory_bytes", float(_rss_bytes()))
 
     def add_refresh_hook(self, hook: Callable[[], None]) -> None:
-        """`hook` writes updates it holds back (agent.pipeline.Pipeline.flush_metrics); it runs
+        """`hook` writes updates it holds back (moescope.agent.pipeline.Pipeline.flush_metrics); it runs
         before every scrape and every get(), and whenever the owner calls refresh()."""
         self._refresh_hooks.append(hook)
 

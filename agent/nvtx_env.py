@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from collectors.nvtx import INJECTION_ENV, RING_DIR_ENV, injection_library_path
+from moescope.collectors.nvtx import INJECTION_ENV, RING_DIR_ENV, injection_library_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

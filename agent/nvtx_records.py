@@ -12,8 +12,8 @@ import json
 import struct
 from typing import IO, Any
 
-from agent import errors
-from collectors.nvtx import (
+from moescope import errors
+from moescope.collectors.nvtx import (
     PAYLOAD_DOUBLE,
     PAYLOAD_FLOAT,
     PAYLOAD_I32,

@@ -24,15 +24,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from agent import errors
-from agent import state as st
-from agent.daemon import Daemon
-from agent.export.config import ExportConfig
-from agent.export.setup import Tracing, build_tracing, stats_to_metrics
-from agent.metrics import Metrics, MetricsServer
-from agent.pipeline import Pipeline, resource_attributes
-from agent.policy.rules import Signals
-from probes.ingress.loader import DROP_NAMES
+from moescope import errors
+from moescope.agent import state as st
+from moescope.agent.daemon import Daemon
+from moescope.agent.export.config import ExportConfig
+from moescope.agent.export.setup import Tracing, build_tracing, stats_to_metrics
+from moescope.agent.metrics import Metrics, MetricsServer
+from moescope.agent.pipeline import Pipeline, resource_attributes
+from moescope.agent.policy.rules import Signals
+from moescope.probes.ingress.loader import DROP_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class Observers:
         self._sources_view = self._source_stats()
         engine = self.policy
         if engine is not None:
-            from agent.policy import publish
+            from moescope.agent.policy import publish
 
             publish.publish_rule_metrics(engine, self.metrics)
         return None
@@ -222,11 +222,11 @@ class Observers:
         self._policy_pid = None
 
     def _attach_nvtx(self, pids: list[int]) -> None:
-        from collectors.moe_convention import MoeConventionParser
-        from collectors.nvtx import NvtxCollector
+        from moescope.collectors.moe_convention import MoeConventionParser
+        from moescope.collectors.nvtx import NvtxCollector
 
         if self.args.nvtx_records and self.nvtx_records is None:
-            from agent.nvtx_records import NvtxRecordsSink
+            from moescope.agent.nvtx_records import NvtxRecordsSink
 
             self.nvtx_records = NvtxRecordsSink(self.args.nvtx_records)
         for pid in pids:
@@ -258,7 +258,7 @@ class Observers:
         return None
 
     def _attach_telemetry(self, pid: int | None) -> None:
-        from collectors.registry import CollectorConfig, Supervisor, SupervisorSource
+        from moescope.collectors.registry import CollectorConfig, Supervisor, SupervisorSource
 
         supervisor = Supervisor.from_registry(
             CollectorConfig(target_pid=pid, budget_bytes=self.args.memory_budget_bytes, nvml_library=self.args.nvml_library)
@@ -303,11 +303,11 @@ class Observers:
         return None
 
     def _build_policy(self, pid: int | None) -> None:
-        from agent.policy import publish
-        from agent.policy.stats_source import RuntimeStatsSignals
-        from agent.policy.wiring import build_policy
+        from moescope.agent.policy import publish
+        from moescope.agent.policy.stats_source import RuntimeStatsSignals
+        from moescope.agent.policy.wiring import build_policy
 
-        from agent.policy.actuator import find_control_socket
+        from moescope.agent.policy.actuator import find_control_socket
 
         if not self.args.control_socket and pid is not None:
             find_control_socket(pid)  # ControlError until the runtime has made it (also in --dry-run)
@@ -327,7 +327,7 @@ class Observers:
         self.policy = engine
 
     def _start_policy(self) -> None:
-        from agent.policy.engine import PolicyLoop
+        from moescope.agent.policy.engine import PolicyLoop
 
         assert self.policy is not None
         self.policy.start()
@@ -370,7 +370,7 @@ class Observers:
 
     def run_with_tui(self, daemon: Daemon, *, duration_ns: int | None, interval_s: float) -> str:
         """The daemon on a thread, the live view in the foreground; either ending stops both."""
-        from agent.tui import run_live
+        from moescope.agent.tui import run_live
 
         result: dict[str, str] = {}
         done = threading.Event()
@@ -448,7 +448,7 @@ class Observers:
         policy = st.Policy()
         engine = self.policy  # read once: a re-attach may replace it meanwhile (daemon thread)
         if engine is not None:
-            from agent.policy import publish
+            from moescope.agent.policy import publish
 
             policy = publish.policy_snapshot(engine)
         header = st.Header(

@@ -40,11 +40,11 @@ from typing import Any
 
 from opentelemetry.trace import SpanContext, SpanKind
 
-from agent import state as st
-from agent.export.spans import SpanEvent, SpanFactory, SpanLink
-from agent.metrics import Metrics
-from agent.policy.rules import Signals
-from agent.routing_health import (
+from moescope.agent import state as st
+from moescope.agent.export.spans import SpanEvent, SpanFactory, SpanLink
+from moescope.agent.metrics import Metrics
+from moescope.agent.policy.rules import Signals
+from moescope.agent.routing_health import (
     NAN,
     LayerHealth,
     LayerRouting,
@@ -53,7 +53,7 @@ from agent.routing_health import (
     layer_health,
     step_health,
 )
-from collectors.moe_convention import LayerEvent, StepEvent
+from moescope.collectors.moe_convention import LayerEvent, StepEvent
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +144,8 @@ class Pipeline:
         self._request_rate = _Rate()
         self._error_rate = _Rate()
         self._step_rate = _Rate()
-        self._last_memory: Any = None  # collectors.host.MemorySignal
-        self._last_nvml: Any = None  # collectors.nvml.NvmlSample
+        self._last_memory: Any = None  # moescope.collectors.host.MemorySignal
+        self._last_nvml: Any = None  # moescope.collectors.nvml.NvmlSample
         self._layer_precision: dict[int, str] = {}
         self._window_gauges_ns = 0
         # Per-step metrics that need no per-step precision are kept here and written to the
@@ -170,7 +170,7 @@ class Pipeline:
 
     # ------------------------------------------------------------------ inputs
     def on_request(self, record: Any) -> None:
-        """One kernel-timed request (probes.ingress.loader.IngressRecord)."""
+        """One kernel-timed request (moescope.probes.ingress.loader.IngressRecord)."""
         now = self.clock()
         with self._lock:
             self._counts["requests"] += 1
@@ -199,7 +199,7 @@ class Pipeline:
         self.expire()
 
     def on_telemetry(self, record: Any) -> None:
-        """A collectors.registry.TelemetryRecord: NVML sample or host memory signal."""
+        """A moescope.collectors.registry.TelemetryRecord: NVML sample or host memory signal."""
         sample = record.sample
         with self._lock:
             self._counts["telemetry_samples"] += 1

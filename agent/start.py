@@ -35,16 +35,18 @@ import time
 from types import FrameType
 from typing import IO, Any
 
-from agent import errors, privileges
-from agent.allocator import Allocator
-from agent.daemon import STOP_SIGNAL, Daemon, LatencyHistogram
-from agent.export.config import ExportConfig, add_export_arguments, flags_from_args, resolve_export_config
-from agent.metrics import add_metrics_arguments
-from agent.observe import Observers
-from agent.policy.wiring import add_policy_arguments
-from agent.targets import LaunchedCommand, Target, successors_on_port, target_for_pid, targets_for_port
-from probes.ingress import loader
-from probes.ingress.loader import IngressOptions, IngressProbe, IngressRecord
+from moescope import errors
+
+from moescope.agent import privileges
+from moescope.agent.allocator import Allocator
+from moescope.agent.daemon import STOP_SIGNAL, Daemon, LatencyHistogram
+from moescope.agent.export.config import ExportConfig, add_export_arguments, flags_from_args, resolve_export_config
+from moescope.agent.metrics import add_metrics_arguments
+from moescope.agent.observe import Observers
+from moescope.agent.policy.wiring import add_policy_arguments
+from moescope.agent.targets import LaunchedCommand, Target, successors_on_port, target_for_pid, targets_for_port
+from moescope.probes.ingress import loader
+from moescope.probes.ingress.loader import IngressOptions, IngressProbe, IngressRecord
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +247,7 @@ def child_env(args: argparse.Namespace) -> dict[str, str]:
     """Environment for a command the agent launches: the NVTX injection variables."""
     if args.no_nvtx:
         return {}
-    from collectors.nvtx import injection_env
+    from moescope.collectors.nvtx import injection_env
 
     return injection_env()
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from agent import errors
+from moescope import errors
 
 log = logging.getLogger(__name__)
 

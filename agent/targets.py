@@ -14,8 +14,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent import errors, inherited_environ
-from probes.ingress import procnet
+from moescope import errors
+
+from moescope.agent import inherited_environ
+from moescope.probes.ingress import procnet
 
 PROC = Path("/proc")
 

@@ -13,8 +13,8 @@ from types import FrameType
 
 from rich.console import Console
 
-from agent import errors
-from agent.state import (
+from moescope import errors
+from moescope.agent.state import (
     STATE_FILE_RE,
     Snapshot,
     find_agents,
@@ -22,8 +22,8 @@ from agent.state import (
     read_snapshot,
     state_dir_default,
 )
-from agent.tui.app import DEFAULT_INTERVAL_S, run_live
-from agent.tui.layout import Dashboard
+from moescope.agent.tui.app import DEFAULT_INTERVAL_S, run_live
+from moescope.agent.tui.layout import Dashboard
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,9 +14,9 @@ import os
 import sys
 from pathlib import Path
 
-from agent import errors
-from agent.export.config import TRACES_SUBDIR, add_state_dir_argument, default_traces_dir
-from agent.export.store import TraceStore, render_list, render_tree, trace_as_json
+from moescope import errors
+from moescope.agent.export.config import TRACES_SUBDIR, add_state_dir_argument, default_traces_dir
+from moescope.agent.export.store import TraceStore, render_list, render_tree, trace_as_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

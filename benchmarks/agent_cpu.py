@@ -1,10 +1,10 @@
 """CPU cost of the agent's hot path, offline: NVTX parse -> pipeline join -> spans -> export.
 
-No kernel, no runtime: the inputs are the real input types (``collectors.moe_convention.StepEvent``
-trees, ``probes.ingress.loader.IngressRecord``s and, for the parser, ``collectors.nvtx.NvtxBatch``
+No kernel, no runtime: the inputs are the real input types (``moescope.collectors.moe_convention.StepEvent``
+trees, ``moescope.probes.ingress.loader.IngressRecord``s and, for the parser, ``moescope.collectors.nvtx.NvtxBatch``
 arrays) built for a decode workload like the reference runtime's: 4 MoE layers, 16 experts, top-2,
-batches of 6 requests, 8 decode steps per request. They go through ``agent.pipeline.Pipeline`` with
-the real trace pipeline (``agent.export.build_tracing``: bounded batch processor + exporter) and
+batches of 6 requests, 8 decode steps per request. They go through ``moescope.agent.pipeline.Pipeline`` with
+the real trace pipeline (``moescope.agent.export.build_tracing``: bounded batch processor + exporter) and
 real metrics. CPU is ``time.process_time`` of the worker process, so the export thread is counted.
 
 Variants (each run is a fresh worker process):
@@ -70,8 +70,8 @@ def build_workload(*, batches: int, seed: int, t0_ns: int) -> list[tuple[list[An
     """Per batch: its steps (in end order) and its requests' kernel records (in completion order)."""
     import random
 
-    from collectors.moe_convention import ExpertFfnEvent, ExpertLoadEvent, LayerEvent, RouterEvent, StepEvent
-    from probes.ingress.loader import IngressRecord
+    from moescope.collectors.moe_convention import ExpertFfnEvent, ExpertLoadEvent, LayerEvent, RouterEvent, StepEvent
+    from moescope.probes.ingress.loader import IngressRecord
 
     rng = random.Random(seed)
     out = []
@@ -125,8 +125,8 @@ def nvtx_batches(steps: list[Any]) -> tuple[list[Any], int]:
     """The NVTX records the runtime would emit for ``steps``: one NvtxBatch per step; and the string table."""
     import numpy as np
 
-    from collectors import moe_convention as mc
-    from collectors.nvtx import MARK_DTYPE, PAYLOAD_DOUBLE, PAYLOAD_I64, PAYLOAD_NONE, RANGE_DTYPE, NvtxBatch, StringTable
+    from moescope.collectors import moe_convention as mc
+    from moescope.collectors.nvtx import MARK_DTYPE, PAYLOAD_DOUBLE, PAYLOAD_I64, PAYLOAD_NONE, RANGE_DTYPE, NvtxBatch, StringTable
 
     strings = StringTable()
     strings.domains[1] = mc.DOMAIN
@@ -174,15 +174,15 @@ def nvtx_batches(steps: list[Any]) -> tuple[list[Any], int]:
 # ------------------------------------------------------------------------------------------ worker
 def worker(variant: str, *, batches: int, endpoint: str | None) -> dict[str, float]:
     """One measured run in this process (a fresh interpreter per run)."""
-    from agent.export import build_tracing
-    from agent.export.config import ExportConfig, OtlpTarget
-    from agent.metrics import Metrics
-    from agent.pipeline import Pipeline
+    from moescope.agent.export import build_tracing
+    from moescope.agent.export.config import ExportConfig, OtlpTarget
+    from moescope.agent.metrics import Metrics
+    from moescope.agent.pipeline import Pipeline
 
     t0 = time.monotonic_ns() + 60 * 1_000 * MS  # unsigned NVTX clock; retention never expires them mid-run
     workload = build_workload(batches=batches, seed=7, t0_ns=t0)
     if variant == "parse":
-        from collectors.moe_convention import MoeConventionParser
+        from moescope.collectors.moe_convention import MoeConventionParser
 
         all_steps = [s for steps, _ in workload for s in steps]
         nv, n_steps = nvtx_batches(all_steps)

@@ -49,9 +49,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import REPO, ABResult, Metrics, write_result
-from agent.pipeline import DEFAULT_STEP_RETENTION_NS
-from collectors.nvtx import INJECTION_ENV, RING_DIR_ENV, injection_env
-from examples.moe_runtime.launch import LaunchError, LineReader, launch, runtime_argv
+from moescope.agent.pipeline import DEFAULT_STEP_RETENTION_NS
+from moescope.collectors.nvtx import INJECTION_ENV, RING_DIR_ENV, injection_env
+from moescope.examples.moe_runtime.launch import LaunchError, LineReader, launch, runtime_argv
 
 ARMS: tuple[str, ...] = ("off", "on", "bare")
 BAR_THROUGHPUT_COST = 0.01
@@ -166,7 +166,7 @@ def start_agent(runtime: Runtime, workdir: Path, *, name: str, extra_args: tuple
     state_dir.mkdir()
     metrics_port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agent", "start", "--pid", str(runtime.proc.pid),
+        [sys.executable, "-m", "moescope.agent", "start", "--pid", str(runtime.proc.pid),
          "--state-dir", str(state_dir), "--metrics-port", str(metrics_port),
          "--dry-run", "--control-socket", str(runtime.control_socket),
          "--policy-audit", str(state_dir / "policy-audit.jsonl"), "--policy-state-dir", str(state_dir),
@@ -207,7 +207,7 @@ def stop_agent(agent: Agent) -> list[str]:
 
 
 def run_loadgen(port: int, *, duration_s: float, concurrency: int, out: Path | None) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "examples.moe_runtime.loadgen", "--url", f"http://127.0.0.1:{port}",
+    cmd = [sys.executable, "-m", "moescope.examples.moe_runtime.loadgen", "--url", f"http://127.0.0.1:{port}",
            "--scenario", "balanced", "--concurrency", str(concurrency), "--duration-s", str(duration_s)]
     if out is not None:
         cmd += ["--json-out", str(out)]
@@ -402,7 +402,7 @@ def soak(args: argparse.Namespace, workdir: Path) -> int:
     try:
         agent = start_agent(runtime, workdir, name="soak", extra_args=tuple(args.agent_arg or ()))
         load = subprocess.Popen(
-            [sys.executable, "-m", "examples.moe_runtime.loadgen", "--url", f"http://127.0.0.1:{runtime.port}",
+            [sys.executable, "-m", "moescope.examples.moe_runtime.loadgen", "--url", f"http://127.0.0.1:{runtime.port}",
              "--scenario", "balanced", "--concurrency", str(args.concurrency), "--duration-s", str(seconds),
              "--json-out", str(workdir / "soak-loadgen.json")],
             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, start_new_session=True,

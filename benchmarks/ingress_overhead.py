@@ -29,9 +29,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from agent.daemon import Daemon
+from moescope.agent.daemon import Daemon
 from benchmarks.common import Metrics, alternate_ab, build_c, write_result
-from probes.ingress.loader import DROP_NAMES, IngressOptions, IngressProbe, load_program, program_text
+from moescope.probes.ingress.loader import DROP_NAMES, IngressOptions, IngressProbe, load_program, program_text
 
 BAR_NS_PER_REQUEST = 400
 SOURCE = Path(__file__).resolve().parent / "ingress_keepalive.c"

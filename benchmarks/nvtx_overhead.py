@@ -36,7 +36,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from collectors.nvtx import NvtxBatch, NvtxCollector, injection_env  # noqa: E402
+from moescope.collectors.nvtx import NvtxBatch, NvtxCollector, injection_env  # noqa: E402
 
 PY_PRODUCER = """\
 import json, sys, time

@@ -35,12 +35,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.policy.actuator import Actuator
-from agent.policy.audit import AuditLog
-from agent.policy.config import load_policy
-from agent.policy.engine import PolicyEngine
-from agent.policy.rules import Signals
-from examples.moe_runtime.launch import LaunchError, launch, runtime_argv
+from moescope.agent.policy.actuator import Actuator
+from moescope.agent.policy.audit import AuditLog
+from moescope.agent.policy.config import load_policy
+from moescope.agent.policy.engine import PolicyEngine
+from moescope.agent.policy.rules import Signals
+from moescope.examples.moe_runtime.launch import LaunchError, launch, runtime_argv
 
 BAR_MS = 250.0
 PERIOD_S = 0.2
@@ -99,7 +99,7 @@ def one_cycle(engine: PolicyEngine, audit: AuditLog, rule: str, t_s: float) -> t
 
 def run_loadgen(port: int, duration_s: float, concurrency: int) -> dict[str, Any]:
     out = subprocess.run(
-        [sys.executable, "-m", "examples.moe_runtime.loadgen", "--url", f"http://127.0.0.1:{port}",
+        [sys.executable, "-m", "moescope.examples.moe_runtime.loadgen", "--url", f"http://127.0.0.1:{port}",
          "--scenario", "balanced", "--concurrency", str(concurrency), "--duration-s", str(duration_s)],
         cwd=REPO, capture_output=True, text=True, timeout=duration_s + 300,
     )
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             for phase in ("idle", "loaded") if i % 2 == 0 else ("loaded", "idle"):
                 if phase == "loaded":
                     load = subprocess.Popen(
-                        [sys.executable, "-m", "examples.moe_runtime.loadgen", "--url", f"http://127.0.0.1:{port}",
+                        [sys.executable, "-m", "moescope.examples.moe_runtime.loadgen", "--url", f"http://127.0.0.1:{port}",
                          "--scenario", "balanced", "--concurrency", str(args.load_concurrency), "--duration-s", "600"],
                         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                         text=True,

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from agent.errors import SourceUnavailable
-from collectors.registry import CollectorConfig, register
+from moescope.errors import SourceUnavailable
+from moescope.collectors.registry import CollectorConfig, register
 
 log = logging.getLogger("moescope.host")
 

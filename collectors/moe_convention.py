@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from collectors.nvtx import (
+from moescope.collectors.nvtx import (
     PAYLOAD_DOUBLE,
     PAYLOAD_FLOAT,
     PAYLOAD_I32,

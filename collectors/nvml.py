@@ -30,9 +30,9 @@ from typing import Any, Literal
 
 import pynvml
 
-from agent.errors import NvmlUnavailable
-from collectors.host import MemorySignal, in_nested_pid_namespace, process_tree
-from collectors.registry import CollectorConfig, register
+from moescope.errors import NvmlUnavailable
+from moescope.collectors.host import MemorySignal, in_nested_pid_namespace, process_tree
+from moescope.collectors.registry import CollectorConfig, register
 
 log = logging.getLogger("moescope.nvml")
 
@@ -659,7 +659,7 @@ def format_sample(sample: NvmlSample) -> list[str]:
 
 
 def main(argv: Iterable[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m collectors.nvml", description="Print NVML samples.")
+    parser = argparse.ArgumentParser(prog="python -m moescope.collectors.nvml", description="Print NVML samples.")
     parser.add_argument("--pid", type=int, default=None, help="target process (its tree's GPU memory is shown)")
     parser.add_argument("--seconds", type=float, default=3.0, help="how long to sample")
     parser.add_argument("--period-ms", type=int, default=int(DEFAULT_PERIOD_S * 1000))

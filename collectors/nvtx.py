@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.errors import NoSuchProcess, NvtxUnavailable
+from moescope.errors import NoSuchProcess, NvtxUnavailable
 
 log = logging.getLogger("moescope.nvtx")
 

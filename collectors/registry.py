@@ -7,7 +7,7 @@ collection, records its duration and success, and hands each sample to a sink. O
 fails, or hangs inside a driver call, never stops the others. The agent's daemon drives it; the
 exporter turns `stats()` into per-collector self-metrics.
 
-`python -m collectors.registry --pid N` runs every registered collector for a few seconds and
+`python -m moescope.collectors.registry --pid N` runs every registered collector for a few seconds and
 prints samples, the memory signal and the collectors' stats.
 """
 
@@ -27,15 +27,15 @@ from dataclasses import asdict, dataclass, is_dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from agent.errors import SourceUnavailable, UsageError
+from moescope.errors import SourceUnavailable, UsageError
 
 if TYPE_CHECKING:
-    from collectors.host import MemorySignal
+    from moescope.collectors.host import MemorySignal
 
 log = logging.getLogger("moescope.collectors")
 
 # Modules whose import registers the built-in collectors.
-BUILTIN_MODULES = ("collectors.nvml", "collectors.host")
+BUILTIN_MODULES = ("moescope.collectors.nvml", "moescope.collectors.host")
 
 
 @runtime_checkable
@@ -262,7 +262,7 @@ class Supervisor:
 
     def memory_signal(self) -> MemorySignal | None:
         """The signal of the highest-priority collector that has one (nvml before host)."""
-        from collectors.host import MemorySignal  # collectors.host registers itself through this module
+        from moescope.collectors.host import MemorySignal  # moescope.collectors.host registers itself through this module
         with self._lock:
             # A collector whose last collection failed has no current signal (its sample is stale).
             fresh = {n: s for n, s in self._latest.items() if self._stats[n].last_success}
@@ -284,7 +284,7 @@ class TelemetryRecord:
 
 
 class SupervisorSource:
-    """Adapter to agent.daemon's Source protocol: the supervisor's threads queue samples (bounded,
+    """Adapter to moescope.agent.daemon's Source protocol: the supervisor's threads queue samples (bounded,
     drops counted), the daemon's poll() hands them to its sinks on the daemon thread."""
 
     name = "telemetry"
@@ -349,7 +349,7 @@ def _jsonable(value: Any) -> Any:
 
 def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m collectors.registry",
+        prog="python -m moescope.collectors.registry",
         description="Run every registered collector for a while; print samples, the memory signal and stats.",
     )
     parser.add_argument("--pid", type=int, required=True, help="target process")
@@ -403,6 +403,6 @@ def main(argv: Iterable[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Run main() from the importable module, whose registry the collector modules register into.
-    from collectors.registry import main as _main
+    from moescope.collectors.registry import main as _main
 
     sys.exit(_main())

@@ -3,7 +3,7 @@
 Why a child: bcc compiles with clang/LLVM inside the calling process. Mapping and relocating
 libLLVM and libclang-cpp costs ~86 MB of resident memory that stays for the life of the agent
 (measured: 188 MB agent RSS, 54 MB of it libLLVM, 28 MB libclang-cpp), and the compile's heap
-is never returned. Here a child (`python -m probes.bpf_child`) compiles and loads the programs
+is never returned. Here a child (`python -m moescope.probes.bpf_child`) compiles and loads the programs
 and maps, passes their file descriptors back over a socketpair (SCM_RIGHTS) and exits; this
 process attaches the tracepoints itself (perf_event_open + PERF_EVENT_IOC_SET_BPF) and reads and
 writes the maps through bpf(2). It never imports bcc, so libLLVM is never mapped here.
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from agent import errors
+from moescope import errors
 
 # syscall numbers per architecture (bpf, perf_event_open)
 _SYSCALLS = {"x86_64": (321, 298), "aarch64": (280, 241)}
@@ -279,7 +279,7 @@ def load_in_child(*, text: str, flags: list[str], timeout_s: float = CHILD_TIMEO
     with os.fdopen(os.memfd_create("moescope-bpf-child-stderr", os.MFD_CLOEXEC), "w+b") as stderr_file:
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "probes.bpf_child", str(child_sock.fileno())],
+                [sys.executable, "-m", "moescope.probes.bpf_child", str(child_sock.fileno())],
                 pass_fds=[child_sock.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=stderr_file, cwd=Path(__file__).resolve().parent.parent,
             )

@@ -1,4 +1,4 @@
-"""The eBPF compiler process (see probes/bpf.py): `python -m probes.bpf_child FD`.
+"""The eBPF compiler process (see probes/bpf.py): `python -m moescope.probes.bpf_child FD`.
 
 Reads one request on socket FD (8-byte length + JSON {"text", "flags"}), compiles and loads the
 program with bcc without attaching anything, and answers with one message: 8-byte length + JSON
@@ -16,7 +16,7 @@ import socket
 import sys
 from typing import Any
 
-from probes.bpf import MAX_FDS, read_message
+from moescope.probes.bpf import MAX_FDS, read_message
 
 
 def _reply(sock: socket.socket, message: dict[str, Any], fds: list[int]) -> None:

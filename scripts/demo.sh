@@ -35,7 +35,7 @@ fi
 
 # 4 layers x 16 experts, 8 resident at start; experts loaded on demand stay resident (--cache-on-load),
 # so traffic fills the 96 MB device budget past 0.95: memory_alert, then expert_offload.
-RUNTIME=("$PY" -m examples.moe_runtime --port "$PORT" --devices cpu,cpu:1
+RUNTIME=("$PY" -m moescope.examples.moe_runtime --port "$PORT" --devices cpu,cpu:1
          --initial-resident-experts 8 --cache-on-load --device-memory-budget-bytes 96000000)
 AGENT_ARGS=(start --state-dir "$STATE" --policy-audit "$STATE/policy-audit.jsonl"
             --policy-state-dir "$STATE" --metrics-port "${DEMO_METRICS_PORT:-9464}")
@@ -52,7 +52,7 @@ load_cycle() {
     while "$PY" -c "import urllib.request; urllib.request.urlopen('$url/healthz', timeout=2)" 2>/dev/null; do
         for scenario in "balanced 15" "memory 30" "hotspot 30" "balanced 30"; do
             set -- $scenario
-            "$PY" -m examples.moe_runtime.loadgen --url "$url" --scenario "$1" --concurrency 6 \
+            "$PY" -m moescope.examples.moe_runtime.loadgen --url "$url" --scenario "$1" --concurrency 6 \
                 --duration-s "$2" --json-out "$STATE/loadgen-$1.json" >/dev/null 2>&1 || true
         done
     done

@@ -97,7 +97,7 @@ if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(torch.__version__.split(
     say "installing torch==2.13.0"
     "${PIP[@]}" "torch==2.13.0"
 fi
-if [ "$(cat "$VENV/.moescope-stamp" 2>/dev/null)" != "$stamp" ] || ! "$VENV/bin/python" -c 'import agent' 2>/dev/null; then
+if [ "$(cat "$VENV/.moescope-stamp" 2>/dev/null)" != "$stamp" ] || ! "$VENV/bin/python" -c 'import moescope.agent' 2>/dev/null; then
     say "installing moescope (editable) and pinned dependencies"
     "${PIP[@]}" -e ".[test]"
     echo "$stamp" > "$VENV/.moescope-stamp"

@@ -9,7 +9,7 @@
 See README.md in this folder and docs/traces-and-metrics.md.
 """
 
-from agent.export.config import (
+from moescope.agent.export.config import (
     ExportConfig,
     ExportFlags,
     OtlpTarget,
@@ -19,9 +19,9 @@ from agent.export.config import (
     flags_from_args,
     resolve_export_config,
 )
-from agent.export.processor import BoundedBatchSpanProcessor, Deadline, ExportStats
-from agent.export.setup import Tracing, build_tracing
-from agent.export.spans import SpanEvent, SpanFactory, SpanLink, clean_attributes
+from moescope.agent.export.processor import BoundedBatchSpanProcessor, Deadline, ExportStats
+from moescope.agent.export.setup import Tracing, build_tracing
+from moescope.agent.export.spans import SpanEvent, SpanFactory, SpanLink, clean_attributes
 
 __all__ = [
     "BoundedBatchSpanProcessor",

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from agent import errors
+from moescope import errors
 
 Protocol = Literal["grpc", "http/protobuf"]
 PROTOCOLS: tuple[Protocol, ...] = ("grpc", "http/protobuf")

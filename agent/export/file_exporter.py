@@ -21,8 +21,8 @@ from pathlib import Path
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from agent import errors
-from agent.export.otlp_json import spans_to_line
+from moescope import errors
+from moescope.agent.export.otlp_json import spans_to_line
 
 log = logging.getLogger(__name__)
 

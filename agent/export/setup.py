@@ -17,12 +17,12 @@ from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
-from agent import errors
-from agent.export.config import ExportConfig, OtlpTarget
-from agent.export.file_exporter import OtlpJsonFileExporter
-from agent.export.processor import BoundedBatchSpanProcessor, Deadline, ExportStats
-from agent.export.spans import SpanFactory
-from agent.metrics import Metrics
+from moescope import errors
+from moescope.agent.export.config import ExportConfig, OtlpTarget
+from moescope.agent.export.file_exporter import OtlpJsonFileExporter
+from moescope.agent.export.processor import BoundedBatchSpanProcessor, Deadline, ExportStats
+from moescope.agent.export.spans import SpanFactory
+from moescope.agent.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

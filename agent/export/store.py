@@ -16,9 +16,9 @@ from typing import Any
 
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
-from agent import errors
-from agent.export.file_exporter import trace_files
-from agent.export.otlp_json import line_to_request
+from moescope import errors
+from moescope.agent.export.file_exporter import trace_files
+from moescope.agent.export.otlp_json import line_to_request
 
 KIND_NAMES = {0: "UNSPECIFIED", 1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
 STATUS_NAMES = {0: "UNSET", 1: "OK", 2: "ERROR"}

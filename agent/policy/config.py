@@ -14,8 +14,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from agent.errors import ConfigError, one_line
-from agent.policy.rules import ACTIONS, COMPARISONS, SIGNALS, ArgSpec, RuleSpec, fires_upward
+from moescope.errors import ConfigError, one_line
+from moescope.agent.policy.rules import ACTIONS, COMPARISONS, SIGNALS, ArgSpec, RuleSpec, fires_upward
 
 DEFAULT_POLICY_NAME = "default_policy.toml"
 
@@ -69,7 +69,7 @@ class PolicyConfig:
 
 
 def default_policy_text() -> str:
-    return resources.files("agent.policy").joinpath(DEFAULT_POLICY_NAME).read_text(encoding="utf-8")
+    return resources.files("moescope.agent.policy").joinpath(DEFAULT_POLICY_NAME).read_text(encoding="utf-8")
 
 
 def _type_name(value: object) -> str:

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.errors import UsageError
-from agent.policy.actuator import ActionOutcome, Actuator, CommandFailed, RuntimeState, describe_plan
-from agent.policy.audit import AuditLog, AuditRecord, now_unix_s
-from agent.policy.config import PolicyConfig
-from agent.policy.rules import (
+from moescope.errors import UsageError
+from moescope.agent.policy.actuator import ActionOutcome, Actuator, CommandFailed, RuntimeState, describe_plan
+from moescope.agent.policy.audit import AuditLog, AuditRecord, now_unix_s
+from moescope.agent.policy.config import PolicyConfig
+from moescope.agent.policy.rules import (
     ACTIONS,
     InstanceView,
     Intent,

@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol
 
-from agent.policy.audit import AuditHook, AuditRecord
-from agent.policy.engine import PolicyEngine
-from agent.policy.rules import SIGNALS, InstanceView
-from agent.state import ActionRecord, Policy, RuleState, RuleStatus
+from moescope.agent.policy.audit import AuditHook, AuditRecord
+from moescope.agent.policy.engine import PolicyEngine
+from moescope.agent.policy.rules import SIGNALS, InstanceView
+from moescope.agent.state import ActionRecord, Policy, RuleState, RuleStatus
 
 # The engine's states on the TUI's four (clearing is still firing: the action is in effect).
 TUI_STATES: dict[str, RuleState] = {

@@ -8,7 +8,7 @@ moescope-control/1 — and on the reference runtime before, or without, the NVTX
 - expert_queue_tokens: `queue_depth` per (layer, expert); an expert stays reported (0 included)
   for `sticky_s` after it was last non-zero or penalised, so a rule that fired on it sees it clear;
 - expert_load_gini: Gini of the tokens routed per expert in the last `window_s` (deltas of the
-  cumulative `tokens`), per layer, via agent.routing_health;
+  cumulative `tokens`), per layer, via moescope.agent.routing_health;
 - router_entropy_ratio: the token-weighted mean over `window_s` of `entropy_bits` / log2 E, per layer;
 - step_p99_ms, expert_load_p99_ms, request_p99_ms: NaN (not in stats: the pipeline's).
 
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.policy.actuator import CommandFailed, ControlConnection, RuntimeState
-from agent.policy.rules import Signals
-from agent.routing_health import LayerRouting, RoutingHealthWindow, normalised_router_entropy
+from moescope.agent.policy.actuator import CommandFailed, ControlConnection, RuntimeState
+from moescope.agent.policy.rules import Signals
+from moescope.agent.routing_health import LayerRouting, RoutingHealthWindow, normalised_router_entropy
 
 log = logging.getLogger(__name__)
 

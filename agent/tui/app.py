@@ -17,9 +17,9 @@ from typing import Any, TextIO
 from rich.console import Console
 from rich.live import Live
 
-from agent import errors
-from agent.state import Snapshot
-from agent.tui.layout import Dashboard
+from moescope import errors
+from moescope.agent.state import Snapshot
+from moescope.agent.tui.layout import Dashboard
 
 DEFAULT_INTERVAL_S = 0.25
 QUIT_KEYS = frozenset("qQ")

@@ -8,8 +8,8 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.panel import Panel
 from rich.text import Text
 
-from agent.state import Devices, Gpu, HostBudget
-from agent.tui import fmt
+from moescope.agent.state import Devices, Gpu, HostBudget
+from moescope.agent.tui import fmt
 
 BORDER_ROWS = 2
 NAME_WIDTH = 14

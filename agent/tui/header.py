@@ -7,9 +7,9 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.table import Table
 from rich.text import Text
 
-from agent.state import Header, SelfCost
-from agent.tui import fmt
-from agent.tui.self_cost import SelfCostText
+from moescope.agent.state import Header, SelfCost
+from moescope.agent.tui import fmt
+from moescope.agent.tui.self_cost import SelfCostText
 
 HEADER_ROWS = 2
 # Data older than this many publish intervals (and at least STALE_MIN_S) is flagged stale.

@@ -9,12 +9,12 @@ from collections.abc import Sequence
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.table import Table
 
-from agent.state import Snapshot
-from agent.tui.devices import DevicesPanel
-from agent.tui.header import HEADER_ROWS, HeaderBar
-from agent.tui.moe import MoePanel
-from agent.tui.policy import PolicyPanel
-from agent.tui.requests import RequestsPanel
+from moescope.agent.state import Snapshot
+from moescope.agent.tui.devices import DevicesPanel
+from moescope.agent.tui.header import HEADER_ROWS, HeaderBar
+from moescope.agent.tui.moe import MoePanel
+from moescope.agent.tui.policy import PolicyPanel
+from moescope.agent.tui.requests import RequestsPanel
 
 WIDE_MIN_COLUMNS = 120
 # Policy rules and actions side by side only from here: each table needs ~90 columns.

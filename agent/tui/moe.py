@@ -16,8 +16,8 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.panel import Panel
 from rich.text import Text
 
-from agent.state import Moe, MoeLayer
-from agent.tui import fmt
+from moescope.agent.state import Moe, MoeLayer
+from moescope.agent.tui import fmt
 
 # (upper bound of load ratio, glyph, style); the last bound is infinite.
 HEAT_LEVELS: tuple[tuple[float, str, str], ...] = (

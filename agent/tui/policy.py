@@ -12,8 +12,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from agent.state import ActionRecord, Policy, RuleStatus
-from agent.tui import fmt
+from moescope.agent.state import ActionRecord, Policy, RuleStatus
+from moescope.agent.tui import fmt
 
 BORDER_ROWS = 2
 PROGRESS_WIDTH = 10

@@ -8,8 +8,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from agent.state import Requests
-from agent.tui import fmt
+from moescope.agent.state import Requests
+from moescope.agent.tui import fmt
 
 # p99 above the slo_latency rule's default fire threshold is shown as bad.
 SLO_P99_MS = 870.0

@@ -5,8 +5,8 @@ from __future__ import annotations
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.text import Text
 
-from agent.state import SelfCost
-from agent.tui import fmt
+from moescope.agent.state import SelfCost
+from moescope.agent.tui import fmt
 
 CPU_BAR_PCT = 5.0
 RSS_BAR_BYTES = 100 * 10**6

@@ -1,4 +1,4 @@
-"""Reference MoE serving runtime: `python -m examples.moe_runtime [--port 0] [--device cuda] ...`.
+"""Reference MoE serving runtime: `python -m moescope.examples.moe_runtime [--port 0] [--device cuda] ...`.
 
 Prints on stdout, one per line, then serves until SIGINT/SIGTERM:
     http port: PORT
@@ -18,15 +18,15 @@ import threading
 
 import torch
 
-from agent.errors import MoescopeError, UsageError
-from examples.moe_runtime.config import OVERFLOW_POLICIES, PRECISIONS, ModelConfig
-from examples.moe_runtime.control import ControlServer, default_socket_path
-from examples.moe_runtime.runtime import Runtime, RuntimeOptions
-from examples.moe_runtime.server import MoeHTTPServer
+from moescope.errors import MoescopeError, UsageError
+from moescope.examples.moe_runtime.config import OVERFLOW_POLICIES, PRECISIONS, ModelConfig
+from moescope.examples.moe_runtime.control import ControlServer, default_socket_path
+from moescope.examples.moe_runtime.runtime import Runtime, RuntimeOptions
+from moescope.examples.moe_runtime.server import MoeHTTPServer
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m examples.moe_runtime", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m moescope.examples.moe_runtime", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     d = ModelConfig()
     net = p.add_argument_group("serving")

@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from agent.errors import MoescopeError
-from examples.moe_runtime.instrument import Instrumentation
-from examples.moe_runtime.model import MoEModel, SequenceState
-from examples.moe_runtime.stats import RuntimeStats
+from moescope.errors import MoescopeError
+from moescope.examples.moe_runtime.instrument import Instrumentation
+from moescope.examples.moe_runtime.model import MoEModel, SequenceState
+from moescope.examples.moe_runtime.stats import RuntimeStats
 
 log = logging.getLogger("moe_runtime.batcher")
 

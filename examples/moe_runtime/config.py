@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from agent.errors import ConfigError
+from moescope.errors import ConfigError
 
 OVERFLOW_POLICIES = ("drop", "reroute")
 PRECISIONS = ("fp32", "bf16", "fp16")

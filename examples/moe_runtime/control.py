@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agent.errors import ControlError, MoescopeError, UsageError
+from moescope.errors import ControlError, MoescopeError, UsageError
 
 log = logging.getLogger("moe_runtime.control")
 

@@ -1,6 +1,6 @@
 """Start the reference runtime and read its start-up banner: the one helper tests and benchmarks use.
 
-    from examples.moe_runtime.launch import launch, runtime_argv
+    from moescope.examples.moe_runtime.launch import launch, runtime_argv
 
     rt = launch(runtime_argv("--port", "0", "--no-nvtx"), stderr=subprocess.DEVNULL, timeout_s=120)
     try:
@@ -8,7 +8,7 @@
     finally:
         rt.stop()
 
-`python -m examples.moe_runtime` prints, flushed and in this order, before it serves:
+`python -m moescope.examples.moe_runtime` prints, flushed and in this order, before it serves:
 
     http port: PORT
     control socket: PATH
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from agent.errors import EXIT_SOURCE_UNAVAILABLE, MoescopeError
+from moescope.errors import EXIT_SOURCE_UNAVAILABLE, MoescopeError
 
 REPO = Path(__file__).resolve().parents[2]
 HTTP_PORT_PREFIX = "http port: "
@@ -230,8 +230,8 @@ def read_banner(reader: LineReader, *, timeout_s: float) -> Banner:
 
 
 def runtime_argv(*args: str, python: str = sys.executable) -> list[str]:
-    """`python -m examples.moe_runtime ARGS`."""
-    return [python, "-m", "examples.moe_runtime", *args]
+    """`python -m moescope.examples.moe_runtime ARGS`."""
+    return [python, "-m", "moescope.examples.moe_runtime", *args]
 
 
 def kill_group(popen: subprocess.Popen[Any], *, timeout_s: float = REAP_TIMEOUT_S) -> None:

@@ -1,6 +1,6 @@
 """Load generator for the reference MoE runtime (any server speaking POST /v1/completions).
 
-    python -m examples.moe_runtime.loadgen --url http://127.0.0.1:8000 --scenario hotspot \
+    python -m moescope.examples.moe_runtime.loadgen --url http://127.0.0.1:8000 --scenario hotspot \
         --concurrency 8 --duration-s 10 [--rate 20] [--json-out result.json]
 
 Concurrent keep-alive clients; a fixed request count (--requests) or a duration (--duration-s);
@@ -36,7 +36,7 @@ import time
 import urllib.parse
 from typing import Any
 
-from agent.errors import ControlError, MoescopeError, UsageError
+from moescope.errors import ControlError, MoescopeError, UsageError
 
 SCENARIOS = ("balanced", "uniform", "hotspot", "burst", "long", "memory")
 HOTSPOT_CHAR = "x"
@@ -188,7 +188,7 @@ class MemoryDriver:
         return max(float(d["used_ratio"]) for d in stats["memory"]["devices"].values())
 
     def _run(self) -> None:
-        from examples.moe_runtime.control import ControlClient
+        from moescope.examples.moe_runtime.control import ControlClient
 
         control = None
         if self.control_socket:
@@ -319,7 +319,7 @@ def run(*, url: str, scenario: str, concurrency: int, requests: int | None, dura
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m examples.moe_runtime.loadgen", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m moescope.examples.moe_runtime.loadgen", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--scenario", choices=SCENARIOS, default="balanced")

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from examples.moe_runtime.config import ModelConfig
-from examples.moe_runtime.instrument import Instrumentation
-from examples.moe_runtime.residency import TIER_HOST, TORCH_DTYPES, ExpertHandle, ExpertStore, torch_device
-from examples.moe_runtime.stats import RuntimeStats
+from moescope.examples.moe_runtime.config import ModelConfig
+from moescope.examples.moe_runtime.instrument import Instrumentation
+from moescope.examples.moe_runtime.residency import TIER_HOST, TORCH_DTYPES, ExpertHandle, ExpertStore, torch_device
+from moescope.examples.moe_runtime.stats import RuntimeStats
 
 
 @dataclasses.dataclass

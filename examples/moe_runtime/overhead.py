@@ -1,6 +1,6 @@
 """Cost of the NVTX instrumentation on the forward pass, measured A/B.
 
-    python -m examples.moe_runtime.overhead [--rounds 7] [--iters 40] [--json-out FILE]
+    python -m moescope.examples.moe_runtime.overhead [--rounds 7] [--iters 40] [--json-out FILE]
 
 Variants, run alternately round by round (medians reported; the machine is shared and noisy):
   off        instrumentation disabled (--no-nvtx): the no-op methods are still called
@@ -25,10 +25,10 @@ import nvtx
 import torch
 import types
 
-from examples.moe_runtime.instrument import (DOMAIN_NAME, Instrumentation, NvtxInstrumentation,
+from moescope.examples.moe_runtime.instrument import (DOMAIN_NAME, Instrumentation, NvtxInstrumentation,
                                              make_instrumentation)
-from examples.moe_runtime.model import SequenceState
-from examples.moe_runtime.runtime import Runtime, RuntimeOptions
+from moescope.examples.moe_runtime.model import SequenceState
+from moescope.examples.moe_runtime.runtime import Runtime, RuntimeOptions
 
 
 def _time_step(rt: Runtime, ins: Instrumentation, *, prompts: list[list[int]], decode: bool, iters: int) -> float:
@@ -89,7 +89,7 @@ def count_calls(rt: Runtime, prompts: list[list[int]]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m examples.moe_runtime.overhead", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m moescope.examples.moe_runtime.overhead", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--iters", type=int, default=40)

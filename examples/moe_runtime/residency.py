@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from agent.errors import UsageError
-from examples.moe_runtime.config import PRECISIONS
+from moescope.errors import UsageError
+from moescope.examples.moe_runtime.config import PRECISIONS
 
 HOST = "host"
 TIER_DEVICE = "device"

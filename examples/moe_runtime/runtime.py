@@ -9,14 +9,14 @@ from typing import Any
 
 import torch
 
-from agent.errors import ConfigError
-from examples.moe_runtime.batcher import BatchEngine
-from examples.moe_runtime.config import PRECISIONS, ModelConfig
-from examples.moe_runtime.instrument import Instrumentation, make_instrumentation
-from examples.moe_runtime.model import MoEModel, make_expert_masters
-from examples.moe_runtime.residency import CommandError, ExpertStore, validate_device_name
-from examples.moe_runtime.stats import RuntimeStats
-from examples.moe_runtime.tokenizer import ByteTokenizer
+from moescope.errors import ConfigError
+from moescope.examples.moe_runtime.batcher import BatchEngine
+from moescope.examples.moe_runtime.config import PRECISIONS, ModelConfig
+from moescope.examples.moe_runtime.instrument import Instrumentation, make_instrumentation
+from moescope.examples.moe_runtime.model import MoEModel, make_expert_masters
+from moescope.examples.moe_runtime.residency import CommandError, ExpertStore, validate_device_name
+from moescope.examples.moe_runtime.stats import RuntimeStats
+from moescope.examples.moe_runtime.tokenizer import ByteTokenizer
 
 PROTOCOL = "moescope-control/1"
 # Default budget: everything resident uses this share of it.

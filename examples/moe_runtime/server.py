@@ -9,8 +9,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from examples.moe_runtime.batcher import Overloaded, Request
-from examples.moe_runtime.runtime import Runtime
+from moescope.examples.moe_runtime.batcher import Overloaded, Request
+from moescope.examples.moe_runtime.runtime import Runtime
 
 log = logging.getLogger("moe_runtime.server")
 

@@ -25,10 +25,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from agent import errors
-from probes import bpf
-from probes.ingress import procnet
-from probes.ingress.ring import RingReader
+from moescope import errors
+from moescope.probes import bpf
+from moescope.probes.ingress import procnet
+from moescope.probes.ingress.ring import RingReader
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +284,7 @@ def load_program(*, text: str, flags: list[str], build_dir: Path | None = None) 
 
 
 class IngressProbe:
-    """The ingress eBPF program and its maps. Satisfies agent.daemon.Source."""
+    """The ingress eBPF program and its maps. Satisfies moescope.agent.daemon.Source."""
 
     name = "ingress"
 

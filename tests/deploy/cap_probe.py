@@ -60,7 +60,7 @@ def connect_unix(path: str) -> None:
 
 def load_ingress() -> None:
     # Imported here so an import failure is recorded as this step's outcome.
-    from probes.ingress.loader import IngressProbe
+    from moescope.probes.ingress.loader import IngressProbe
 
     probe = IngressProbe(on_record=lambda _record: None)
     probe.load()

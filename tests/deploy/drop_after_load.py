@@ -14,7 +14,7 @@ import sys
 import time
 
 # agent first: it limits numpy's BLAS to one thread, and the drop refuses while other threads run
-from agent import privileges
+from moescope.agent import privileges
 
 
 def main() -> int:
@@ -25,7 +25,7 @@ def main() -> int:
     parser.add_argument("--keep", nargs="*", default=[], choices=sorted(privileges.CAP_NUMBERS))
     args = parser.parse_args()
 
-    from probes.ingress.loader import IngressProbe
+    from moescope.probes.ingress.loader import IngressProbe
 
     records: list[object] = []
     probe = IngressProbe(on_record=records.append)

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from deploy_files import REPO, Capability, capabilities
 
-from agent import errors
+from moescope import errors
 
 HERE = Path(__file__).resolve().parent
 PYTHON = sys.executable
@@ -230,7 +230,7 @@ def test_probe_loads_with_the_container_filesystem_layout(bpf: None) -> None:
     unshare = shutil.which("unshare")
     assert unshare, "unshare (util-linux) is needed"
     load = (
-        "from probes.ingress.loader import IngressProbe\n"
+        "from moescope.probes.ingress.loader import IngressProbe\n"
         "p = IngressProbe(on_record=lambda r: None); p.load(); p.close(); print('LOADED')\n"
     )
     script = "\n".join([

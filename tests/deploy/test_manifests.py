@@ -43,13 +43,13 @@ from deploy_files import (
     yaml_documents,
 )
 
-from agent import errors
-from agent import start as agent_start
-from agent.cli import build_parser
-from agent.export.config import ExportFlags, resolve_export_config
-from agent.metrics import DEFAULT_METRICS_PORT
-from agent.policy.config import load_policy
-from collectors.nvtx import LIBRARY_NAME
+from moescope import errors
+from moescope.agent import start as agent_start
+from moescope.agent.cli import build_parser
+from moescope.agent.export.config import ExportFlags, resolve_export_config
+from moescope.agent.metrics import DEFAULT_METRICS_PORT
+from moescope.agent.policy.config import load_policy
+from moescope.collectors.nvtx import LIBRARY_NAME
 
 AGENT_BIN = Path(sys.executable).parent / "agent"
 # The bars (DESIGN.md): the agent uses at most 5 % of a core and 100 MB.

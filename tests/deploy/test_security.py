@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from deploy_files import REPO
 
-from agent import errors
-from agent.policy.config import load_policy
-from probes.ingress.loader import IngressOptions, cflags
+from moescope import errors
+from moescope.agent.policy.config import load_policy
+from moescope.probes.ingress.loader import IngressOptions, cflags
 
 SCANNED = ("agent", "collectors", "probes")
 # Calls that turn text into code, by their dotted name; modules whose import alone is suspect.

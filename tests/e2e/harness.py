@@ -2,7 +2,7 @@
 
 Everything here starts real processes: ``agent start`` (eBPF ingress probe, NVTX ring, telemetry,
 pipeline, exporters) in its own session so the test can kill its whole process group; the runtime it
-launches (or one the test launches for a late attach); ``python -m examples.moe_runtime.loadgen``.
+launches (or one the test launches for a late attach); ``python -m moescope.examples.moe_runtime.loadgen``.
 Waits are bounded and generous; nothing asserts on speed.
 
 ``check_traces`` holds the trace assertions shared by the OTLP gRPC and the embedded-file tests:
@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from collectors.nvtx import OFF_CONSUMER_ATTACHED, ring_path
-from examples.moe_runtime.launch import READY_LINE, LaunchError, parse_banner
-from examples.moe_runtime.launch import runtime_argv as launch_runtime_argv
+from moescope.collectors.nvtx import OFF_CONSUMER_ATTACHED, ring_path
+from moescope.examples.moe_runtime.launch import READY_LINE, LaunchError, parse_banner
+from moescope.examples.moe_runtime.launch import runtime_argv as launch_runtime_argv
 from otlp_receiver import FlatSpan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -147,7 +147,7 @@ class Proc:
 
 
 def agent_argv(*, state_dir: Path, extra: list[str]) -> list[str]:
-    return [PYTHON, "-m", "agent", "start", "--state-dir", str(state_dir), "--interval", "0.25", *extra]
+    return [PYTHON, "-m", "moescope.agent", "start", "--state-dir", str(state_dir), "--interval", "0.25", *extra]
 
 
 def runtime_argv() -> list[str]:
@@ -157,7 +157,7 @@ def runtime_argv() -> list[str]:
 def wait_runtime_ready(proc: Proc) -> int:
     """The runtime's HTTP port once it printed ``ready``, from its stdout or from the agent's (with
     ``agent start -- RUNTIME`` the agent launches it and it inherits the agent's stdout, so
-    ``examples.moe_runtime.launch.launch`` cannot start it; ``parse_banner`` skips the agent's lines)."""
+    ``moescope.examples.moe_runtime.launch.launch`` cannot start it; ``parse_banner`` skips the agent's lines)."""
     proc.wait_for_line(rf"^{READY_LINE}$", stream="out")
     try:
         return parse_banner(proc.out_lines()).http_port
@@ -186,13 +186,13 @@ def wait_nvtx_attached(pid: int, *, timeout_s: float = WAIT_S) -> None:
 
 
 def run_cli(args: list[str], *, timeout_s: float = WAIT_S) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PYTHON, "-m", "agent", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([PYTHON, "-m", "moescope.agent", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout_s, check=False)
 
 
 def run_loadgen(port: int, *, requests: int, concurrency: int, max_tokens: int, out: Path) -> dict[str, Any]:
     done = subprocess.run(
-        [PYTHON, "-m", "examples.moe_runtime.loadgen", "--url", f"http://127.0.0.1:{port}", "--requests",
+        [PYTHON, "-m", "moescope.examples.moe_runtime.loadgen", "--url", f"http://127.0.0.1:{port}", "--requests",
          str(requests), "--concurrency", str(concurrency), "--max-tokens", str(max_tokens), "--seed", "7",
          "--json-out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=WAIT_S * 2, check=False,

@@ -1,7 +1,7 @@
 """`agent start -- runtime` exporting over real OTLP gRPC to an in-test receiver, under real load.
 
 One run (module fixture) of: the in-test TraceService receiver; `agent start --otlp-endpoint ...
---metrics-port P -- python -m examples.moe_runtime --port 0 <small model>`; our own keep-alive
+--metrics-port P -- python -m moescope.examples.moe_runtime --port 0 <small model>`; our own keep-alive
 client sending varied-length completions the whole time (so the live view has a request rate while
 we look); the load generator (fixed request count, concurrency 4); a /metrics scrape and `agent top
 --once` during the run; SIGINT to the agent. Each test then checks one property of what came back.

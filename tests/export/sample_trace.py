@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from opentelemetry.trace import SpanContext, SpanKind
 
-from agent.export import SpanEvent, SpanFactory, SpanLink
+from moescope.agent.export import SpanEvent, SpanFactory, SpanLink
 
 T0_NS = 1_764_400_000_000_000_000  # 2025-11-29T07:06:40Z: a fixed wall-clock base
 

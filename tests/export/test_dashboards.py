@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from agent import metrics as m
+from moescope.agent import metrics as m
 
 DASH = Path(__file__).resolve().parents[2] / "dashboards"
 

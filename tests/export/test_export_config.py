@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from agent import errors
-from agent.export import ExportFlags, add_export_arguments, flags_from_args, resolve_export_config
+from moescope import errors
+from moescope.agent.export import ExportFlags, add_export_arguments, flags_from_args, resolve_export_config
 
 
 def resolve(env: dict[str, str], **flags: object):

@@ -11,11 +11,11 @@ from opentelemetry.trace import SpanKind
 from otlp_receiver import FlatSpan, GrpcOtlpReceiver, HttpOtlpReceiver
 from sample_trace import check_received, emit_sample
 
-from agent.export import ExportFlags, build_tracing, resolve_export_config
-from agent.export.processor import BoundedBatchSpanProcessor
-from agent.export.setup import build_otlp_exporter
-from agent.export.store import StoredSpan, TraceStore
-from agent.metrics import Metrics
+from moescope.agent.export import ExportFlags, build_tracing, resolve_export_config
+from moescope.agent.export.processor import BoundedBatchSpanProcessor
+from moescope.agent.export.setup import build_otlp_exporter
+from moescope.agent.export.store import StoredSpan, TraceStore
+from moescope.agent.metrics import Metrics
 
 RESOURCE = {"service.name": "moe-target", "process.pid": 4242, "host.name": "testhost"}
 
@@ -88,7 +88,7 @@ def test_file_default_equals_what_grpc_received(tmp_path: Path) -> None:
         _, expected = emit_sample(tracing.factory)
         _, expected2 = emit_sample(tracing.factory, t0_ns=2_000_000_000_000_000_000)
         stats = tracing.shutdown(timeout_s=30)
-        from agent.export.processor import Deadline
+        from moescope.agent.export.processor import Deadline
 
         grpc_stats = grpc_processor.shutdown_within(Deadline(30))
         received = rx.spans()
@@ -182,7 +182,7 @@ def test_shutdown_deadline_holds_with_a_stuck_backend() -> None:
 
 
 def test_links_beyond_sdk_default_are_kept() -> None:
-    from agent.export import SpanLink
+    from moescope.agent.export import SpanLink
 
     with GrpcOtlpReceiver() as rx:
         tracing = build_tracing(resolve_export_config(ExportFlags(endpoint=rx.endpoint), env={}))

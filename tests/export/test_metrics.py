@@ -8,8 +8,10 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent import errors, metrics as m
-from agent import routing_health as rh
+from moescope import errors
+
+from moescope.agent import metrics as m
+from moescope.agent import routing_health as rh
 
 
 def _labels_for(spec: m.MetricSpec, i: int) -> dict[str, str]:

@@ -17,8 +17,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 from opentelemetry.trace import set_span_in_context
 
-from agent.export import SpanEvent, SpanFactory, SpanLink
-from agent.export.otlp_json import line_to_request, request_to_line, spans_to_line
+from moescope.agent.export import SpanEvent, SpanFactory, SpanLink
+from moescope.agent.export.otlp_json import line_to_request, request_to_line, spans_to_line
 
 ATTRS = {
     "s": "text", "empty_s": "", "utf8": "grüße ✓", "b": True, "f_b": False, "i": 42, "zero": 0, "neg": -(1 << 63),

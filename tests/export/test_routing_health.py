@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent import routing_health as rh
+from moescope.agent import routing_health as rh
 
 counts_st = st.lists(st.integers(min_value=0, max_value=10_000), min_size=1, max_size=64)
 nonzero_counts_st = counts_st.filter(lambda c: sum(c) > 0)

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from agent import routing_health as rh
+from moescope.agent import routing_health as rh
 
 
 def _numpy_stats(c: np.ndarray, d: np.ndarray) -> tuple[float, ...]:

@@ -8,7 +8,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode, set_span_in_context
 
-from agent.export import SpanFactory, clean_attributes
+from moescope.agent.export import SpanFactory, clean_attributes
 
 
 def test_clean_attributes() -> None:

@@ -19,8 +19,8 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import SpanContext, SpanKind, StatusCode, TraceFlags, TraceState
 
-from agent.export import SpanEvent, SpanFactory, SpanLink
-from agent.export.otlp_json import request_to_line, spans_to_line
+from moescope.agent.export import SpanEvent, SpanFactory, SpanLink
+from moescope.agent.export.otlp_json import request_to_line, spans_to_line
 from export.sample_trace import emit_sample
 
 

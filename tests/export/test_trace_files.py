@@ -12,9 +12,9 @@ from pathlib import Path
 from opentelemetry.trace import SpanKind
 from sample_trace import T0_NS, emit_sample
 
-from agent.export import ExportFlags, build_tracing, resolve_export_config
-from agent.export.file_exporter import trace_files
-from agent.export.store import TraceStore
+from moescope.agent.export import ExportFlags, build_tracing, resolve_export_config
+from moescope.agent.export.file_exporter import trace_files
+from moescope.agent.export.store import TraceStore
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ def agent_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.Compl
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "agent", *argv], cwd=REPO, env=full_env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "moescope.agent", *argv], cwd=REPO, env=full_env, capture_output=True, text=True, timeout=120
     )
 
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from collectors.nvtx import injection_env
-from examples.moe_runtime.launch import Banner, LaunchError, launch, runtime_argv
+from moescope.collectors.nvtx import injection_env
+from moescope.examples.moe_runtime.launch import Banner, LaunchError, launch, runtime_argv
 
 REPO = Path(__file__).resolve().parents[2]
 AGENT = Path(sys.executable).parent / "agent"
@@ -67,7 +67,7 @@ def rss_bytes(pid: int) -> int:
 
 @dataclass
 class Runtime:
-    """`python -m examples.moe_runtime` in its own session, NVTX injection on."""
+    """`python -m moescope.examples.moe_runtime` in its own session, NVTX injection on."""
 
     popen: subprocess.Popen[str]
     banner: Banner
@@ -117,7 +117,7 @@ class Load:
 
 def start_load(port: int, out: Path, *, duration_s: float, concurrency: int = 4) -> Load:
     popen = subprocess.Popen(
-        [sys.executable, "-m", "examples.moe_runtime.loadgen", "--url", f"http://127.0.0.1:{port}",
+        [sys.executable, "-m", "moescope.examples.moe_runtime.loadgen", "--url", f"http://127.0.0.1:{port}",
          "--concurrency", str(concurrency), "--duration-s", str(duration_s), "--max-tokens", "2",
          "--timeout-s", "30", "--json-out", str(out)],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, start_new_session=True,

@@ -14,10 +14,10 @@ from collections import Counter
 
 from otlp_receiver import GrpcOtlpReceiver
 
-from agent import errors
-from agent import state as st
-from agent.export.config import DEFAULT_BATCH_SPANS
-from agent.export.store import TraceStore
+from moescope import errors
+from moescope.agent import state as st
+from moescope.agent.export.config import DEFAULT_BATCH_SPANS
+from moescope.agent.export.store import TraceStore
 
 from .harness import WAIT_S, Lab, run_load, rss_bytes, wait_until
 

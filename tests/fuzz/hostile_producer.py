@@ -24,7 +24,7 @@ import nvtx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "nvtx"))
 from abi_harness import EventAttributes, FakeNvtx  # noqa: E402  (the ABI mirror tests/nvtx already has)
 
-from collectors.nvtx import injection_library_path  # noqa: E402
+from moescope.collectors.nvtx import injection_library_path  # noqa: E402
 
 HUGE_BYTES = 200_000
 UNKNOWN_PAYLOAD_TYPES = (9, 0x1234, -5, 0x7FFFFFFF)

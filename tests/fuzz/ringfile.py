@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from collectors import nvtx
+from moescope.collectors import nvtx
 
 STRING_ENTRY = struct.Struct("<IHHIII4x")  # entry_bytes, kind, flags, id, domain_id, text_bytes
 

@@ -21,7 +21,7 @@ from fuzzing import fuzz
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from examples.moe_runtime.control import COMMAND_ARGS, DRAIN_MAX_BYTES, MAX_LINE_BYTES, ControlClient
+from moescope.examples.moe_runtime.control import COMMAND_ARGS, DRAIN_MAX_BYTES, MAX_LINE_BYTES, ControlClient
 from tests.runtime.conftest import REPO, SMALL_MODEL, RunningServer, _read_banner, _stop
 
 REPLY_TIMEOUT_S = 60.0  # generous: only bounds waiting on a shared, noisy 2-core machine
@@ -31,7 +31,7 @@ REPLY_TIMEOUT_S = 60.0  # generous: only bounds waiting on a shared, noisy 2-cor
 def server() -> Iterator[RunningServer]:
     directory = tempfile.mkdtemp(prefix="moe-fuzz-", dir="/tmp")
     path = os.path.join(directory, "control.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "examples.moe_runtime", "--port", "0", "--control-socket", path,
+    proc = subprocess.Popen([sys.executable, "-m", "moescope.examples.moe_runtime", "--port", "0", "--control-socket", path,
                              *SMALL_MODEL], cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         banner = _read_banner(proc, timeout_s=120)

@@ -15,9 +15,9 @@ from fuzzing import fuzz
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from probes.ingress import procnet
-from probes.ingress.loader import EVENT_DTYPE, decode_events
-from probes.ingress.ring import BUSY_BIT, DISCARD_BIT, HEADER_BYTES, RingFormatError, RingReader
+from moescope.probes.ingress import procnet
+from moescope.probes.ingress.loader import EVENT_DTYPE, decode_events
+from moescope.probes.ingress.ring import BUSY_BIT, DISCARD_BIT, HEADER_BYTES, RingFormatError, RingReader
 
 PAGE = mmap.PAGESIZE
 DATA_BYTES = 4096

@@ -10,9 +10,9 @@ from fuzzing import fuzz
 from hypothesis import given
 from hypothesis import strategies as st
 
-from collectors import moe_convention as conv
-from collectors.moe_convention import MoeConventionParser, StepEvent
-from collectors.nvtx import MARK_DTYPE, RANGE_DTYPE, NvtxBatch, StringTable
+from moescope.collectors import moe_convention as conv
+from moescope.collectors.moe_convention import MoeConventionParser, StepEvent
+from moescope.collectors.nvtx import MARK_DTYPE, RANGE_DTYPE, NvtxBatch, StringTable
 
 MOE_DOMAIN, OTHER_DOMAIN = 1, 2
 NAMES = ["moe.step", "moe.layer", "moe.router", "moe.expert.load", "moe.expert.ffn", "moe.request",

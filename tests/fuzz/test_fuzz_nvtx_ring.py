@@ -22,10 +22,10 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 from ringfile import Record, RingFile, header_bytes, string_entry
 
-from agent.errors import NvtxUnavailable
-from collectors import nvtx
-from collectors.moe_convention import MoeConventionParser
-from collectors.nvtx import NvtxBatch, NvtxCollector
+from moescope.errors import NvtxUnavailable
+from moescope.collectors import nvtx
+from moescope.collectors.moe_convention import MoeConventionParser
+from moescope.collectors.nvtx import NvtxBatch, NvtxCollector
 
 PID = os.getpid()  # the ring is "ours": the collector's liveness checks see a live process
 TID = threading.get_native_id()

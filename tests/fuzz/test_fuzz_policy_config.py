@@ -15,9 +15,9 @@ from fuzzing import fuzz
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from agent.errors import ConfigError
-from agent.policy.config import ENGINE_KEYS, RULE_KEYS, PolicyConfig, default_policy_text, load_policy
-from agent.policy.rules import ACTIONS, COMPARISONS, SIGNALS
+from moescope.errors import ConfigError
+from moescope.agent.policy.config import ENGINE_KEYS, RULE_KEYS, PolicyConfig, default_policy_text, load_policy
+from moescope.agent.policy.rules import ACTIONS, COMPARISONS, SIGNALS
 
 
 def toml_value(value: Any) -> str:

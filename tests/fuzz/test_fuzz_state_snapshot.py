@@ -14,8 +14,8 @@ from fuzzing import fuzz
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from agent import errors
-from agent.state import Snapshot, read_snapshot, to_json
+from moescope import errors
+from moescope.agent.state import Snapshot, read_snapshot, to_json
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tui" / "fixtures"
 RECORDED = [json.loads(p.read_text()) for p in sorted(FIXTURES.glob("*.json"))]

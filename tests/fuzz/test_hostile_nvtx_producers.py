@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from collectors import nvtx
-from collectors.nvtx import MAX_STRING_BYTES, NvtxBatch, NvtxCollector, injection_env
+from moescope.collectors import nvtx
+from moescope.collectors.nvtx import MAX_STRING_BYTES, NvtxBatch, NvtxCollector, injection_env
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

@@ -30,8 +30,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from collectors.nvml import NvmlCollector, NvmlSample, format_sample, is_na, open_nvml  # noqa: E402
-from examples.moe_runtime.launch import LaunchError, LineReader, launch, runtime_argv  # noqa: E402
+from moescope.collectors.nvml import NvmlCollector, NvmlSample, format_sample, is_na, open_nvml  # noqa: E402
+from moescope.examples.moe_runtime.launch import LaunchError, LineReader, launch, runtime_argv  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MIB = 1 << 20
@@ -255,7 +255,7 @@ def check_runtime(report: Report, children: Children, args: argparse.Namespace) 
     collector = open_nvml(library_path=args.nvml_library, target_pid=runtime.pid) if args.device.startswith("cuda") else None
     load_out = tmp / "load.json"
     load = children.start(
-        [sys.executable, "-m", "examples.moe_runtime.loadgen", "--url", f"http://127.0.0.1:{port}",
+        [sys.executable, "-m", "moescope.examples.moe_runtime.loadgen", "--url", f"http://127.0.0.1:{port}",
          "--scenario", "balanced", "--concurrency", "4", "--duration-s", str(args.load_s),
          "--json-out", str(load_out)],
         stdout=subprocess.DEVNULL,

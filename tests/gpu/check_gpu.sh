@@ -36,7 +36,7 @@ else
     }
 fi
 "$PY" - <<'EOF' || { echo "check_gpu: $PY cannot import the project's dependencies" >&2; exit 2; }
-import pynvml, collectors.nvml, collectors.host  # noqa: F401
+import pynvml, moescope.collectors.nvml, moescope.collectors.host  # noqa: F401
 EOF
 say "python: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
 

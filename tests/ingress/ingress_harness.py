@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from probes.ingress.loader import IngressOptions, IngressProbe, IngressRecord
+from moescope.probes.ingress.loader import IngressOptions, IngressProbe, IngressRecord
 
 HERE = Path(__file__).resolve().parent
 HTTP_SERVERS = HERE / "http_servers.py"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ingress_harness import AGENT, HTTP_SERVERS, WAIT_S, AgentRun, HttpClient, Server, free_port
 
-from agent import errors
+from moescope import errors
 
 SUMMARY = re.compile(
     r"^agent: summary: (?P<requests>\d+) requests \((?P<unanswered>\d+) unanswered\), "
@@ -219,7 +219,7 @@ def test_bcc_missing_is_exit_4(bpf: None, tmp_path: Path, start_server: Callable
     (shadow / "__init__.py").write_text("raise ImportError('no libbcc here')\n")
     env = os.environ | {"PYTHONPATH": str(shadow.parent)}
     done = subprocess.run(
-        [sys.executable, "-m", "agent", "start", "--pid", str(server.pid)],
+        [sys.executable, "-m", "moescope.agent", "start", "--pid", str(server.pid)],
         capture_output=True, text=True, timeout=WAIT_S, env=env,
     )
     assert done.returncode == errors.EXIT_BCC_MISSING, done

@@ -10,9 +10,9 @@ from collections.abc import Callable
 import pytest
 from ingress_harness import ClientRequest, HttpClient, Server, Tracer
 
-from agent import errors
-from probes.ingress import loader
-from probes.ingress.loader import IngressRecord
+from moescope import errors
+from moescope.probes.ingress import loader
+from moescope.probes.ingress.loader import IngressRecord
 
 
 def assert_matches(record: IngressRecord, request: ClientRequest) -> None:

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent import errors
-from agent.daemon import Daemon, LatencyHistogram
-from probes.ingress import loader, procnet
+from moescope import errors
+from moescope.agent.daemon import Daemon, LatencyHistogram
+from moescope.probes.ingress import loader, procnet
 
 C_PROGRAM = r"""
 #include <stdio.h>
@@ -165,7 +165,7 @@ def test_bad_options_are_usage_errors() -> None:
 
 
 def test_launched_command_is_held_then_execs_in_the_same_pid(tmp_path: Path) -> None:
-    from agent.targets import LaunchedCommand, process_name
+    from moescope.agent.targets import LaunchedCommand, process_name
 
     out = tmp_path / "out"
     command = LaunchedCommand(
@@ -185,7 +185,7 @@ def test_launched_command_is_held_then_execs_in_the_same_pid(tmp_path: Path) -> 
 
 
 def test_unknown_command_is_a_usage_error() -> None:
-    from agent.targets import LaunchedCommand
+    from moescope.agent.targets import LaunchedCommand
 
     with pytest.raises(errors.UsageError, match="command not found"):
         LaunchedCommand(["no-such-command-moescope"])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ingress_harness import WAIT_S, AgentRun, HttpClient, Server
 
-from agent import privileges
+from moescope.agent import privileges
 
 REQUESTS = 6
 KEPT_MASK = (1 << privileges.CAP_NUMBERS["CAP_DAC_OVERRIDE"]) | (1 << privileges.CAP_NUMBERS["CAP_SYS_PTRACE"])

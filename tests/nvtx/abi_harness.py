@@ -17,7 +17,7 @@ import threading
 from ctypes import CFUNCTYPE, POINTER, Structure, c_char_p, c_int, c_size_t, c_uint, c_uint32, c_uint64, c_void_p
 from typing import Any
 
-from collectors.nvtx import injection_library_path
+from moescope.collectors.nvtx import injection_library_path
 
 GET_MODULE = CFUNCTYPE(c_int, c_int, POINTER(c_void_p), POINTER(c_uint))
 GET_EXPORT_TABLE = CFUNCTYPE(c_void_p, c_uint32)

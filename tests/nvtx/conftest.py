@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from nvtx_helpers import PRODUCER, Producer
 
-from collectors.nvtx import injection_env
+from moescope.collectors.nvtx import injection_env
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from collectors.nvtx import NvtxBatch, NvtxCollector
+from moescope.collectors.nvtx import NvtxBatch, NvtxCollector
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from collectors.nvtx import MARK_DTYPE, RANGE_DTYPE, NvtxBatch, NvtxCollector
+from moescope.collectors.nvtx import MARK_DTYPE, RANGE_DTYPE, NvtxBatch, NvtxCollector
 
 HERE = Path(__file__).resolve().parent
 PRODUCER = HERE / "producer.py"

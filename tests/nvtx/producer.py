@@ -204,7 +204,7 @@ def run_hostile(*, count: int) -> dict[str, Any]:
 def run_moe(*, steps: int, layers: int, experts: int) -> dict[str, Any]:
     """The reference runtime's own instrumentation (moe/v1 convention) driven with known values,
     plus deliberate convention violations the parser must count."""
-    from examples.moe_runtime.instrument import make_instrumentation
+    from moescope.examples.moe_runtime.instrument import make_instrumentation
 
     ins = make_instrumentation(enabled=True)
     assert ins.active, "NVTX tool not attached"

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 from nvtx_helpers import HERE, Capture, drain_until_finished
 
-import collectors.nvtx as nv
-from collectors.nvtx import NvtxCollector, injection_library_path
+import moescope.collectors.nvtx as nv
+from moescope.collectors.nvtx import NvtxCollector, injection_library_path
 
 REPO = HERE.parent.parent
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from test_nvtx_capture import expected_from_log
 
-from collectors.nvtx import KIND_PUSH, KIND_START
+from moescope.collectors.nvtx import KIND_PUSH, KIND_START
 
 AGENT = Path(sys.executable).with_name("agent")
 PRODUCER = Path(__file__).with_name("producer.py")

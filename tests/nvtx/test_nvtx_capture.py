@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from collectors.nvtx import (
+from moescope.collectors.nvtx import (
     KIND_PUSH,
     KIND_START,
     PAYLOAD_DOUBLE,

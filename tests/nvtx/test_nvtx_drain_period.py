@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from nvtx_helpers import Capture, Producer, drain_until_finished
 
-from collectors.nvtx import EARLY_DRAIN_FRACTION, NvtxCollector
+from moescope.collectors.nvtx import EARLY_DRAIN_FRACTION, NvtxCollector
 
 HOUR_NS = 3600 * 10**9
 

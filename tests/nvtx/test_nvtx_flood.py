@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from nvtx_helpers import HERE, Capture, Producer, drain_until_finished
 
-from collectors.nvtx import (
+from moescope.collectors.nvtx import (
     OFF_CONSUMER_ATTACHED,
     OFF_COUNTERS,
     OFF_HEAD,

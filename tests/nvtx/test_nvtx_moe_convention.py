@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 from nvtx_helpers import HERE, Producer, drain_until_finished
 
-from collectors.moe_convention import MoeConventionParser, StepEvent
-from collectors.nvtx import NvtxCollector
+from moescope.collectors.moe_convention import MoeConventionParser, StepEvent
+from moescope.collectors.nvtx import NvtxCollector
 
 REPO = HERE.parent.parent
 

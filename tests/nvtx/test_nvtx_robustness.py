@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from nvtx_helpers import WAIT_S, Capture, Producer, drain_until_finished
 
-from agent.cli import main as agent_main
-from agent.errors import NoSuchProcess, NvtxUnavailable
-from collectors.nvtx import (
+from moescope.agent.cli import main as agent_main
+from moescope.errors import NoSuchProcess, NvtxUnavailable
+from moescope.collectors.nvtx import (
     MAX_STRING_BYTES,
     PAYLOAD_EXT,
     THREAD_CHECK_PERIOD_NS,

@@ -1,8 +1,8 @@
 """Hand-built join scenarios for agent/pipeline.py and an independent numpy model of what it must report.
 
-Everything here is constructed from the real input types (``probes.ingress.loader.IngressRecord``,
-``collectors.moe_convention.StepEvent`` and friends, ``collectors.host.MemorySignal`` inside a
-``collectors.registry.TelemetryRecord``). Which request each step served is *declared* in the
+Everything here is constructed from the real input types (``moescope.probes.ingress.loader.IngressRecord``,
+``moescope.collectors.moe_convention.StepEvent`` and friends, ``moescope.collectors.host.MemorySignal`` inside a
+``moescope.collectors.registry.TelemetryRecord``). Which request each step served is *declared* in the
 scenario (not derived with the pipeline's join rule), and every statistic is recomputed here with
 numpy formulas written independently of agent/routing_health.py (pairwise Gini, ``np.std`` CV,
 ``np.percentile`` quantiles).
@@ -19,16 +19,16 @@ from typing import Any
 
 import numpy as np
 
-from collectors.host import HostSample, MemorySignal
-from collectors.moe_convention import (
+from moescope.collectors.host import HostSample, MemorySignal
+from moescope.collectors.moe_convention import (
     ExpertFfnEvent,
     ExpertLoadEvent,
     LayerEvent,
     RouterEvent,
     StepEvent,
 )
-from collectors.registry import TelemetryRecord
-from probes.ingress.loader import F_NO_RESPONSE, IngressRecord
+from moescope.collectors.registry import TelemetryRecord
+from moescope.probes.ingress.loader import F_NO_RESPONSE, IngressRecord
 
 MS = 1_000_000
 T0_NS = 5_000_000_000_000  # an uptime-like monotonic origin

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.export import ExportFlags, build_tracing, resolve_export_config
-from agent.export.store import TraceStore
-from agent.metrics import Metrics
-from agent.pipeline import Pipeline
+from moescope.agent.export import ExportFlags, build_tracing, resolve_export_config
+from moescope.agent.export.store import TraceStore
+from moescope.agent.metrics import Metrics
+from moescope.agent.pipeline import Pipeline
 
 from .scenario import NUM_LAYERS, FakeClock, build_step, record
 

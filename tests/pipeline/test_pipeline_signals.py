@@ -10,13 +10,13 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from agent import state as st
-from agent.metrics import Metrics
-from agent.pipeline import Pipeline
-from collectors.moe_convention import StepEvent
-from collectors.nvml import NA, GpuSample, NvLinkSample, NvmlSample, ProcessGpuMemory
-from collectors.registry import TelemetryRecord
-from probes.ingress.loader import IngressRecord
+from moescope.agent import state as st
+from moescope.agent.metrics import Metrics
+from moescope.agent.pipeline import Pipeline
+from moescope.collectors.moe_convention import StepEvent
+from moescope.collectors.nvml import NA, GpuSample, NvLinkSample, NvmlSample, ProcessGpuMemory
+from moescope.collectors.registry import TelemetryRecord
+from moescope.probes.ingress.loader import IngressRecord
 
 from .scenario import (
     MEMORY,
@@ -412,7 +412,7 @@ def test_metrics_equal_what_was_fed() -> None:
 
 def test_rates_stay_bounded_without_a_live_view() -> None:
     # Nobody reads the request/step rates when no state file is written: adding must prune too.
-    from agent.pipeline import _Rate
+    from moescope.agent.pipeline import _Rate
 
     rate = _Rate(window_ns=1_000)
     for t in range(100_000):

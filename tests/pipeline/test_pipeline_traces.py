@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from otlp_receiver import FlatSpan, GrpcOtlpReceiver
 
-from agent.export import ExportFlags, Tracing, build_tracing, resolve_export_config
-from agent.export.store import StoredSpan, TraceStore
-from agent.pipeline import Pipeline, resource_attributes
-from collectors.moe_convention import LayerEvent, StepEvent
+from moescope.agent.export import ExportFlags, Tracing, build_tracing, resolve_export_config
+from moescope.agent.export.store import StoredSpan, TraceStore
+from moescope.agent.pipeline import Pipeline, resource_attributes
+from moescope.collectors.moe_convention import LayerEvent, StepEvent
 
 from .scenario import (
     EPOCH_OFFSET_NS,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from examples.moe_runtime.launch import LaunchError, launch, runtime_argv
+from moescope.examples.moe_runtime.launch import LaunchError, launch, runtime_argv
 from policy_helpers import REPO, RuntimeProc, StartRuntime
 
 # Small enough for 2 shared cores: 2 layers x 8 experts of 24 KiB (fp32) each.

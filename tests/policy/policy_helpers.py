@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.policy.audit import AuditLog, AuditRecord
-from agent.policy.engine import PolicyEngine
-from agent.policy.rules import RuleSpec, Signals, Target, TargetKind, fires_upward
-from examples.moe_runtime.control import ControlClient
+from moescope.agent.policy.audit import AuditLog, AuditRecord
+from moescope.agent.policy.engine import PolicyEngine
+from moescope.agent.policy.rules import RuleSpec, Signals, Target, TargetKind, fires_upward
+from moescope.examples.moe_runtime.control import ControlClient
 
 PERIOD_S = 0.2
 REPO = Path(__file__).resolve().parents[2]

@@ -16,11 +16,11 @@ import pytest
 from peer_probe import connect_as_nobody
 from policy_helpers import PERIOD_S, Feeder, RuntimeProc, StartRuntime, levels
 
-from agent.policy.actuator import Actuator
-from agent.policy.audit import AuditLog
-from agent.policy.config import load_policy
-from agent.policy.engine import PolicyEngine
-from agent.policy.rules import Signals
+from moescope.agent.policy.actuator import Actuator
+from moescope.agent.policy.audit import AuditLog
+from moescope.agent.policy.config import load_policy
+from moescope.agent.policy.engine import PolicyEngine
+from moescope.agent.policy.rules import Signals
 
 DEFAULTS = load_policy()
 EXPERT_BYTES = 3 * 32 * 64 * 4  # SMALL_MODEL: one fp32 SwiGLU expert (w1, w3, w2)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from agent import policy_cmd
-from agent.errors import EXIT_USAGE, ConfigError
-from agent.policy.config import load_policy
+from moescope.agent import policy_cmd
+from moescope.errors import EXIT_USAGE, ConfigError
+from moescope.agent.policy.config import load_policy
 
 # DESIGN.md "Policy defaults", written out independently of default_policy.toml.
 DESIGN_TABLE = {

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.errors import UsageError
-from agent.policy.audit import AuditLog
-from agent.policy.config import PolicyConfig, load_policy
-from agent.policy.engine import PolicyEngine, PolicyLoop
-from agent.policy.rules import ACTIONS, Signals
+from moescope.errors import UsageError
+from moescope.agent.policy.audit import AuditLog
+from moescope.agent.policy.config import PolicyConfig, load_policy
+from moescope.agent.policy.engine import PolicyEngine, PolicyLoop
+from moescope.agent.policy.rules import ACTIONS, Signals
 
 from policy_helpers import PERIOD_S, Feeder, levels, records
 

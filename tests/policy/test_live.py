@@ -14,16 +14,16 @@ from typing import Any
 
 from policy_helpers import REPO, RuntimeProc, StartRuntime
 
-from agent.policy.actuator import Actuator
-from agent.policy.audit import AuditLog
-from agent.policy.config import load_policy
-from agent.policy.engine import PolicyEngine, PolicyLoop
-from agent.policy.stats_source import RuntimeStatsSignals
+from moescope.agent.policy.actuator import Actuator
+from moescope.agent.policy.audit import AuditLog
+from moescope.agent.policy.config import load_policy
+from moescope.agent.policy.engine import PolicyEngine, PolicyLoop
+from moescope.agent.policy.stats_source import RuntimeStatsSignals
 
 
 def run_load(port: int, scenario: str, duration_s: float) -> dict[str, Any]:
     out = subprocess.run(
-        [sys.executable, "-m", "examples.moe_runtime.loadgen", "--url", f"http://127.0.0.1:{port}",
+        [sys.executable, "-m", "moescope.examples.moe_runtime.loadgen", "--url", f"http://127.0.0.1:{port}",
          "--scenario", scenario, "--concurrency", "8", "--duration-s", str(duration_s)],
         cwd=REPO, capture_output=True, text=True, timeout=duration_s + 120,
     )

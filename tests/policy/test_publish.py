@@ -9,12 +9,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from policy_helpers import PERIOD_S
 
-from agent.metrics import Metrics
-from agent.policy.audit import AuditLog
-from agent.policy.config import load_policy
-from agent.policy.engine import PolicyEngine
-from agent.policy.publish import metrics_hook, policy_snapshot, publish_rule_metrics, tracer_hook
-from agent.policy.rules import Signals
+from moescope.agent.metrics import Metrics
+from moescope.agent.policy.audit import AuditLog
+from moescope.agent.policy.config import load_policy
+from moescope.agent.policy.engine import PolicyEngine
+from moescope.agent.policy.publish import metrics_hook, policy_snapshot, publish_rule_metrics, tracer_hook
+from moescope.agent.policy.rules import Signals
 
 DEFAULTS = load_policy()
 

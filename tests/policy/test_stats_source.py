@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from policy_helpers import StartRuntime
 
-from agent.policy.stats_source import RuntimeStatsSignals
+from moescope.agent.policy.stats_source import RuntimeStatsSignals
 
 
 def gini_by_pairs(counts: list[int]) -> float:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from policy_helpers import REPO, StartRuntime
 
-from agent.errors import ControlError
-from agent.policy.wiring import add_policy_arguments, build_policy
+from moescope.errors import ControlError
+from moescope.agent.policy.wiring import add_policy_arguments, build_policy
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -49,13 +49,13 @@ def test_builds_against_a_real_runtime(tmp_path: Path, start_runtime: StartRunti
 
 
 def test_cli_policy_show_and_bad_config(tmp_path: Path) -> None:
-    ok = subprocess.run([sys.executable, "-m", "agent", "policy", "show"], cwd=REPO,
+    ok = subprocess.run([sys.executable, "-m", "moescope.agent", "policy", "show"], cwd=REPO,
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert sum(1 for line in ok.stdout.splitlines() if line.split()[:1] and line.split()[-1] == "yes") == 8
     bad = tmp_path / "p.toml"
     bad.write_text("[rules.expert_offload]\nwindow_s = -5\n")
-    out = subprocess.run([sys.executable, "-m", "agent", "policy", "show", "--config", str(bad)], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "moescope.agent", "policy", "show", "--config", str(bad)], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
@@ -69,7 +69,7 @@ def test_cli_policy_run_acts_on_a_real_runtime_until_sigint(tmp_path: Path, star
     policy.write_text("[rules.expert_offload]\nwindow_evals = 2\n[rules.memory_alert]\nwindow_evals = 1\n")
     audit = tmp_path / "audit.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agent", "policy", "run", "--control-socket", rt.socket_path,
+        [sys.executable, "-m", "moescope.agent", "policy", "run", "--control-socket", rt.socket_path,
          "--config", str(policy), "--audit", str(audit)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
@@ -114,7 +114,7 @@ def test_cli_policy_run_acts_on_a_real_runtime_until_sigint(tmp_path: Path, star
 
 def test_cli_policy_run_without_a_runtime_is_one_line_exit_9(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "agent", "policy", "run", "--control-socket", str(tmp_path / "none.sock")],
+        [sys.executable, "-m", "moescope.agent", "policy", "run", "--control-socket", str(tmp_path / "none.sock")],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 9

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from examples.moe_runtime.launch import LaunchError, LineReader, read_banner
+from moescope.examples.moe_runtime.launch import LaunchError, LineReader, read_banner
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Small model: the tests are about behaviour, not size, and share 2 cores.
@@ -54,7 +54,7 @@ class RunningServer:
 
 
 def _read_banner(proc: subprocess.Popen[str], *, timeout_s: float) -> dict[str, str]:
-    """The banner up to `ready`, read with examples.moe_runtime.launch (bounded: a reader thread)."""
+    """The banner up to `ready`, read with moescope.examples.moe_runtime.launch (bounded: a reader thread)."""
     assert proc.stdout is not None
     reader = LineReader(proc.stdout)
     try:
@@ -94,7 +94,7 @@ def start_server(socket_dir: str) -> Iterator[Callable[..., RunningServer]]:
 
     def start(*extra: str, small: bool = True, name: str = "control.sock") -> RunningServer:
         path = os.path.join(socket_dir, name)
-        cmd = [sys.executable, "-m", "examples.moe_runtime", "--port", "0", "--control-socket", path,
+        cmd = [sys.executable, "-m", "moescope.examples.moe_runtime", "--port", "0", "--control-socket", path,
                *(SMALL_MODEL if small else []), *extra]
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=None, text=True,
                                 start_new_session=True)

@@ -19,10 +19,10 @@ import pytest
 import torch
 from peer_probe import connect_as_nobody
 
-from examples.moe_runtime.config import ModelConfig
-from examples.moe_runtime.control import ControlClient
-from examples.moe_runtime.model import SequenceState
-from examples.moe_runtime.runtime import Runtime, RuntimeOptions
+from moescope.examples.moe_runtime.config import ModelConfig
+from moescope.examples.moe_runtime.control import ControlClient
+from moescope.examples.moe_runtime.model import SequenceState
+from moescope.examples.moe_runtime.runtime import Runtime, RuntimeOptions
 from tests.runtime.conftest import RunningServer
 
 
@@ -290,7 +290,7 @@ def test_penalty_moves_load_on_a_running_server(start_server: Callable[..., Runn
 
 @pytest.mark.parametrize("bad", ["0800", "x"])
 def test_bad_flags_exit_with_one_line_error(bad: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "examples.moe_runtime", "--port", "0", "--control-socket-mode", bad],
+    out = subprocess.run([sys.executable, "-m", "moescope.examples.moe_runtime", "--port", "0", "--control-socket-mode", bad],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "control-socket-mode" in out.stderr

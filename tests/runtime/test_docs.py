@@ -5,10 +5,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from examples.moe_runtime.config import ModelConfig
-from examples.moe_runtime.control import COMMAND_ARGS
-from examples.moe_runtime.instrument import CONVENTION_VERSION, MESSAGES
-from examples.moe_runtime.runtime import PROTOCOL, Runtime, RuntimeOptions
+from moescope.examples.moe_runtime.config import ModelConfig
+from moescope.examples.moe_runtime.control import COMMAND_ARGS
+from moescope.examples.moe_runtime.instrument import CONVENTION_VERSION, MESSAGES
+from moescope.examples.moe_runtime.runtime import PROTOCOL, Runtime, RuntimeOptions
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 

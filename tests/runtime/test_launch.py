@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from collectors.nvtx import INJECTION_ENV
-from examples.moe_runtime.launch import Banner, LaunchError, LineReader, launch, parse_banner, runtime_argv
+from moescope.collectors.nvtx import INJECTION_ENV
+from moescope.examples.moe_runtime.launch import Banner, LaunchError, LineReader, launch, parse_banner, runtime_argv
 
 SMALL_MODEL = ("--d-model", "32", "--d-ff", "64", "--layers", "2", "--experts", "4", "--n-heads", "2",
                "--threads", "1")

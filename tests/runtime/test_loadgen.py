@@ -16,7 +16,7 @@ MEMORY_ARGS = ("--initial-resident-experts", "4", "--cache-on-load", "--device-m
 
 
 def loadgen(server: RunningServer, *args: str) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "examples.moe_runtime.loadgen", "--url",
+    out = subprocess.run([sys.executable, "-m", "moescope.examples.moe_runtime.loadgen", "--url",
                           f"http://127.0.0.1:{server.port}", "--max-tokens", "4", *args],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr + out.stdout
@@ -56,7 +56,7 @@ def test_every_scenario(start_server: Callable[..., RunningServer], tmp_path: An
 
 
 def test_unreachable_server_is_a_one_line_error() -> None:
-    out = subprocess.run([sys.executable, "-m", "examples.moe_runtime.loadgen", "--url", "http://127.0.0.1:9",
+    out = subprocess.run([sys.executable, "-m", "moescope.examples.moe_runtime.loadgen", "--url", "http://127.0.0.1:9",
                           "--requests", "1"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and out.stdout == ""
     assert out.stderr.startswith("loadgen: error: cannot reach") and out.stderr.count("\n") == 1

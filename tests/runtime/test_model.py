@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from examples.moe_runtime.config import ModelConfig
-from examples.moe_runtime.model import SequenceState, route
-from examples.moe_runtime.runtime import Runtime, RuntimeOptions
+from moescope.examples.moe_runtime.config import ModelConfig
+from moescope.examples.moe_runtime.model import SequenceState, route
+from moescope.examples.moe_runtime.runtime import Runtime, RuntimeOptions
 
 torch.set_grad_enabled(False)
 

@@ -18,13 +18,13 @@ import threading
 import time
 from typing import Any
 
-from collectors.moe_convention import MoeConventionParser, StepEvent
-from collectors.nvtx import NvtxCollector, injection_library_path
+from moescope.collectors.moe_convention import MoeConventionParser, StepEvent
+from moescope.collectors.nvtx import NvtxCollector, injection_library_path
 
-from examples.moe_runtime.batcher import Request
-from examples.moe_runtime.config import ModelConfig
-from examples.moe_runtime.instrument import MESSAGES, Instrumentation, NvtxInstrumentation, make_instrumentation
-from examples.moe_runtime.runtime import Runtime, RuntimeOptions
+from moescope.examples.moe_runtime.batcher import Request
+from moescope.examples.moe_runtime.config import ModelConfig
+from moescope.examples.moe_runtime.instrument import MESSAGES, Instrumentation, NvtxInstrumentation, make_instrumentation
+from moescope.examples.moe_runtime.runtime import Runtime, RuntimeOptions
 from tests.runtime.conftest import REPO, SMALL_MODEL, _read_banner, _stop
 
 CFG = ModelConfig(d_model=64, d_ff=128, layers=2, experts=8, n_heads=2, capacity_factor=0.75)
@@ -165,7 +165,7 @@ def test_ranges_and_marks_follow_the_convention() -> None:
 
 def test_no_tool_attached_means_no_op_instrumentation() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("NVTX_INJECTION")}
-    code = ("from examples.moe_runtime.instrument import make_instrumentation as m;"
+    code = ("from moescope.examples.moe_runtime.instrument import make_instrumentation as m;"
             "print(type(m(enabled=True)).__name__, type(m(enabled=False)).__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60, check=True)
     assert out.stdout.split() == ["Instrumentation", "Instrumentation"]
@@ -176,7 +176,7 @@ def test_no_tool_attached_means_no_op_instrumentation() -> None:
 def test_captured_through_the_real_injection_library() -> None:
     ring_dir = tempfile.mkdtemp(prefix="moe-rt-nvtx-")
     env = dict(os.environ, NVTX_INJECTION64_PATH=str(injection_library_path()), MOESCOPE_NVTX_DIR=ring_dir)
-    cmd = [sys.executable, "-m", "examples.moe_runtime", "--port", "0", "--control-socket",
+    cmd = [sys.executable, "-m", "moescope.examples.moe_runtime", "--port", "0", "--control-socket",
            os.path.join(ring_dir, "c.sock"), *SMALL_MODEL, "--initial-resident-experts", "14",
            "--capacity-factor", "0.75", "--max-wait-ms", "1000"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from agent.errors import UsageError
-from collectors.host import HostSample, MemorySignal
-from collectors.registry import CollectorConfig, Supervisor, SupervisorSource, TelemetryRecord, registered
+from moescope.errors import UsageError
+from moescope.collectors.host import HostSample, MemorySignal
+from moescope.collectors.registry import CollectorConfig, Supervisor, SupervisorSource, TelemetryRecord, registered
 
 from telemetry_helpers import Child, FakeNvml
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from collectors.host import (
+from moescope.collectors.host import (
     HostCollector,
     MemorySignal,
     TargetGone,

@@ -17,8 +17,8 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from collectors import nvml
-from collectors.nvml import NA, NO_DRIVER_LINE, NvmlCollector, NvmlGateway, is_na, open_nvml
+from moescope.collectors import nvml
+from moescope.collectors.nvml import NA, NO_DRIVER_LINE, NvmlCollector, NvmlGateway, is_na, open_nvml
 
 from telemetry_helpers import NVML_VALUE_NOT_AVAILABLE, Child, FakeNvml
 
@@ -275,7 +275,7 @@ lib.fakeNvmlSetPcie(0, 1, 0, 0, 800, 400)
 lib.fakeNvmlAddProcess.argtypes = [ctypes.c_uint, ctypes.c_int, ctypes.c_uint, ctypes.c_ulonglong]
 lib.fakeNvmlAddProcess(1, 0, 4242, 1 << 30)
 lib.fakeNvmlAddProcess(1, 1, 4343, 1 << 29)
-from collectors.nvml import open_nvml, is_na
+from moescope.collectors.nvml import open_nvml, is_na
 c = open_nvml()
 for _ in range(3):
     s = c.collect()
@@ -314,7 +314,7 @@ def test_old_driver_missing_functions_fall_back_with_one_warning_each(old_driver
 def test_no_library_agent_runs_on_host_signal(child: Child) -> None:
     """No libnvidia-ml at all: one line, and the supervisor still delivers the host memory signal."""
     code = (
-        "import sys; from collectors.registry import main; "
+        "import sys; from moescope.collectors.registry import main; "
         f"sys.exit(main(['--pid', '{child.pid}', '--seconds', '0.6', '--json', "
         "'--nvml-library', '/nonexistent/libnvidia-ml.so.1']))"
     )

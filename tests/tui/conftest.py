@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console, RenderableType
 
-from agent.state import Snapshot, read_snapshot
+from moescope.agent.state import Snapshot, read_snapshot
 
 HERE = Path(__file__).parent
 FIXTURES = HERE / "fixtures"

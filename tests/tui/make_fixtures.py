@@ -12,7 +12,7 @@ import math
 import random
 from pathlib import Path
 
-from agent.state import (
+from moescope.agent.state import (
     ActionRecord,
     Devices,
     Gpu,

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from agent.state import PeriodicPublisher, Snapshot, StatePublisher, read_snapshot
+from moescope.agent.state import PeriodicPublisher, Snapshot, StatePublisher, read_snapshot
 
 
 def main(argv: list[str]) -> int:

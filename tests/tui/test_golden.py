@@ -8,14 +8,14 @@ from collections.abc import Callable
 import pytest
 from rich.console import RenderableType
 
-from agent.state import Snapshot
-from agent.tui.devices import DevicesPanel
-from agent.tui.header import HeaderBar
-from agent.tui.layout import Dashboard
-from agent.tui.moe import MoePanel
-from agent.tui.policy import PolicyPanel
-from agent.tui.requests import RequestsPanel
-from agent.tui.self_cost import SelfCostText
+from moescope.agent.state import Snapshot
+from moescope.agent.tui.devices import DevicesPanel
+from moescope.agent.tui.header import HeaderBar
+from moescope.agent.tui.layout import Dashboard
+from moescope.agent.tui.moe import MoePanel
+from moescope.agent.tui.policy import PolicyPanel
+from moescope.agent.tui.requests import RequestsPanel
+from moescope.agent.tui.self_cost import SelfCostText
 
 from .conftest import FIXTURE_NAMES, load_fixture, render
 

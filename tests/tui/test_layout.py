@@ -14,13 +14,13 @@ import pytest
 from rich.console import Console
 from rich.screen import Screen
 
-from agent import errors
-from agent.state import HotExpert, MoeLayer, Snapshot
-from agent.tui import fmt
-from agent.tui.app import run_live
-from agent.tui.layout import WIDE_MIN_COLUMNS, Dashboard, share_rows
-from agent.tui.moe import heat_cells, heat_text
-from agent.tui.requests import RequestsPanel
+from moescope import errors
+from moescope.agent.state import HotExpert, MoeLayer, Snapshot
+from moescope.agent.tui import fmt
+from moescope.agent.tui.app import run_live
+from moescope.agent.tui.layout import WIDE_MIN_COLUMNS, Dashboard, share_rows
+from moescope.agent.tui.moe import heat_cells, heat_text
+from moescope.agent.tui.requests import RequestsPanel
 
 from .conftest import FIXTURE_NAMES, load_fixture, render
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from agent import errors
-from agent.state import (
+from moescope import errors
+from moescope.agent.state import (
     SCHEMA_VERSION,
     Header,
     MoeLayer,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.state import StatePublisher
+from moescope.agent.state import StatePublisher
 
 from .conftest import FIXTURES, load_fixture
 

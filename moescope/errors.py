@@ -1,4 +1,6 @@
-"""The agent's typed errors: each carries a one-line message for users and a documented exit code.
+"""moescope's typed errors: each carries a one-line message for users and a documented exit code.
+
+Neutral: the agent, its collectors and probes, and the reference runtime all raise these.
 
 Exit codes (also in README "Exit codes"):
     0  success
