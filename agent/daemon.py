@@ -164,48 +164,6 @@ class Daemon:
         return result
 
 
-class LatencyHistogram:
-    """Log-linear histogram of positive integers (ns): 128 sub-buckets per power of two, so a
-    reported percentile is within 1/128 (< 0.8 %) of the exact nearest-rank value. Fixed memory."""
-
-    SUB_BITS = 7
-
-    def __init__(self) -> None:
-        self._counts: dict[int, int] = {}
-        self.count = 0
-
-    def _bucket(self, value: int) -> int:
-        if value < (1 << self.SUB_BITS):
-            return value  # exact below 128
-        shift = value.bit_length() - self.SUB_BITS - 1
-        return ((shift + 1) << self.SUB_BITS) + ((value >> shift) & ((1 << self.SUB_BITS) - 1))
-
-    def _bucket_low(self, bucket: int) -> int:
-        if bucket < (1 << self.SUB_BITS):
-            return bucket
-        shift = (bucket >> self.SUB_BITS) - 1
-        mantissa = (bucket & ((1 << self.SUB_BITS) - 1)) | (1 << self.SUB_BITS)
-        return mantissa << shift
-
-    def add(self, value: int) -> None:
-        bucket = self._bucket(max(0, value))
-        self._counts[bucket] = self._counts.get(bucket, 0) + 1
-        self.count += 1
-
-    def percentile(self, pct: float) -> int | None:
-        """Nearest-rank percentile (the smallest value with at least pct % of values <= it),
-        as its bucket's lower bound; None when empty."""
-        if self.count == 0:
-            return None
-        rank = max(1, -(-int(pct * self.count * 1000) // 100_000))  # ceil(pct/100 * count)
-        seen = 0
-        for bucket in sorted(self._counts):
-            seen += self._counts[bucket]
-            if seen >= rank:
-                return self._bucket_low(bucket)
-        return self._bucket_low(max(self._counts))
-
-
 def _hook_name(hook: TickHook) -> str:
     """`Observers._publish_metrics`, `Observers.build.drain_requests`: the hook's qualified name."""
     return getattr(hook, "__qualname__", "hook").replace(".<locals>", "")

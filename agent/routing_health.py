@@ -41,16 +41,16 @@ expert 5 hot in layer 1 would look balanced.
 Sliding windows (for the policy rules): ``SlidingCounts`` keeps per-step count vectors of one layer
 for ``duration_ns`` with O(1) add/evict (a running integer sum, so no float drift) and answers the
 load statistics of the window's summed counts — "Gini per layer over 10 s" is the Gini of all tokens
-routed in that layer in the last 10 s. ``SlidingQuantile`` answers quantiles (p99 of step latency,
-of ``moe.expert.load`` durations, of request latency) over a sliding window exactly, with numpy's
-default ("linear") interpolation. ``SlidingMean`` is a weighted mean over a window (router entropy).
+routed in that layer in the last 10 s. Latency quantiles over a window (p99 of step latency, of
+``moe.expert.load`` durations, of request latency) are ``moescope.latency.SlidingQuantile``'s:
+nearest-rank, the one definition moescope reports. ``SlidingMean`` is a weighted mean over a window
+(router entropy).
 A window covers ``(now - duration_ns, now]``. Timestamps are expected non-decreasing; an earlier
 one is kept and counted at the latest time seen (clamped), so eviction stays O(1).
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+
 
 NAN = float("nan")
 
@@ -398,68 +399,6 @@ class SlidingCounts:
         if now_ns is not None:
             self.evict(now_ns)
         return load_stats(self._sum, dropped=self._dropped_sum)
-
-
-class SlidingQuantile:
-    """Exact quantiles of values seen in the last ``duration_ns`` (e.g. p99 of step latency).
-
-    A sorted list beside the time-ordered deque: add/evict are a binary search plus a memmove,
-    cheap at the sizes a 10 s window holds. ``max_samples`` bounds memory: past it the oldest sample
-    is evicted early and counted in ``overflow_evictions``.
-    """
-
-    def __init__(self, *, duration_ns: int, max_samples: int = 100_000) -> None:
-        if max_samples < 1:
-            raise ValueError(f"max_samples must be >= 1, got {max_samples}")
-        self.duration_ns = _check_duration(duration_ns)
-        self.max_samples = max_samples
-        self.overflow_evictions = 0
-        self._entries: deque[tuple[int, float]] = deque()
-        self._sorted: list[float] = []
-        self._last_ns: int | None = None
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def add(self, t_ns: int, value: float) -> None:
-        v = float(value)
-        if math.isnan(v):
-            raise ValueError("cannot add NaN to a quantile window")
-        t = t_ns if self._last_ns is None else max(t_ns, self._last_ns)
-        self._last_ns = t
-        self._entries.append((t, v))
-        bisect.insort(self._sorted, v)
-        if len(self._entries) > self.max_samples:
-            self._pop_oldest()
-            self.overflow_evictions += 1
-        self.evict(t)
-
-    def _pop_oldest(self) -> None:
-        _, v = self._entries.popleft()
-        del self._sorted[bisect.bisect_left(self._sorted, v)]
-
-    def evict(self, now_ns: int) -> None:
-        horizon = now_ns - self.duration_ns
-        while self._entries and self._entries[0][0] <= horizon:
-            self._pop_oldest()
-
-    def quantile(self, q: float, now_ns: int | None = None) -> float:
-        """``q``-quantile (0..1) with linear interpolation (numpy's default); NaN when empty."""
-        if not 0.0 <= q <= 1.0:
-            raise ValueError(f"quantile must be in [0, 1], got {q}")
-        if now_ns is not None:
-            self.evict(now_ns)
-        n = len(self._sorted)
-        if n == 0:
-            return NAN
-        h = (n - 1) * q
-        lo = math.floor(h)
-        hi = min(lo + 1, n - 1)
-        a, b = self._sorted[lo], self._sorted[hi]
-        return a + (h - lo) * (b - a)
-
-    def p99(self, now_ns: int | None = None) -> float:
-        return self.quantile(0.99, now_ns)
 
 
 class SlidingMean:

@@ -39,12 +39,13 @@ from moescope import errors
 
 from moescope.agent import privileges
 from moescope.agent.allocator import Allocator
-from moescope.agent.daemon import STOP_SIGNAL, Daemon, LatencyHistogram
+from moescope.agent.daemon import STOP_SIGNAL, Daemon
 from moescope.agent.export.config import ExportConfig, add_export_arguments, flags_from_args, resolve_export_config
 from moescope.agent.metrics import add_metrics_arguments
 from moescope.agent.observe import Observers
 from moescope.agent.policy.wiring import add_policy_arguments
 from moescope.agent.targets import LaunchedCommand, Target, successors_on_port, target_for_pid, targets_for_port
+from moescope.latency import LatencyHistogram
 from moescope.probes.ingress import loader
 from moescope.probes.ingress.loader import IngressOptions, IngressProbe, IngressRecord
 

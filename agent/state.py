@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from moescope import errors
+from moescope.procfs import pid_exists
 
 log = logging.getLogger(__name__)
 
@@ -531,16 +532,6 @@ class PeriodicPublisher:
         self.publisher.close()
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else (root agent, unprivileged reader)
-    return True
-
-
 @dataclass(frozen=True, slots=True)
 class AgentFile:
     pid: int
@@ -566,7 +557,7 @@ def find_agents(state_dir: Path) -> list[AgentFile]:
             mtime = path.stat().st_mtime
         except OSError:
             continue
-        if pid_alive(pid):
+        if pid_exists(pid):
             found.append((mtime, AgentFile(pid=pid, path=path)))
     found.sort(key=lambda item: (-item[0], item[1].pid))
     return [agent for _, agent in found]

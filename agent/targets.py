@@ -15,11 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moescope import errors
-
 from moescope.agent import inherited_environ
 from moescope.probes.ingress import procnet
-
-PROC = Path("/proc")
+from moescope.procfs import PROC, ProcessIdentity, read_comm
 
 # Holds the launched command until the probe is attached: blocks reading the pipe fd (argv[1]),
 # closes it, then execs the command in the same pid, so the pid is traced before the command runs.
@@ -37,31 +35,6 @@ _TRAMPOLINE = (
 )
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    """Fields of /proc/PID/stat after the comm field, or None when the process is gone."""
-    try:
-        text = (PROC / str(pid) / "stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # comm may contain spaces and parentheses: the fields start after its last ')'.
-    return text[text.rindex(")") + 2 :].split()
-
-
-def process_state(pid: int) -> tuple[str, int] | None:
-    """(state letter, start time in clock ticks since boot), or None when there is no such pid."""
-    fields = _stat_fields(pid)
-    if fields is None:
-        return None
-    return fields[0], int(fields[19])
-
-
-def process_name(pid: int) -> str:
-    try:
-        return (PROC / str(pid) / "comm").read_text().strip()
-    except OSError:
-        return "?"
-
-
 @dataclass
 class Target:
     """A process being observed."""
@@ -76,8 +49,7 @@ class Target:
     def alive(self) -> bool:
         if self.popen is not None:
             return self.popen.poll() is None
-        state = process_state(self.pid)
-        return state is not None and state[0] not in ("Z", "X") and state[1] == self.start_ticks
+        return ProcessIdentity(pid=self.pid, start_ticks=self.start_ticks).alive()
 
     def describe(self) -> str:
         return f"pid {self.pid} ({self.name})"
@@ -88,10 +60,10 @@ def target_for_pid(pid: int) -> Target:
         raise errors.UsageError(f"--pid must be a positive process id, got {pid}")
     if pid == os.getpid():
         raise errors.UsageError(f"--pid {pid} is the agent itself; the agent never traces its own process")
-    state = process_state(pid)
-    if state is None or state[0] in ("Z", "X"):
+    identity = ProcessIdentity.of(pid)
+    if identity is None:
         raise errors.NoSuchProcess(f"no such process: pid {pid}")
-    return Target(pid=pid, start_ticks=state[1], name=process_name(pid))
+    return Target(pid=pid, start_ticks=identity.start_ticks, name=read_comm(pid) or "?")
 
 
 def pids_listening_on(port: int, *, proc_root: Path = PROC) -> list[int]:
@@ -167,10 +139,10 @@ class LaunchedCommand:
             )
         finally:
             os.close(read_fd)
-        state = process_state(self.popen.pid)
+        identity = ProcessIdentity.of(self.popen.pid)
         self.target = Target(
             pid=self.popen.pid,
-            start_ticks=state[1] if state else 0,
+            start_ticks=identity.start_ticks if identity else 0,  # alive() asks the Popen, not this
             name=os.path.basename(argv[0]),
             popen=self.popen,
         )

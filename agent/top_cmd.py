@@ -14,11 +14,11 @@ from types import FrameType
 from rich.console import Console
 
 from moescope import errors
+from moescope.procfs import pid_exists
 from moescope.agent.state import (
     STATE_FILE_RE,
     Snapshot,
     find_agents,
-    pid_alive,
     read_snapshot,
     state_dir_default,
 )
@@ -57,7 +57,7 @@ class StateFollower:
         self.agent_pid = agent_pid
 
     def __call__(self) -> Snapshot:
-        if self.agent_pid is not None and not pid_alive(self.agent_pid):
+        if self.agent_pid is not None and not pid_exists(self.agent_pid):
             raise errors.SourceUnavailable(f"agent {self.agent_pid} has exited; showing its last data")
         return read_snapshot(self.path)
 

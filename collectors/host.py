@@ -24,6 +24,7 @@ from typing import Literal
 
 from moescope.errors import SourceUnavailable
 from moescope.collectors.registry import CollectorConfig, register
+from moescope.procfs import pid_exists
 
 log = logging.getLogger("moescope.host")
 
@@ -128,16 +129,6 @@ def read_meminfo_total_bytes(*, proc_root: Path = Path("/proc")) -> int | None:
         if line.startswith("MemTotal:"):
             return int(line.split()[1]) * 1024
     return None
-
-
-def process_alive(pid: int, *, proc_root: Path = Path("/proc")) -> bool:
-    try:
-        stat = _read_text(proc_root / str(pid) / "stat")
-    except OSError:
-        return False
-    # The state letter follows the last ')' (the command name may contain ')' and spaces).
-    state = stat[stat.rfind(")") + 2 : stat.rfind(")") + 3]
-    return state not in ("Z", "X", "")
 
 
 def process_tree(pid: int, *, proc_root: Path = Path("/proc")) -> frozenset[int]:
@@ -442,7 +433,7 @@ class HostCollector:
         now_ns = time.time_ns()
         host_total = read_meminfo_total_bytes(proc_root=self.proc_root)
         try:
-            if not process_alive(self.target_pid, proc_root=self.proc_root):
+            if not pid_exists(self.target_pid, proc_root=self.proc_root):
                 raise TargetGone(f"process {self.target_pid} exited")
             rss = read_rss_bytes(self.target_pid, proc_root=self.proc_root, source=self.rss_source)
             cgroup: CgroupMemory | None = None

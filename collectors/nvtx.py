@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from moescope.errors import NoSuchProcess, NvtxUnavailable
+from moescope.procfs import pid_exists, task_exists
 
 log = logging.getLogger("moescope.nvtx")
 
@@ -205,25 +206,6 @@ def ring_path(pid: int, *, directory: Path | None = None) -> Path:
     return (directory or ring_dir()) / f"{RING_FILE_PREFIX}{pid}"
 
 
-def _pid_alive(pid: int) -> bool:
-    return _stat_alive(f"/proc/{pid}/stat")
-
-
-def _task_alive(pid: int, tid: int) -> bool:
-    return _stat_alive(f"/proc/{pid}/task/{tid}/stat")
-
-
-def _stat_alive(path: str) -> bool:
-    try:
-        with open(path, "rb") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    # state is the field after the parenthesised command name, which may contain spaces
-    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
-    return state not in (b"Z", b"X")
-
-
 def _namespace_pid(pid: int) -> int:
     """pid as the process itself sees it (innermost pid namespace; NSpid in /proc/PID/status)."""
     try:
@@ -265,7 +247,7 @@ def cleanup_stale_rings(*, directory: Path | None = None) -> int:
         if not name.startswith(RING_FILE_PREFIX):
             continue
         pid_text = name[len(RING_FILE_PREFIX) :].removesuffix(".tmp")
-        if not pid_text.isdigit() or _pid_alive(int(pid_text)):
+        if not pid_text.isdigit() or pid_exists(int(pid_text)):
             continue
         try:
             fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -639,7 +621,7 @@ class NvtxCollector:
     def _try_attach(self, now_ns: int, *, first: bool = False) -> bool:
         path = ring_path(self._ring_pid, directory=self._directory)
         if not path.exists():
-            if not _pid_alive(self.pid):
+            if not pid_exists(self.pid):
                 self._finished = True
                 if first:
                     raise NoSuchProcess(f"no such process: {self.pid}")
@@ -688,7 +670,7 @@ class NvtxCollector:
         exited = ring.producer_exited
         if not exited and now_ns - self._last_process_check_ns >= PROCESS_CHECK_PERIOD_NS:
             self._last_process_check_ns = now_ns
-            exited = not _pid_alive(self.pid)
+            exited = not pid_exists(self.pid)
         if (
             not (force or exited)
             and self._last_drain_ns is not None
@@ -1062,7 +1044,7 @@ class NvtxCollector:
         if len(self._open_pushes) == 0:
             return
         tids = np.unique(self._open_pushes["tid"]).tolist()
-        dead = [t for t in tids if not _task_alive(self.pid, t)]
+        dead = [t for t in tids if not task_exists(self.pid, int(t))]
         if not dead:
             return
         gone = np.isin(self._open_pushes["tid"], dead)

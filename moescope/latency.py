@@ -23,6 +23,7 @@ Neutral module: imports nothing of moescope's agent, collectors, probes or examp
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -35,10 +36,15 @@ def _exact_fraction(q: float, *, scale: int) -> Fraction:
     """``q / scale`` as the exact decimal ``q`` is written as (``repr``), checked to lie in [0, 1]."""
     if not isinstance(q, (int, float)) or isinstance(q, bool) or not math.isfinite(q):
         raise ValueError(f"quantile must be a number, got {q!r}")
-    exact = Fraction(repr(float(q))) / scale
+    return _decimal_fraction(float(q), scale)
+
+
+@functools.lru_cache(maxsize=64)  # callers ask the same few quantiles every tick
+def _decimal_fraction(q: float, scale: int) -> Fraction:
+    exact = Fraction(repr(q)) / scale
     if not 0 <= exact <= 1:
         bound = "[0, 1]" if scale == 1 else f"[0, {scale}]"
-        raise ValueError(f"quantile must be in {bound}, got {q}")
+        raise ValueError(f"quantile must be in {bound}, got {q:g}")
     return exact
 
 

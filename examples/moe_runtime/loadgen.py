@@ -37,6 +37,7 @@ import urllib.parse
 from typing import Any
 
 from moescope.errors import ControlError, MoescopeError, UsageError
+from moescope.latency import nearest_rank
 
 SCENARIOS = ("balanced", "uniform", "hotspot", "burst", "long", "memory")
 HOTSPOT_CHAR = "x"
@@ -60,12 +61,9 @@ def make_prompt(scenario: str, rng: random.Random, *, long_bytes: int) -> str:
     return " ".join(rng.choice(WORDS) + str(rng.randint(0, 99)) for _ in range(n))
 
 
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile of an ascending list (0 for an empty one)."""
-    if not sorted_values:
-        return 0.0
-    rank = max(1, int(-(-q * len(sorted_values) // 100)))
-    return sorted_values[min(rank, len(sorted_values)) - 1]
+def _latency_ms(sorted_latencies_ms: list[float], q: float) -> float:
+    """The summary's nearest-rank ``q``-quantile (moescope.latency), rounded; 0 when nothing succeeded."""
+    return round(nearest_rank(sorted_latencies_ms, q), 3) if sorted_latencies_ms else 0.0
 
 
 @dataclasses.dataclass
@@ -308,8 +306,8 @@ def run(*, url: str, scenario: str, concurrency: int, requests: int | None, dura
         "errors": results.errors, "duration_s": round(elapsed_s, 3),
         "throughput_rps": round(len(lat) / elapsed_s, 3) if elapsed_s > 0 else 0.0,
         "tokens_per_s": round(results.completion_tokens / elapsed_s, 3) if elapsed_s > 0 else 0.0,
-        "latency_ms": {"p50": round(percentile(lat, 50), 3), "p95": round(percentile(lat, 95), 3),
-                       "p99": round(percentile(lat, 99), 3), "max": round(lat[-1], 3) if lat else 0.0,
+        "latency_ms": {"p50": _latency_ms(lat, 0.50), "p95": _latency_ms(lat, 0.95),
+                       "p99": _latency_ms(lat, 0.99), "max": round(lat[-1], 3) if lat else 0.0,
                        "mean": round(sum(lat) / len(lat), 3) if lat else 0.0},
         "server": server,
     }

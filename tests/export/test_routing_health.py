@@ -173,41 +173,6 @@ def test_sliding_counts_equal_bruteforce(events: list[tuple[int, list[int]]], wi
         assert len(win) == len(inside)
 
 
-@settings(max_examples=150, deadline=None)
-@given(
-    st.lists(
-        st.tuples(st.integers(min_value=0, max_value=2_000), st.floats(min_value=0, max_value=1e4, allow_nan=False)),
-        min_size=1,
-        max_size=80,
-    ),
-    st.integers(min_value=1, max_value=5_000),
-    st.sampled_from([0.0, 0.5, 0.9, 0.99, 1.0]),
-)
-def test_sliding_quantile_equals_numpy(events: list[tuple[int, float]], window_ms: int, q: float) -> None:
-    duration_ns = window_ms * 1_000_000
-    win = rh.SlidingQuantile(duration_ns=duration_ns)
-    t = 0
-    seen: list[tuple[int, float]] = []
-    for dt_ms, value in events:
-        t += dt_ms * 1_000_000
-        win.add(t, value)
-        seen.append((t, value))
-        inside = [v for ts, v in seen if ts > t - duration_ns]
-        assert win.quantile(q, t) == pytest.approx(float(np.quantile(inside, q)), rel=1e-12, abs=1e-9)
-
-
-def test_sliding_quantile_empty_and_overflow() -> None:
-    win = rh.SlidingQuantile(duration_ns=10, max_samples=3)
-    assert math.isnan(win.p99())
-    for i in range(5):
-        win.add(0, float(i))
-    assert len(win) == 3
-    assert win.overflow_evictions == 2
-    assert win.quantile(0.0) == 2.0
-    win.add(100, 7.0)
-    assert len(win) == 1 and win.p99() == 7.0
-
-
 def test_out_of_order_time_is_clamped() -> None:
     win = rh.SlidingCounts(duration_ns=100, num_experts=2)
     win.add(1_000, [1, 0])
