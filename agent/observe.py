@@ -1,10 +1,10 @@
 """Everything `agent start` runs beside the ingress probe, assembled in one place.
 
-    NVTX rings (collectors/nvtx → moe_convention) ─┐
-    NVML / host memory (collectors/registry)  ─────┼─▶ daemon ─▶ pipeline ─▶ traces (OTLP / file)
-    ingress probe (probes/ingress)            ─────┘               │     ─▶ /metrics
-                                                                   ├─▶ policy engine ─▶ control socket
-                                                                   └─▶ state file ─▶ `agent top` / --tui
+    NVTX rings (collectors/nvtx → moe_convention) ─┐ typed records
+    NVML / host memory (collectors/registry)  ─────┤ (daemon.emit)
+    ingress probe (probes/ingress)            ─────┼─▶ join ─▶ outputs: traces (OTLP / file), /metrics,
+    runtime stats (control socket)            ─────┘           windows ─▶ policy engine ─▶ control socket
+                                                                       └─▶ state file ─▶ `agent top` / --tui
 
 Each part is optional and fails soft: a target started without the NVTX variable, a host without
 NVIDIA's driver, or a runtime without a control socket costs that part (said once at start), never
@@ -32,7 +32,10 @@ from moescope.agent.export.setup import Tracing, build_tracing, stats_to_metrics
 from moescope.agent.metrics import Metrics, MetricsServer
 from moescope.agent.pipeline import Pipeline, resource_attributes
 from moescope.agent.policy.rules import Signals
+from moescope.agent.policy.stats_source import RuntimeStatsSource
+from moescope.collectors.moe_convention import StepBatch
 from moescope.probes.ingress.loader import DROP_NAMES
+from moescope.procfs import read_comm
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,7 @@ class Observers:
         self.policy: Any = None
         self.policy_loop: Any = None
         self.stats_signals: Any = None
+        self.runtime_stats: RuntimeStatsSource | None = None
         self.nvtx_records: Any = None
         self._nvtx_announced: set[int] = set()
         self._nvtx_announce_hooked = False
@@ -131,7 +135,7 @@ class Observers:
         """NVTX per target, telemetry and policy for the first target. Soft failures become notes."""
         self.probes = list(probe_names)
         for pid in pids:
-            self.targets.append(st.Target(pid=pid, comm=_comm(pid)))
+            self.targets.append(st.Target(pid=pid, comm=read_comm(pid) or "?"))
         if not self.args.no_nvtx:
             self._attach_nvtx(pids)
         if not self.args.no_telemetry:
@@ -171,7 +175,7 @@ class Observers:
         """A new target (a restarted server): NVTX, telemetry and policy follow it. Returns the
         lines to say (one per part that could not follow, and what did)."""
         first_note = len(self.notes)
-        self.targets.append(st.Target(pid=pid, comm=_comm(pid)))
+        self.targets.append(st.Target(pid=pid, comm=read_comm(pid) or "?"))
         parts = ["ingress"]
         if not self.args.no_nvtx:
             before = len(self.nvtx)
@@ -216,21 +220,27 @@ class Observers:
             self._closed_audit_records += len(self.policy.audit.recent())
             self.policy.close()
             self.policy = None
+        if self.runtime_stats is not None:
+            self.daemon.sources.remove(self.runtime_stats)
+            self.runtime_stats = None
         if self.stats_signals is not None:
             self.stats_signals.close()
             self.stats_signals = None
         self._policy_pid = None
 
     def _attach_nvtx(self, pids: list[int]) -> None:
-        from moescope.collectors.moe_convention import MoeConventionParser
+        from moescope.collectors.moe_convention import MoeConventionParser, StepEvent
         from moescope.collectors.nvtx import NvtxCollector
 
         if self.args.nvtx_records and self.nvtx_records is None:
             from moescope.agent.nvtx_records import NvtxRecordsSink
 
             self.nvtx_records = NvtxRecordsSink(self.args.nvtx_records)
+        def emit_steps(steps: list[StepEvent]) -> None:
+            self.daemon.emit(StepBatch(tuple(steps)))
+
         for pid in pids:
-            parser = MoeConventionParser(sink=self.pipeline.on_steps)
+            parser = MoeConventionParser(sink=emit_steps)
             sink: Any = parser
             if self.nvtx_records is not None:
                 sink = self.nvtx_records.chain(parser)
@@ -322,6 +332,9 @@ class Observers:
         if socket_path:
             # Queue depth per expert is the runtime's own number (control-socket stats).
             self.stats_signals = RuntimeStatsSignals(socket_path, timeout_s=engine.config.command_timeout_ms / 1000.0)
+            # ... and what it reads (precision, residency) reaches spans and the live view as records
+            self.runtime_stats = RuntimeStatsSource(self.stats_signals, emit=self.daemon.emit)
+            self.daemon.add_source(self.runtime_stats)
         mode = "dry-run" if self.args.dry_run else "acting"
         self.notes.append(f"policy: {len(engine.rules)} rules, {mode}, control socket {socket_path}, audit {self.args.policy_audit}")
         self.policy = engine
@@ -407,7 +420,7 @@ class Observers:
             self.publisher.stop()
         if self.nvtx_records is not None:
             self.nvtx_records.close()
-        self.pipeline.expire(flush=True)
+        self.pipeline.shutdown()  # buffered steps out (unjoined ones as traces), outputs flushed
         final = self.tracing.shutdown()
         if self._export_to_metrics is not None:
             self._export_to_metrics(final)
@@ -441,10 +454,7 @@ class Observers:
         with self._lock:
             self._seq += 1
             seq = self._seq
-        requests, moe, devices = self.pipeline.panels()
-        runtime = getattr(self.stats_signals, "last_state", None)
-        if runtime is not None:
-            moe, devices = _with_runtime_state(moe, devices, runtime)
+        requests, moe, devices = self.pipeline.panels()  # the runtime's precision/residency included
         policy = st.Policy()
         engine = self.policy  # read once: a re-attach may replace it meanwhile (daemon thread)
         if engine is not None:
@@ -511,39 +521,6 @@ def _is_drop(counter: str) -> bool:
     return "drop" in counter or counter in _INGRESS_DROPS
 
 
-def _with_runtime_state(moe: st.Moe, devices: st.Devices, runtime: Any) -> tuple[st.Moe, st.Devices]:
-    """Precision and residency per layer, and the runtime's device pool, from its control-socket stats."""
-    layers = []
-    for layer in moe.layers:
-        keys = [(layer.layer, e) for e in range(runtime.experts)]
-        precisions = [runtime.precision.get(k, runtime.precision_default) for k in keys]
-        base = max(set(precisions), key=precisions.count) if precisions else None
-        others = sum(1 for p in precisions if p != base)
-        tiers = [runtime.tier.get(k) for k in keys]
-        layers.append(
-            replace(
-                layer,
-                precision=f"{base}+{others}" if others else base,
-                expert_precision={str(e): p for e, p in enumerate(precisions) if p != base},
-                resident_device=sum(1 for t in tiers if t == "device"),
-                resident_host=sum(1 for t in tiers if t == "host"),
-            )
-        )
-    if not devices.gpus:
-        pools = [(name, m) for name, m in runtime.memory.items() if m.get("budget_bytes")]
-        if pools:
-            name, pool = max(pools, key=lambda kv: kv[1].get("used_ratio", 0.0))
-            devices = replace(
-                devices,
-                host_budget=st.HostBudget(
-                    source=f"runtime pool {name} (policy signal)",
-                    used_bytes=int(pool.get("used_bytes", 0)),
-                    total_bytes=int(pool.get("budget_bytes", 0)),
-                ),
-            )
-    return replace(moe, layers=layers), devices
-
-
 _PARSER_ANOMALIES = ("unknown_names", "malformed_payloads", "malformed_categories", "misplaced", "orphans", "pending_overflow")
 
 
@@ -552,11 +529,3 @@ def _fmt_export(stats: Any) -> str:
     if fields:
         return ", ".join(f"{name} {getattr(stats, name)}" for name in fields)
     return str(stats)
-
-
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as f:
-            return f.read().strip()
-    except OSError:
-        return "?"

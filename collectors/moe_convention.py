@@ -135,6 +135,13 @@ class StepEvent:
         return self.end_ns - self.start_ns
 
 
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    """The record the NVTX path emits: the steps one parser round completed, in end order."""
+
+    steps: tuple[StepEvent, ...]
+
+
 StepSink = Callable[[list[StepEvent]], None]
 
 _STAT_NAMES = (

@@ -145,3 +145,32 @@ class RuntimeStatsSignals:
     def _memory_ratio(state: RuntimeState) -> float:
         ratios = [float(m["used_ratio"]) for m in state.memory.values()]
         return max(ratios) if ratios else math.nan
+
+
+class RuntimeStatsSource:
+    """A daemon source of ``RuntimeState`` records: the runtime's stats that the policy's poller
+    (``RuntimeStatsSignals``, on the policy thread) last read, emitted once each on the daemon thread,
+    so per-layer precision and residency reach spans and the live view through the join."""
+
+    name = "runtime-stats"
+
+    def __init__(self, signals: RuntimeStatsSignals, *, emit: Callable[[object], None]) -> None:
+        self.signals = signals
+        self._emit = emit
+        self._last: RuntimeState | None = None
+        self.emitted = 0
+
+    def poll(self, now_ns: int) -> int:
+        state = self.signals.last_state  # one attribute read: the policy thread replaces it whole
+        if state is None or state is self._last:
+            return 0
+        self._last = state
+        self._emit(state)
+        self.emitted += 1
+        return 1
+
+    def stats(self) -> dict[str, int]:
+        return {"records": self.emitted, "polls_failed": self.signals.poll_errors}
+
+    def close(self) -> None:
+        return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -62,6 +63,10 @@ def file_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FileRun]:
         agent.wait_for_line(r"^agent: traces: OTLP-JSON files under ", stream="err")
         port = wait_runtime_ready(agent)
         wait_nvtx_attached(target_pid)
+        # The policy finds the runtime's control socket within a second; its stats poller (every
+        # 200 ms) is where moe.precision comes from: requests start once it has polled.
+        agent.wait_for_line(r"policy: \d+ rules", stream="err")
+        time.sleep(1.0)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
         try:
             sent = [completion(conn, max_tokens=n, prompt=f"file store {n}") for n in (1, 2, 3, 4)]
@@ -105,6 +110,14 @@ def test_files_hold_every_request_and_step(bpf: None, file_run: FileRun, file_re
     print(f"\ne2e file store: {len(file_report.servers)} server spans ({len(file_report.completions)} joined, "
           f"{len(policy)} policy spans), {len(file_report.owner_steps)} owner steps, "
           f"{len(file_report.stub_steps)} stubs, {len(file_run.spans)} spans")
+
+
+def test_expert_spans_carry_the_precision_the_runtime_reports(bpf: None, file_run: FileRun) -> None:
+    """moe.precision comes from the runtime's control-socket stats (read by the policy's poller, sent
+    through the join as a record): every FFN span of this run, all after the first poll, says fp32."""
+    ffns = [x for x in file_run.spans if x.name == "moe.expert.ffn"]
+    assert ffns
+    assert {x.attributes.get("moe.precision") for x in ffns} == {"fp32"}
 
 
 def test_traces_list_matches_the_files(bpf: None, file_run: FileRun) -> None:

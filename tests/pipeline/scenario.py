@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from moescope.agent.policy.actuator import RuntimeState
 from moescope.collectors.host import HostSample, MemorySignal
 from moescope.collectors.moe_convention import (
     ExpertFfnEvent,
@@ -256,12 +257,22 @@ def main_scenario(seed: int = 6) -> Scenario:
     )
 
 
+def runtime_state(precision: dict[int, str]) -> RuntimeState:
+    """The runtime's own view (control-socket `stats`) with one precision for every expert of a layer."""
+    return RuntimeState(
+        precision_default="fp32", devices=["cpu"], primary_device="cpu", layers=NUM_LAYERS, experts=NUM_EXPERTS,
+        tokens={}, last_step_tokens={}, queue_depth={}, entropy_bits={}, penalty={}, device={}, tier={}, dtype={},
+        precision={(layer, e): p for layer, p in precision.items() for e in range(NUM_EXPERTS)},
+        memory={}, expert_bytes_fp32=0,
+    )
+
+
 def feed(scenario: Scenario, pipeline: Any, clock: FakeClock) -> None:
     """Telemetry first, then steps and records in arrival order with the clock at each arrival;
     finally retire every buffered step (``expire(flush=True)``, as on shutdown)."""
     for sample in scenario.telemetry:
         pipeline.sink(sample)  # the daemon's dispatch
-    pipeline.set_precision(PRECISION)
+    pipeline.sink(runtime_state(PRECISION))  # the runtime's control-socket stats, as a record
     for t_ns, kind, name in scenario.events():
         clock.now_ns = t_ns
         if kind == "step":
@@ -339,4 +350,5 @@ def ref_step(step: StepEvent, num_experts: int) -> dict[str, Any]:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
+    """Nearest rank (moescope.latency's definition), computed independently: numpy's inverted CDF."""
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q, method="inverted_cdf"))

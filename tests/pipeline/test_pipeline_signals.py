@@ -25,6 +25,7 @@ from .scenario import (
     NUM_LAYERS,
     PID_A,
     PRECISION,
+    runtime_state,
     RETENTION_NS,
     STEP_FEED_DELAY_NS,
     TARGET_RSS_BYTES,
@@ -190,7 +191,7 @@ def test_panels_make_a_snapshot_that_round_trips() -> None:
     run = make_run(seed=12)
     clock = FakeClock()
     pipeline = Pipeline(spans=None, clock=clock, window_ns=WINDOW_NS)
-    pipeline.set_precision(PRECISION)
+    pipeline.sink(runtime_state(PRECISION))
     pipeline.on_telemetry(TelemetryRecord(collector="host", sample=host_sample()))
     arrivals: list[tuple[int, IngressRecord]] = []
     for t_ns, _, kind, obj in run.events():
@@ -407,14 +408,14 @@ def test_metrics_equal_what_was_fed() -> None:
     assert metrics.get("moescope_step_expert_load_gini_max") == pytest.approx(step_ref["moe.expert_load.gini_max"])
     assert metrics.get("moescope_device_memory_used_bytes", device="host") == MEMORY.used_bytes
     assert metrics.get("moescope_target_memory_bytes", device="host") == TARGET_RSS_BYTES
-    assert math.isnan(metrics.get("moescope_agent_metric_series_dropped", metric="moescope_expert_tokens"))
+    assert metrics.get("moescope_agent_metric_series_dropped", metric="moescope_expert_tokens") == 0  # none dropped, shown
 
 
 def test_rates_stay_bounded_without_a_live_view() -> None:
     # Nobody reads the request/step rates when no state file is written: adding must prune too.
-    from moescope.agent.pipeline import _Rate
+    from moescope.agent.outputs.windows import EventRate
 
-    rate = _Rate(window_ns=1_000)
+    rate = EventRate(window_ns=1_000)
     for t in range(100_000):
         rate.add(t)
     assert len(rate.times) == 1_001  # the last window_ns (inclusive), not all 100 000

@@ -292,6 +292,9 @@ def check_received(spans: list[FlatSpan], scenario: Scenario, pipeline: Pipeline
         "experts_grown": 1,  # E learned once, from the first moe.layer payload
         "layers_bad_routing": 0,
         "buffered_steps": 0,
+        "runtime_states": 1,  # the runtime's stats record (per-layer precision)
+        "records_unknown": 0,
+        "output_errors": 0,
     }
 
 

@@ -1,0 +1,412 @@
+"""The join: kernel-timed requests + NVTX MoE steps + device samples, in one place.
+
+Sources emit typed records (the daemon hands each to ``RequestJoin.sink``):
+
+- ``IngressRecord`` when the kernel saw a request complete (probes/ingress);
+- ``StepBatch`` of completed ``moe.step`` trees (collectors/nvtx → collectors/moe_convention);
+- ``TelemetryRecord`` for every device/host sample (collectors/registry);
+- ``RuntimeState`` when the runtime's control-socket ``stats`` changed (agent/policy/stats_source).
+
+The join turns them into ``JoinEvent``s and hands every event to every registered ``Output``
+(agent/outputs: traces, metrics, the windows the policy and the live view read). It never builds a
+span or writes a metric itself, and an output is added with ``add_output``, never edited in here.
+
+Join rule: a step served a request when the step's ``moe.request`` marks carry the request's key
+(the connection's fd), the step ran in the same process (pid == tgid), and the step started inside
+the request's kernel-timed interval [first byte read, last byte written]. Steps end before the
+response that depends on them is written, but the daemon polls NVTX and ingress one after the other:
+with ``defer_requests`` (the agent's setting) a request record waits for the first tick that started
+after it ended, by when all its steps have been drained (``drain_requests``). Buffered steps are
+kept for ``step_retention_ns`` and bounded in count.
+
+Memory-source priority is decided here, once: the NVML signal wins; host / cgroup / budget signals
+count only where NVML has none. Every output sees the chosen signal on ``TelemetrySeen``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from moescope.agent.policy.actuator import RuntimeState
+from moescope.agent.routing_health import NAN, LayerHealth, LayerRouting, layer_health
+from moescope.collectors.host import HostSample, MemorySignal
+from moescope.collectors.moe_convention import StepBatch, StepEvent
+from moescope.collectors.nvml import NvmlSample
+from moescope.collectors.registry import TelemetryRecord
+from moescope.probes.ingress.loader import IngressRecord
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STEP_RETENTION_NS = 120_000_000_000
+DEFAULT_MAX_BUFFERED_STEPS = 20_000
+DRAIN_ALL_NS = 2**63 - 1
+
+
+@dataclass(slots=True)
+class BufferedStep:
+    """One step while it waits for the requests it served (the join's unit of state)."""
+
+    seq: int  # join-wide step number: outputs key their own per-step state by it
+    step: StepEvent
+    num_experts: int
+    healths: list[LayerHealth]  # computed once per step: metrics, windows and spans all use these
+    routings: list[LayerRouting]
+    batch_size: int  # distinct request keys marked in the step
+    claims: int = 0
+
+
+# ---------------------------------------------------------------- what outputs receive
+
+
+@dataclass(frozen=True, slots=True)
+class StepSeen:
+    """A completed step entered the join (every step, exactly once)."""
+
+    step: BufferedStep
+    experts_changed: bool  # E differs from the previous step's: per-E windows restart
+
+
+@dataclass(frozen=True, slots=True)
+class RequestJoined:
+    """A kernel-timed request with the buffered steps that served it, oldest first."""
+
+    record: IngressRecord
+    steps: tuple[BufferedStep, ...]
+    first_claims: tuple[bool, ...]  # per step: this request is the first of its batch to arrive
+
+
+@dataclass(frozen=True, slots=True)
+class StepRetired:
+    """A step left the buffer; ``step.claims == 0``: no request claimed it."""
+
+    step: BufferedStep
+    evicted: bool = False  # pushed out early by max_buffered_steps (dropped, counted), not retention
+
+
+@dataclass(frozen=True, slots=True)
+class TelemetrySeen:
+    """A device or host sample, with the memory signal the agent uses from now on."""
+
+    collector: str
+    sample: NvmlSample | HostSample | object
+    memory: MemorySignal | None
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeSeen:
+    """The runtime's own view (control-socket stats): per-layer precision, residency, pools."""
+
+    state: RuntimeState
+    layer_precision: dict[int, str]
+
+
+JoinEvent = StepSeen | RequestJoined | StepRetired | TelemetrySeen | RuntimeSeen
+
+
+class Output(Protocol):
+    """Where joined events go (OpenTelemetry's exporter shape): traces, metrics, windows, ..."""
+
+    name: str
+
+    def export(self, batch: Sequence[JoinEvent]) -> None:
+        """Handle events in order; must not raise into the join (errors are counted there anyway)."""
+        ...
+
+    def force_flush(self) -> None:
+        """Write out anything held back (e.g. per-step metrics summed between scrapes)."""
+        ...
+
+    def shutdown(self, deadline_ns: int) -> None:
+        """Flush and release, finishing by ``deadline_ns`` (CLOCK_MONOTONIC)."""
+        ...
+
+    def stats(self) -> dict[str, int]:
+        """Counters for the agent's summary."""
+        ...
+
+
+def layer_precision_of(state: RuntimeState) -> dict[int, str]:
+    """Each layer's precision as one string: the experts' common precision, or "fp32+2" when two
+    experts of the layer run another one (the live view and ``moe.precision`` use the same text)."""
+    out: dict[int, str] = {}
+    for layer in range(state.layers):
+        precisions = [state.precision.get((layer, e), state.precision_default) for e in range(state.experts)]
+        if not precisions:
+            continue
+        base = max(set(precisions), key=precisions.count)
+        others = sum(1 for p in precisions if p != base)
+        out[layer] = f"{base}+{others}" if others else base
+    return out
+
+
+class RequestJoin:
+    """Joins the sources and fans the joined events out to the registered outputs."""
+
+    def __init__(
+        self,
+        *,
+        num_experts: int | None = None,
+        step_retention_ns: int = DEFAULT_STEP_RETENTION_NS,
+        max_buffered_steps: int = DEFAULT_MAX_BUFFERED_STEPS,
+        clock: Callable[[], int] = time.monotonic_ns,
+        defer_requests: bool = False,
+    ) -> None:
+        self.step_retention_ns = step_retention_ns
+        self.max_buffered_steps = max_buffered_steps
+        self.clock = clock
+        # sink() holds request records until drain_requests(now_ns) (a daemon tick hook) sees they ended
+        # before the tick started: the steps of such a request were in the NVTX ring when it was drained.
+        self.defer_requests = defer_requests
+        self._deferred: list[IngressRecord] = []
+        self._configured_experts = num_experts
+        self._num_experts = num_experts or 0
+        self._lock = threading.Lock()  # records arrive on the daemon thread; stats() may run elsewhere
+        self._outputs: list[Output] = []
+        self._output_errors: dict[str, int] = {}
+        # (pid, request key) -> buffered steps carrying that key, oldest first
+        self._by_key: dict[tuple[int, int], deque[BufferedStep]] = {}
+        self._buffer: deque[BufferedStep] = deque()
+        self._seq = 0
+        self._memory: MemorySignal | None = None
+        self._counts: dict[str, int] = dict.fromkeys(
+            (
+                "requests", "requests_unanswered", "requests_joined", "steps", "steps_joined",
+                "steps_unjoined", "steps_evicted_overflow", "telemetry_samples", "runtime_states",
+                "experts_grown", "layers_bad_routing", "records_unknown",
+            ),
+            0,
+        )
+
+    # ------------------------------------------------------------------ outputs
+    def add_output(self, output: Output) -> None:
+        self._outputs.append(output)
+
+    @property
+    def outputs(self) -> list[Output]:
+        return list(self._outputs)
+
+    def _export(self, batch: Sequence[JoinEvent]) -> None:
+        if not batch:
+            return
+        for output in self._outputs:
+            try:
+                output.export(batch)
+            except Exception:  # one output's bug must not cost the others their data
+                n = self._output_errors.get(output.name, 0) + 1
+                self._output_errors[output.name] = n
+                if n == 1:
+                    log.exception("output %s failed (further failures are only counted)", output.name)
+
+    # ------------------------------------------------------------------ inputs
+    def sink(self, record: object) -> None:
+        """The daemon's record sink: one handler per record type."""
+        match record:
+            case IngressRecord():
+                if self.defer_requests:
+                    with self._lock:
+                        self._deferred.append(record)
+                else:
+                    self.on_request(record)
+            case StepBatch():
+                self.on_steps(record.steps)
+            case TelemetryRecord():
+                self.on_telemetry(record)
+            case RuntimeState():
+                self.on_runtime_state(record)
+            case _:
+                with self._lock:
+                    self._counts["records_unknown"] += 1
+
+    def on_request(self, record: IngressRecord) -> None:
+        """One kernel-timed request."""
+        with self._lock:
+            self._counts["requests"] += 1
+            if not record.answered:
+                self._counts["requests_unanswered"] += 1
+            steps = self._claim_steps(record)
+            first = tuple(b.claims == 1 for b in steps)
+        self._export([RequestJoined(record, tuple(steps), first)])
+        with self._lock:
+            for b in steps:
+                if b.claims >= b.batch_size:
+                    # Every request of the batch has been handed out: only the step's header is
+                    # needed until it leaves the buffer, so let its layer tree go (most of the heap).
+                    b.step = replace(b.step, layers=[])
+                    b.routings, b.healths = [], []
+
+    def on_steps(self, steps: Iterable[StepEvent]) -> None:
+        """Completed ``moe.step`` trees from the convention parser."""
+        events: list[JoinEvent] = []
+        for step in steps:
+            with self._lock:
+                events.extend(self._add_step(step))
+        self._export(events)
+        self.expire()
+
+    def on_telemetry(self, record: TelemetryRecord) -> None:
+        """An NVML sample or a host memory sample (registry collectors)."""
+        sample = record.sample
+        with self._lock:
+            self._counts["telemetry_samples"] += 1
+            if isinstance(sample, NvmlSample):
+                signal = sample.memory_signal()
+                if signal is not None:
+                    self._memory = signal
+            elif isinstance(sample, HostSample):
+                signal = sample.memory_signal()
+                if signal is not None and (self._memory is None or self._memory.source != "nvml"):
+                    self._memory = signal  # host/cgroup/budget: the signal where NVML has none
+            memory = self._memory
+        self._export([TelemetrySeen(record.collector, sample, memory)])
+
+    def on_runtime_state(self, state: RuntimeState) -> None:
+        """The runtime's control-socket stats changed (precision per layer, residency, pools)."""
+        with self._lock:
+            self._counts["runtime_states"] += 1
+        self._export([RuntimeSeen(state, layer_precision_of(state))])
+
+    def drain_requests(self, now_ns: int) -> None:
+        """Daemon tick hook: join the deferred requests that ended before this tick started.
+
+        The daemon polls its sources one after another; a request can end (and its record be read)
+        after the NVTX ring was drained in the same tick, while its steps, which ended before its
+        response, wait in that ring. Every source of this tick was polled at or after ``now_ns``, so
+        a request with ``end_ns < now_ns`` has all its steps buffered now; later ones wait a tick.
+        """
+        with self._lock:
+            ready = [r for r in self._deferred if r.end_ns < now_ns]
+            if not ready:
+                return None
+            self._deferred = [r for r in self._deferred if r.end_ns >= now_ns]
+        for record in sorted(ready, key=lambda r: r.end_ns):
+            self.on_request(record)
+        return None
+
+    # ------------------------------------------------------------------ steps
+    def _experts_for(self, step: StepEvent) -> tuple[int, bool]:
+        """E: the moe.layer payload (moe/v1) wins; else --num-experts; else the largest expert id seen."""
+        reported = max((layer.num_experts or 0 for layer in step.layers), default=0)
+        if reported:
+            wanted = reported
+        elif self._configured_experts:
+            wanted = self._configured_experts
+        else:
+            seen = 0
+            for layer in step.layers:
+                router = layer.router
+                if router is not None:
+                    for expert in (*router.tokens, *router.dropped):
+                        seen = max(seen, expert + 1)
+                for ev in (*layer.loads, *layer.ffns):
+                    seen = max(seen, ev.expert + 1)
+            wanted = max(seen, self._num_experts)
+        changed = wanted != self._num_experts
+        if changed:
+            self._counts["experts_grown"] += 1
+            self._num_experts = wanted
+        return self._num_experts, changed
+
+    def _add_step(self, step: StepEvent) -> list[JoinEvent]:
+        self._counts["steps"] += 1
+        num_experts, changed = self._experts_for(step)
+        routings = self._routings(step, num_experts)
+        self._seq += 1
+        buffered = BufferedStep(
+            self._seq, step, num_experts, [layer_health(r) for r in routings], routings, len(set(step.requests))
+        )
+        self._buffer.append(buffered)
+        for key in set(step.requests):
+            self._by_key.setdefault((step.pid, key), deque()).append(buffered)
+        events: list[JoinEvent] = [StepSeen(buffered, changed)]
+        while len(self._buffer) > self.max_buffered_steps:
+            self._counts["steps_evicted_overflow"] += 1
+            events.append(StepRetired(self._retire_oldest_locked(), evicted=True))
+        return events
+
+    def _routings(self, step: StepEvent, num_experts: int) -> list[LayerRouting]:
+        out: list[LayerRouting] = []
+        if num_experts <= 0:
+            return out
+        for layer in step.layers:
+            router = layer.router
+            if router is None:
+                continue
+            try:
+                routing = LayerRouting.from_marks(
+                    layer=layer.layer,
+                    num_experts=num_experts,
+                    tokens=router.tokens,
+                    dropped=router.dropped,
+                    router_entropy_bits=NAN if router.entropy_bits is None else router.entropy_bits,
+                )
+            except ValueError:
+                # bad marks (expert id >= a configured E, negative count): this layer's health is left out, counted
+                self._counts["layers_bad_routing"] += 1
+                continue
+            out.append(routing)
+        return out
+
+    def _claim_steps(self, record: IngressRecord) -> list[BufferedStep]:
+        """Buffered steps of this request (same pid, key == fd, started inside its interval)."""
+        queue = self._by_key.get((record.tgid, record.fd))
+        if not queue:
+            return []
+        mine = [b for b in queue if record.start_ns <= b.step.start_ns <= record.end_ns]
+        mine.sort(key=lambda b: b.step.start_ns)  # arrival order is end order: two model threads can interleave
+        if mine:
+            self._counts["requests_joined"] += 1
+        for b in mine:
+            b.claims += 1
+        # A later request on this fd starts after this one ended: older entries can go.
+        while queue and queue[0].step.start_ns <= record.end_ns:
+            queue.popleft()
+        if not queue:
+            del self._by_key[(record.tgid, record.fd)]
+        return mine
+
+    def _retire_oldest_locked(self) -> BufferedStep:
+        b = self._buffer.popleft()
+        for key in set(b.step.requests):
+            q = self._by_key.get((b.step.pid, key))
+            if q and q[0] is b:
+                q.popleft()
+                if not q:
+                    del self._by_key[(b.step.pid, key)]
+        if b.claims:
+            self._counts["steps_joined"] += 1
+        else:
+            self._counts["steps_unjoined"] += 1
+        return b
+
+    def expire(self, *, flush: bool = False) -> None:
+        """Retire buffered steps past retention (all with ``flush``); outputs see each retirement."""
+        if flush:
+            self.drain_requests(DRAIN_ALL_NS)  # the sources are closed: every request left is final
+        now = self.clock()
+        retired: list[JoinEvent] = []
+        with self._lock:
+            while self._buffer and (flush or self._buffer[0].step.end_ns < now - self.step_retention_ns):
+                retired.append(StepRetired(self._retire_oldest_locked()))
+        self._export(retired)
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def num_experts(self) -> int:
+        return self._num_experts
+
+    def memory(self) -> MemorySignal | None:
+        """The memory signal chosen by the priority rule (NVML first), or None."""
+        return self._memory
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            out = dict(self._counts)
+            out["buffered_steps"] = len(self._buffer)
+            out["output_errors"] = sum(self._output_errors.values())
+            return out
