@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -395,17 +396,16 @@ class Observers:
                 done.set()
 
         thread = threading.Thread(target=loop, name="moescope-daemon", daemon=True)
-        # Log lines would tear the full-screen view: keep them for after it closes.
-        root = logging.getLogger()
-        level = root.level
-        root.setLevel(logging.CRITICAL)
+        # Log lines would tear the full-screen view: hold them, and say them once it closes.
+        held = HeldLogs()
+        held.capture()
         thread.start()
         try:
             run_live(self.snapshot, interval_s, should_stop=done.is_set)
         finally:
-            root.setLevel(level)
             daemon.stop()
             thread.join()
+            held.replay()
         return result.get("reason", "signal")
 
     def close(self) -> None:
@@ -510,6 +510,41 @@ class Observers:
         self._event_totals["export"] = (now, export.exported)
         out.append(st.SourceStats(name="export", events_per_s=rate, drops_total=export.failed + export.dropped))
         return out
+
+
+class HeldLogs(logging.Handler):
+    """Holds the root logger's records while a full-screen view owns the terminal, then hands them
+    to the handlers it displaced, in order. Bounded: past ``max_records`` the oldest are dropped,
+    and the replay says how many. (Not hold/release: logging.Handler's lock owns those names.)"""
+
+    def __init__(self, *, max_records: int = 1000) -> None:
+        super().__init__(level=logging.NOTSET)
+        self.records: deque[logging.LogRecord] = deque(maxlen=max_records)
+        self.dropped = 0
+        self._displaced: list[logging.Handler] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.records) == self.records.maxlen:
+            self.dropped += 1
+        self.records.append(record)
+
+    def capture(self) -> None:
+        root = logging.getLogger()
+        self._displaced = list(root.handlers)
+        for handler in self._displaced:
+            root.removeHandler(handler)
+        root.addHandler(self)
+
+    def replay(self) -> None:
+        root = logging.getLogger()
+        root.removeHandler(self)
+        for handler in self._displaced:
+            root.addHandler(handler)
+        if self.dropped:
+            log.warning("%d log lines dropped while the live view was up (the oldest)", self.dropped)
+        for record in self.records:
+            root.handle(record)
+        self.records.clear()
 
 
 _INGRESS_DROPS = frozenset(DROP_NAMES.values())
