@@ -32,7 +32,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.registry import Collector
 
-from moescope import errors
+from moescope import __version__, errors
 from moescope.agent.routing_health import LayerHealth, StepHealth
 
 log = logging.getLogger(__name__)
@@ -253,7 +253,7 @@ class Metrics:
         specs: Sequence[MetricSpec] = METRICS,
         max_layers: int = DEFAULT_MAX_LAYERS,
         max_experts_per_layer: int = DEFAULT_MAX_EXPERTS_PER_LAYER,
-        version: str = "",
+        version: str = __version__,  # moescope_build_info's label; "" leaves the family without a sample
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._specs = {spec.name: spec for spec in specs}
@@ -266,6 +266,7 @@ class Metrics:
         self._lock = threading.Lock()
         self._refresh_hooks: list[Callable[[], None]] = []
         self.expert_labels = ExpertLabels(max_layers=max_layers, max_experts_per_layer=max_experts_per_layer)
+        self._zero_series_drops()
         if version and "moescope_build_info" in self._specs:
             self.set("moescope_build_info", 1.0, version=version)
 
@@ -292,6 +293,18 @@ class Metrics:
                 series.add(key)
             child = self._children[(name, key)] = self._families[name].labels(*key)
         return child
+
+    def _zero_series_drops(self) -> None:
+        """A 0 series-drop count per labelled family from the start: a labelled counter has no sample
+        until a label set is touched, and "no drops" must read as 0, not as no data."""
+        drop = "moescope_agent_metric_series_dropped"
+        if drop not in self._families:
+            return
+        series = self._series[drop]
+        for spec in self._specs.values():
+            if spec.labels and spec.name != drop and len(series) < self._specs[drop].max_series:
+                series.add((spec.name,))
+                self._families[drop].labels(spec.name)
 
     def _count_series_drop(self, name: str) -> None:
         drop = "moescope_agent_metric_series_dropped"

@@ -15,7 +15,7 @@ command -v apt-get >/dev/null || die "apt-get not found: setup supports Debian/U
 
 ARCH=$(dpkg --print-architecture)
 KREL=$(uname -r)
-PKGS=(python3-bpfcc libbpfcc gcc make tmux iproute2 python3-venv ca-certificates libcap2-bin systemd util-linux)
+PKGS=(python3-bpfcc libbpfcc gcc make tmux iproute2 python3-venv ca-certificates libcap2-bin systemd util-linux prometheus)
 
 missing=()
 for p in "${PKGS[@]}"; do
@@ -28,9 +28,34 @@ apt_install() {
     fi
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
 }
+# prometheus: tests run their own binary (own config, tmp storage, a free port), never the
+# package's service. So that service must not start on install: a policy-rc.d that refuses
+# every start while apt runs (works with or without systemd as PID 1), then the unit disabled.
+prometheus_new=0
+case " ${missing[*]} " in *" prometheus "*) prometheus_new=1 ;; esac
+own_policy_rc=0
+if [ "$prometheus_new" -eq 1 ] && [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\n# written by moescope scripts/setup.sh while apt runs: start no service\nexit 101\n' > /usr/sbin/policy-rc.d
+    chmod 755 /usr/sbin/policy-rc.d
+    own_policy_rc=1
+    trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+fi
 if [ "${#missing[@]}" -gt 0 ]; then
     say "installing ${missing[*]}"
     apt_install "${missing[@]}"
+fi
+if [ "$own_policy_rc" -eq 1 ]; then
+    rm -f /usr/sbin/policy-rc.d
+    trap - EXIT
+fi
+if [ "$prometheus_new" -eq 1 ]; then
+    # Not started at boot either (the package enables its unit); only when we installed it.
+    if [ -d /run/systemd/system ]; then
+        systemctl disable --now prometheus.service >/dev/null 2>&1 || true
+    elif command -v update-rc.d >/dev/null; then
+        update-rc.d prometheus disable >/dev/null 2>&1 || true
+    fi
+    say "installed prometheus $(prometheus --version 2>&1 | head -n 1 | awk '{print $3}') (its service left disabled: tests start their own)"
 fi
 
 # --- kernel headers -------------------------------------------------------------------------

@@ -126,6 +126,7 @@ class MetricsOutput:
                     ("moescope_device_memory_total_bytes", gpu.memory_total_bytes),
                     ("moescope_pcie_transmit_bytes_per_second", gpu.pcie_tx_bytes_per_s),
                     ("moescope_pcie_receive_bytes_per_second", gpu.pcie_rx_bytes_per_s),
+                    ("moescope_target_memory_bytes", gpu.target_memory_used_bytes),
                 ):
                     if finite(value):
                         m.set(name, float(value), device=dev)

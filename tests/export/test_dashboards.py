@@ -12,31 +12,8 @@ from typing import Any
 
 import pytest
 
+from dashboard_queries import DASH, all_panels, load_dashboards, promql_metric_names
 from moescope.agent import metrics as m
-
-DASH = Path(__file__).resolve().parents[2] / "dashboards"
-
-PROMQL_FUNCTIONS_AND_KEYWORDS = {
-    "sum", "avg", "max", "min", "count", "topk", "bottomk", "quantile", "stddev", "stdvar", "group",
-    "rate", "irate", "increase", "delta", "deriv", "histogram_quantile", "log2", "ln", "abs", "clamp_min",
-    "clamp_max", "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset", "and", "or",
-    "unless", "label_values", "avg_over_time", "max_over_time", "min_over_time", "time", "vector", "scalar",
-}
-
-
-def promql_metric_names(expr: str) -> set[str]:
-    """Metric names in a PromQL expression (a small tokenizer, enough for our dashboards)."""
-    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals
-    text = re.sub(r"\{[^}]*\}", "", text)  # label matchers
-    text = re.sub(r"\[[^\]]*\]", "", text)  # range selectors ([5m], [$__rate_interval])
-    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", text)  # label lists
-    names = set()
-    for match in re.finditer(r"(?<![\w$.])([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(\()?", text):
-        name, call = match.group(1), match.group(2)
-        if call or name in PROMQL_FUNCTIONS_AND_KEYWORDS:
-            continue
-        names.add(name)
-    return names
 
 
 def test_promql_name_parser() -> None:
@@ -47,20 +24,6 @@ def test_promql_name_parser() -> None:
     assert promql_metric_names("max by (rule) (x{state=\"a\"}) + 2 * max by (rule) (y)") == {"x", "y"}
     assert promql_metric_names("a / on(device) group_left(link) b offset 5m") == {"a", "b"}
     assert promql_metric_names("-rate(z_total[1m])") == {"z_total"}
-
-
-def load_dashboards() -> list[dict[str, Any]]:
-    files = sorted((DASH / "grafana" / "dashboards").glob("*.json"))
-    assert len(files) >= 2
-    return [json.loads(f.read_text(encoding="utf-8")) for f in files]
-
-
-def all_panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
-    out = []
-    for panel in dashboard["panels"]:
-        out.append(panel)
-        out.extend(panel.get("panels", []))
-    return out
 
 
 def test_dashboards_are_valid_with_unique_ids() -> None:

@@ -293,6 +293,8 @@ def test_device_telemetry_metrics_panels_and_memory_signal() -> None:
         assert metrics.get("moescope_device_memory_total_bytes", device=dev) == g.memory_total_bytes
         assert metrics.get("moescope_pcie_transmit_bytes_per_second", device=dev) == 1.5e9
         assert math.isnan(metrics.get("moescope_pcie_receive_bytes_per_second", device=dev))  # N/A: no series
+        # the GPU memory the target's processes hold on this device (GPU 1: none of them)
+        assert metrics.get("moescope_target_memory_bytes", device=dev) == (10 << 30 if g.index == 0 else 0)
         for link in g.nvlinks:
             assert metrics.get("moescope_nvlink_transmit_bytes", device=dev, link=str(link.link)) == link.tx_total_bytes
             assert math.isnan(metrics.get("moescope_nvlink_receive_bytes", device=dev, link=str(link.link)))
