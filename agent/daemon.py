@@ -13,7 +13,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
+
+from moescope.collectors.registry import Source
 
 log = logging.getLogger(__name__)
 
@@ -21,24 +23,6 @@ DEFAULT_PERIOD_NS = 50_000_000  # drain period: bounds ring occupancy and report
 
 STOP_SIGNAL = "signal"
 STOP_DURATION = "duration"
-
-
-class Source(Protocol):
-    """A producer of records, polled by the daemon (non-blocking)."""
-
-    name: str
-
-    def poll(self, now_ns: int) -> int:
-        """Handle whatever is pending, emitting records; return how many events were handled."""
-        ...
-
-    def stats(self) -> dict[str, int]:
-        """Counters, including every drop (names say what was lost)."""
-        ...
-
-    def close(self) -> None:
-        """Flush what is pending and release kernel/OS resources."""
-        ...
 
 
 RecordSink = Callable[[Any], None]

@@ -32,9 +32,17 @@ from moescope.agent.export.config import ExportConfig
 from moescope.agent.export.setup import Tracing, build_tracing, stats_to_metrics
 from moescope.agent.metrics import Metrics, MetricsServer
 from moescope.agent.pipeline import Pipeline, resource_attributes
+from moescope.agent.source_metrics import publish_source_health
 from moescope.agent.policy.rules import Signals
 from moescope.agent.policy.stats_source import RuntimeStatsSource
 from moescope.collectors.moe_convention import StepBatch
+from moescope.collectors.registry import (
+    CollectorConfig,
+    SampledSources,
+    build_sampled_sources,
+    enabled_collectors,
+    sampled_names,
+)
 from moescope.probes.ingress.loader import DROP_NAMES
 from moescope.procfs import read_comm
 
@@ -58,7 +66,7 @@ class Observers:
         self.probes: list[str] = []
         self.nvtx: list[Any] = []
         self.parsers: list[Any] = []
-        self.telemetry: Any = None
+        self.telemetry: SampledSources | None = None
         self.policy: Any = None
         self.policy_loop: Any = None
         self.stats_signals: Any = None
@@ -125,6 +133,7 @@ class Observers:
         self.metrics.refresh()  # the pipeline's held-back per-step metrics (also done at every scrape)
         self._export_to_metrics(self.tracing.stats())
         self._sources_view = self._source_stats()
+        publish_source_health(self.metrics, self.daemon.sources)
         engine = self.policy
         if engine is not None:
             from moescope.agent.policy import publish
@@ -137,9 +146,10 @@ class Observers:
         self.probes = list(probe_names)
         for pid in pids:
             self.targets.append(st.Target(pid=pid, comm=read_comm(pid) or "?"))
-        if not self.args.no_nvtx:
+        enabled = enabled_collectors(self.args)
+        if "nvtx" in enabled:
             self._attach_nvtx(pids)
-        if not self.args.no_telemetry:
+        if enabled & set(sampled_names()):
             self._attach_telemetry(pids[0] if pids else None)
         self._attach_policy(pids[0] if pids else None)
         try:
@@ -160,8 +170,9 @@ class Observers:
             self._retire_hooked = True
             self.daemon.add_tick_hook(self._retire_finished_nvtx)
         if self.telemetry is not None and self._telemetry_pid == pid:
-            self.telemetry.close()
-            self.daemon.sources.remove(self.telemetry)
+            self.telemetry.close()  # one shared deadline for all of them
+            for source in self.telemetry.sources:
+                self.daemon.sources.remove(source)
             self.telemetry = None
         if self._policy_pid == pid:
             self._stop_policy()
@@ -178,12 +189,13 @@ class Observers:
         first_note = len(self.notes)
         self.targets.append(st.Target(pid=pid, comm=read_comm(pid) or "?"))
         parts = ["ingress"]
-        if not self.args.no_nvtx:
+        enabled = enabled_collectors(self.args)
+        if "nvtx" in enabled:
             before = len(self.nvtx)
             self._attach_nvtx([pid])
             if len(self.nvtx) > before:
                 parts.append("nvtx")
-        if not self.args.no_telemetry and self.telemetry is None:
+        if enabled & set(sampled_names()) and self.telemetry is None:
             self._attach_telemetry(pid)
             parts.append("telemetry")
         if not self.args.no_policy and self.policy is None and self._policy_pid is None:
@@ -269,17 +281,19 @@ class Observers:
         return None
 
     def _attach_telemetry(self, pid: int | None) -> None:
-        from moescope.collectors.registry import CollectorConfig, Supervisor, SupervisorSource
-
-        supervisor = Supervisor.from_registry(
-            CollectorConfig(target_pid=pid, budget_bytes=self.args.memory_budget_bytes, nvml_library=self.args.nvml_library)
+        """One sampled source per enabled registry collector (NVML, host memory) for `pid`."""
+        built = build_sampled_sources(
+            CollectorConfig(target_pid=pid, budget_bytes=self.args.memory_budget_bytes, nvml_library=self.args.nvml_library),
+            emit=self.daemon.emit,
+            enabled=enabled_collectors(self.args),
         )
-        for name, why in supervisor.unavailable.items():
+        for name, why in built.unavailable.items():
             if name != "nvml":  # the NVML gateway already said its one line ("no NVIDIA driver ...")
                 self.notes.append(f"telemetry: {name} off: {why}")
-        self.telemetry = SupervisorSource(supervisor, emit=self.daemon.emit)
+        self.telemetry = built
         self._telemetry_pid = pid
-        self.daemon.add_source(self.telemetry)
+        for source in built.sources:
+            self.daemon.add_source(source)  # daemon.close() closes them under their one deadline
         if "telemetry" not in self.probes:
             self.probes.append("telemetry")
 

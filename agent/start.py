@@ -45,6 +45,13 @@ from moescope.agent.metrics import add_metrics_arguments
 from moescope.agent.observe import Observers
 from moescope.agent.policy.wiring import add_policy_arguments
 from moescope.agent.targets import LaunchedCommand, Target, successors_on_port, target_for_pid, targets_for_port
+from moescope.collectors.registry import (
+    add_collector_alias,
+    add_collector_flags,
+    collectors_description,
+    enabled_collectors,
+    sampled_names,
+)
 from moescope.latency import LatencyHistogram
 from moescope.probes.ingress import loader
 from moescope.probes.ingress.loader import IngressOptions, IngressProbe, IngressRecord
@@ -79,11 +86,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="do not drop capabilities once the eBPF programs are attached (by default the agent keeps "
              "only CAP_SYS_PTRACE and CAP_DAC_OVERRIDE from then on: docs/security.md)",
     )
+    collectors = parser.add_argument_group("collectors", collectors_description())
+    add_collector_flags(collectors)
+    add_collector_alias(collectors, "--no-nvtx", names=("nvtx",), enabled=False,
+                        help="same as --no-collector.nvtx (kernel timing only)")
+    sampled = sampled_names()
+    add_collector_alias(collectors, "--no-telemetry", names=sampled, enabled=False,
+                        help="same as " + " ".join(f"--no-collector.{name}" for name in sampled))
     src = parser.add_argument_group("sources")
-    src.add_argument("--no-nvtx", action="store_true", help="do not capture NVTX ranges (kernel timing only)")
     src.add_argument("--nvtx-records", metavar="FILE",
                      help="write every captured NVTX range and mark as one JSON line (any NVTX program)")
-    src.add_argument("--no-telemetry", action="store_true", help="do not sample NVML / host memory")
     src.add_argument("--num-experts", type=int, metavar="E",
                      help="experts per MoE layer, for producers that do not report it (moe/v0)")
     src.add_argument("--memory-budget-bytes", type=int, metavar="N",
@@ -246,7 +258,7 @@ class TargetFollower:
 
 def child_env(args: argparse.Namespace) -> dict[str, str]:
     """Environment for a command the agent launches: the NVTX injection variables."""
-    if args.no_nvtx:
+    if "nvtx" not in enabled_collectors(args):
         return {}
     from moescope.collectors.nvtx import injection_env
 

@@ -486,4 +486,4 @@ def _factory(config: CollectorConfig) -> HostCollector:
     )
 
 
-register("host", _factory, memory_signal_priority=10)
+register("host", _factory, help="the target's RSS and cgroup memory: the memory signal where there is no GPU", memory_signal_priority=10)

@@ -625,7 +625,7 @@ def _factory(config: CollectorConfig) -> NvmlCollector:
     return collector
 
 
-register("nvml", _factory, memory_signal_priority=0)
+register("nvml", _factory, help="GPU memory, PCIe and NVLink throughput per device (NVML)", memory_signal_priority=0)
 
 
 # ---------------------------------------------------------------- command line

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moescope.collectors.registry import SourceHealth
 from moescope.errors import NoSuchProcess, NvtxUnavailable
 from moescope.procfs import pid_exists, task_exists
 
@@ -648,7 +649,25 @@ class NvtxCollector:
 
     # -- Source protocol
 
+    _health = SourceHealth()  # frozen: one shared "not run yet" until the first drain
+
     def poll(self, now_ns: int, *, force: bool = False) -> int:
+        started_ns = _monotonic_ns()
+        drain_before = self._last_drain_ns
+        try:
+            drained = self._poll_once(now_ns, force=force)
+        except Exception as exc:
+            self._health = SourceHealth(_monotonic_ns() - started_ns, False, f"{type(exc).__name__}: {exc}")
+            raise
+        if self._last_drain_ns != drain_before:  # timed only when it drained (not waiting for its period)
+            self._health = SourceHealth(_monotonic_ns() - started_ns, True, None)
+        return drained
+
+    def health(self) -> SourceHealth:
+        """The last drain: its duration and whether it completed (None before the first)."""
+        return self._health
+
+    def _poll_once(self, now_ns: int, *, force: bool = False) -> int:
         self._stats["polls"] += 1
         if self._finished:
             return 0

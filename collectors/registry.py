@@ -1,13 +1,22 @@
-"""Collector registry and supervisor, node_exporter style.
+"""Data sources and their registry, node_exporter style.
 
-Each periodic collector module registers a factory at import (`register(...)`). A `Supervisor`
-builds the enabled collectors from one `CollectorConfig` (a factory that raises SourceUnavailable
-is left out with one log line), runs each on its own thread at its own period, times every
-collection, records its duration and success, and hands each sample to a sink. One collector that
-fails, or hangs inside a driver call, never stops the others. The agent's daemon drives it; the
-exporter turns `stats()` into per-collector self-metrics.
+Every data source the agent runs is a `Source`: polled on the daemon thread, never blocking, it
+emits typed records through the callable it was built with, counts every loss in `stats()` and
+reports its last run in `health()` (the agent turns that into
+`moescope_agent_collector_{duration_seconds,success}{collector}`).
 
-`python -m moescope.collectors.registry --pid N` runs every registered collector for a few seconds and
+Each collector module registers a `SourceSpec` at import. Two kinds:
+  stream   drained in place on each poll (the ingress probe, the NVTX ring): the agent builds
+           them, because only it has their inputs (the loaded eBPF object, the step parser)
+  sampled  a blocking `Collector.collect()` (NVML, host memory), run by `SampledSource` on a
+           thread of its own at its period: timed, failures and overruns counted, samples queued
+           (bounded, drops counted) and handed to the daemon on its poll
+The built-in modules are found by listing the `moescope.collectors` package (`registered()`), so a
+new collector module registers itself by existing; the stream specs are registered here, which
+keeps probes/ out of this module's imports. `add_collector_flags` makes `--collector.NAME` /
+`--no-collector.NAME` from the registry and `enabled_collectors(args)` reads them back.
+
+`python -m moescope.collectors.registry --pid N` runs every sampled collector for a few seconds and
 prints samples, the memory signal and the collectors' stats.
 """
 
@@ -18,14 +27,16 @@ import importlib
 import json
 import logging
 import math
+import pkgutil
+import re
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable
-from dataclasses import asdict, dataclass, is_dataclass, replace
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from moescope.errors import SourceUnavailable, UsageError
 
@@ -34,12 +45,70 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("moescope.collectors")
 
-# Modules whose import registers the built-in collectors.
-BUILTIN_MODULES = ("moescope.collectors.nvml", "moescope.collectors.host")
+COLLECTORS_PACKAGE = "moescope.collectors"
+SourceKind = Literal["stream", "sampled"]
+Emit = Callable[[object], None]
+
+DEFAULT_MAX_PENDING = 1024  # samples queued per sampled source between two daemon polls
+DEFAULT_STOP_TIMEOUT_S = 2.0
+STALL_PERIODS = 10.0  # a collection running this many periods is reported as failing
+_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+# ---------------------------------------------------------------- the one source model
+
+
+@dataclass(frozen=True, slots=True)
+class SourceHealth:
+    """A source's last run: how long it took and whether it worked (None: it has not run yet)."""
+
+    last_duration_ns: int | None = None
+    last_success: bool | None = None
+    last_error: str | None = None
+
+
+class Source(Protocol):
+    """A producer of records, polled by the daemon (non-blocking)."""
+
+    name: str
+
+    def poll(self, now_ns: int) -> int:
+        """Handle whatever is pending, emitting records; return how many events were handled."""
+        ...
+
+    def stats(self) -> dict[str, int]:
+        """Counters, including every drop (names say what was lost)."""
+        ...
+
+    def health(self) -> SourceHealth:
+        """The last run's duration and success, for the per-collector self-metrics."""
+        ...
+
+    def close(self) -> None:
+        """Flush what is pending and release kernel/OS resources."""
+        ...
+
+
+def merge_health(healths: Iterable[SourceHealth]) -> SourceHealth:
+    """One health for several sources of one name (an NVTX ring per target): the longest last
+    run, and a success only when every one that ran succeeded (the first failure's error)."""
+    durations: list[int] = []
+    success: bool | None = None
+    error: str | None = None
+    for health in healths:
+        if health.last_duration_ns is not None:
+            durations.append(health.last_duration_ns)
+        if health.last_success is False and success is not False:
+            success, error = False, health.last_error
+        elif health.last_success is True and success is None:
+            success = True
+    return SourceHealth(max(durations) if durations else None, success, error)
 
 
 @runtime_checkable
 class Collector(Protocol):
+    """A blocking periodic collector; `SampledSource` runs it off the daemon thread."""
+
     name: str
     period_s: float
 
@@ -48,9 +117,16 @@ class Collector(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class HasMemorySignal(Protocol):
+    """A sample that carries the memory signal the policy reads (NVML's and the host's)."""
+
+    def memory_signal(self) -> MemorySignal | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class CollectorConfig:
-    """Everything a factory may need; each factory takes what it uses."""
+    """Everything a sampled collector's factory may need; each factory takes what it uses."""
 
     target_pid: int | None = None
     period_s: float = 0.2
@@ -60,44 +136,127 @@ class CollectorConfig:
     rootfs: Path = Path("/")
 
 
-Factory = Callable[[CollectorConfig], Collector]
+CollectorFactory = Callable[[CollectorConfig], Collector]
 
 
 @dataclass(frozen=True, slots=True)
-class CollectorSpec:
+class TelemetryRecord:
+    """One sampled collector's sample, as the daemon's sinks receive it."""
+
+    collector: str
+    sample: object
+
+
+# ---------------------------------------------------------------- the registry
+
+
+@dataclass(frozen=True, slots=True)
+class SourceSpec:
+    """One registered source: what its flags, its self-metrics and the build read."""
+
     name: str
-    factory: Factory
-    default_enabled: bool
+    help: str
+    kind: SourceKind
+    default_enabled: bool = True
+    # "sampled" only: builds the blocking collector; a stream source is built by the agent.
+    factory: CollectorFactory | None = None
     # Lower first when choosing whose memory signal the policy reads (nvml before host).
-    memory_signal_priority: int
+    memory_signal_priority: int = 100
+    always_on: bool = False  # the agent is built around it: listed, but no flag turns it off
+
+    def __post_init__(self) -> None:
+        if not _NAME.fullmatch(self.name):
+            raise ValueError(f"collector name {self.name!r} must match {_NAME.pattern} (it becomes a flag)")
+        if (self.kind == "sampled") != (self.factory is not None):
+            raise ValueError(f"collector {self.name!r}: a sampled collector has a factory, a stream source none")
 
 
-_REGISTRY: dict[str, CollectorSpec] = {}
+_REGISTRY: dict[str, SourceSpec] = {}
+_DISCOVERY_ERRORS: dict[str, str] = {}
+_discovered = False
 
 
-def register(name: str, factory: Factory, *, default_enabled: bool = True, memory_signal_priority: int = 100) -> None:
-    """Called once by each collector module at import."""
-    if name in _REGISTRY and _REGISTRY[name].factory is not factory:
-        raise ValueError(f"collector {name!r} registered twice")
-    _REGISTRY[name] = CollectorSpec(name, factory, default_enabled, memory_signal_priority)
+def _add(spec: SourceSpec) -> None:
+    known = _REGISTRY.get(spec.name)
+    if known is not None and known != spec:
+        raise ValueError(f"collector {spec.name!r} registered twice")
+    _REGISTRY[spec.name] = spec
 
 
-def registered() -> dict[str, CollectorSpec]:
-    for module in BUILTIN_MODULES:
-        importlib.import_module(module)
+def register(
+    name: str,
+    factory: CollectorFactory,
+    *,
+    help: str = "",
+    default_enabled: bool = True,
+    memory_signal_priority: int = 100,
+) -> None:
+    """Called once by each sampled collector module at import."""
+    _add(SourceSpec(name, help or f"the {name} collector", "sampled", default_enabled, factory, memory_signal_priority))
+
+
+def register_stream(name: str, *, help: str, default_enabled: bool = True, always_on: bool = False) -> None:
+    """A source the agent builds and drains itself; registered for its flags and self-metrics."""
+    _add(SourceSpec(name, help, "stream", default_enabled, always_on=always_on))
+
+
+register_stream("ingress", help="kernel-timed requests (eBPF syscall tracepoints)", always_on=True)
+register_stream("nvtx", help="the target's NVTX ranges (MoE steps, expert loads) from its injection ring")
+
+
+def registered() -> dict[str, SourceSpec]:
+    """Every registered source. The first call imports each module of the collectors package,
+    which registers what it holds; a module that fails to import is logged and left out."""
+    global _discovered
+    if not _discovered:
+        _discovered = True
+        from moescope import collectors as package  # this module's own package, already imported
+
+        for info in pkgutil.iter_modules(package.__path__):
+            if info.name.startswith("_") or info.name == "registry":
+                continue
+            module = f"{COLLECTORS_PACKAGE}.{info.name}"
+            try:
+                importlib.import_module(module)
+            except Exception as exc:  # one broken module must not take the other collectors with it
+                _DISCOVERY_ERRORS[module] = f"{type(exc).__name__}: {exc}"
+                log.warning("collector module %s not loaded: %s", module, _DISCOVERY_ERRORS[module])
     return dict(_REGISTRY)
+
+
+def discovery_errors() -> dict[str, str]:
+    """Collector modules that failed to import, with the reason."""
+    registered()
+    return dict(_DISCOVERY_ERRORS)
+
+
+def check_names(names: Iterable[str]) -> None:
+    """UsageError (one line) for a name no source registered."""
+    specs = registered()
+    unknown = sorted(set(names) - set(specs))
+    if unknown:
+        raise UsageError(f"unknown collector(s): {', '.join(unknown)} (known: {', '.join(sorted(specs))})")
+
+
+def sampled_names() -> list[str]:
+    """The sampled collectors, in memory-signal priority order."""
+    specs = [s for s in registered().values() if s.kind == "sampled"]
+    return [s.name for s in sorted(specs, key=lambda s: s.memory_signal_priority)]
+
+
+# ---------------------------------------------------------------- sampled sources
 
 
 @dataclass(slots=True)
 class CollectorStats:
-    """Self-metrics of one collector (exported as moescope_collector_* by the exporter)."""
+    """Counters of one sampled collector (the registry command prints them)."""
 
     name: str
     period_s: float
     collections_total: int = 0
     failures_total: int = 0
     overruns_total: int = 0  # periods skipped because a collection ran past its next due time
-    sink_errors_total: int = 0
+    sink_errors_total: int = 0  # emit calls that raised, on the daemon thread
     last_duration_ns: int = 0
     duration_ns_total: int = 0
     last_success: bool = False
@@ -105,78 +264,81 @@ class CollectorStats:
     last_success_monotonic_ns: int | None = None
     in_progress_since_monotonic_ns: int | None = None  # set while a collection is running
 
-    def stalled(self, now_monotonic_ns: int, *, periods: float = 10.0) -> bool:
+    def stalled(self, now_monotonic_ns: int, *, periods: float = STALL_PERIODS) -> bool:
         """True while one collection has been running for more than `periods` periods."""
         started = self.in_progress_since_monotonic_ns
         return started is not None and now_monotonic_ns - started > periods * self.period_s * 1e9
 
 
-Sink = Callable[[str, object], None]
+class StopGroup:
+    """One stop signal and one deadline for the sampled sources built together: closing them one
+    after another (the daemon's close order) costs at most one timeout in all, however many hang."""
+
+    def __init__(self, *, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self.stop_event = threading.Event()
+        self._deadline_monotonic_s: float | None = None
+        self._lock = threading.Lock()
+
+    def begin(self, timeout_s: float | None = None) -> float:
+        """Tell every member to stop (the first call only sets the deadline); the deadline, monotonic s."""
+        with self._lock:
+            if self._deadline_monotonic_s is None:
+                wait_s = self.timeout_s if timeout_s is None else timeout_s
+                self._deadline_monotonic_s = time.monotonic() + wait_s
+                self.stop_event.set()
+            return self._deadline_monotonic_s
 
 
-class Supervisor:
+class SampledSource:
+    """A blocking `Collector` behind the Source interface: its own thread collects at its period
+    (timed, failures and overruns counted, one distinct error logged once), a bounded queue keeps
+    the newest samples (drops counted), and poll() emits them as TelemetryRecords on the daemon
+    thread. The first poll starts the thread. close() never waits past its group's deadline: a
+    collection stuck in a driver call is left running and its collector is not closed under it."""
+
     def __init__(
         self,
-        collectors: Iterable[Collector],
+        collector: Collector,
         *,
-        sink: Sink | None = None,
-        priorities: dict[str, int] | None = None,
+        emit: Emit,
+        max_pending: int = DEFAULT_MAX_PENDING,
+        memory_signal_priority: int = 100,
+        stop_group: StopGroup | None = None,
     ) -> None:
-        self._collectors = {c.name: c for c in collectors}
-        self._sink = sink
-        self._priorities = dict(priorities or {})
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self.name = collector.name
+        self.collector = collector
+        self.period_s = collector.period_s
+        self.memory_signal_priority = memory_signal_priority
+        self._emit = emit
+        self._max_pending = max_pending
+        self._group = stop_group if stop_group is not None else StopGroup()
         self._lock = threading.Lock()
-        self._stats = {name: CollectorStats(name, c.period_s) for name, c in self._collectors.items()}
-        self._latest: dict[str, object] = {}
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._error_logged: dict[str, str] = {}
-        self.unavailable: dict[str, str] = {}  # collectors left out at build, with the reason
+        self._stats = CollectorStats(collector.name, collector.period_s)
+        self._latest: object | None = None
+        self._pending: deque[TelemetryRecord] = deque()
+        self._dropped_queue_full = 0
+        self._emitted = 0
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._error_logged: str | None = None
+        self.stuck = False  # its thread was still inside collect() when close() gave up on it
 
-    @classmethod
-    def from_registry(
-        cls, config: CollectorConfig, *, enabled: Collection[str] | None = None, sink: Sink | None = None
-    ) -> Supervisor:
-        specs = registered()
-        if enabled is not None:
-            unknown = sorted(set(enabled) - set(specs))
-            if unknown:
-                raise UsageError(f"unknown collector(s): {', '.join(unknown)} (known: {', '.join(sorted(specs))})")
-        collectors: list[Collector] = []
-        unavailable: dict[str, str] = {}
-        for spec in sorted(specs.values(), key=lambda s: s.memory_signal_priority):
-            wanted = spec.name in enabled if enabled is not None else spec.default_enabled
-            if not wanted:
-                continue
-            try:
-                collectors.append(spec.factory(config))
-            except SourceUnavailable as exc:
-                unavailable[spec.name] = str(exc)
-                log.info("collector %s off: %s", spec.name, exc)
-        sup = cls(collectors, sink=sink, priorities={s.name: s.memory_signal_priority for s in specs.values()})
-        sup.unavailable = unavailable
-        return sup
+    # -- collection (the source's own thread, or a caller that wants one now)
 
-    def set_sink(self, sink: Sink | None) -> None:
-        """Where samples go; set before start()."""
-        self._sink = sink
-
-    @property
-    def names(self) -> list[str]:
-        return list(self._collectors)
-
-    def collect_once(self, name: str) -> object | None:
-        """Run one collection of `name` now, timed and recorded; None when it failed."""
-        collector = self._collectors[name]
-        stats = self._stats[name]
+    def collect_once(self) -> object | None:
+        """Run one collection now, timed, recorded and queued; None when it failed."""
+        stats = self._stats
         start = time.monotonic_ns()
         with self._lock:
             stats.in_progress_since_monotonic_ns = start
         sample: object | None = None
         error: str | None = None
         try:
-            sample = collector.collect()
-        except Exception as exc:  # one collector's bug or driver failure must not stop the others
+            sample = self.collector.collect()
+        except Exception as exc:  # a collector's bug or driver failure must not stop the others
             error = f"{type(exc).__name__}: {exc}"
         end = time.monotonic_ns()
         with self._lock:
@@ -188,145 +350,289 @@ class Supervisor:
             stats.last_error = error
             if error is None:
                 stats.last_success_monotonic_ns = end
-                self._latest[name] = sample
+                self._latest = sample
+                if len(self._pending) >= self._max_pending:
+                    self._pending.popleft()  # the daemon is not polling: keep the newest, count the loss
+                    self._dropped_queue_full += 1
+                self._pending.append(TelemetryRecord(self.name, sample))
             else:
                 stats.failures_total += 1
         if error is not None:
-            if self._error_logged.get(name) != error:
-                # Log each distinct error once; the failure counter tells how often it repeats.
-                self._error_logged[name] = error
-                log.warning("collector %s failed: %s", name, error)
+            if self._error_logged != error:
+                # Each distinct error once; the failure counter tells how often it repeats.
+                self._error_logged = error
+                log.warning("collector %s failed: %s", self.name, error)
             return None
-        self._error_logged.pop(name, None)
-        if self._sink is not None:
-            try:
-                self._sink(name, sample)
-            except Exception as exc:  # a sink error is counted, never kills the collector loop
-                with self._lock:
-                    stats.sink_errors_total += 1
-                log.debug("sink failed for %s: %s", name, exc)
+        self._error_logged = None
         return sample
 
-    def _loop(self, name: str) -> None:
-        period_ns = int(self._collectors[name].period_s * 1e9)
+    def _loop(self) -> None:
+        stop = self._group.stop_event
+        period_ns = max(int(self.period_s * 1e9), 1)
         next_due = time.monotonic_ns()
-        while not self._stop.is_set():
-            self.collect_once(name)
+        while not stop.is_set():
+            self.collect_once()
             next_due += period_ns
             now = time.monotonic_ns()
             if now > next_due:
                 missed = (now - next_due) // period_ns + 1
                 with self._lock:
-                    self._stats[name].overruns_total += int(missed)
+                    self._stats.overruns_total += int(missed)
                 next_due += missed * period_ns
-            self._stop.wait((next_due - now) / 1e9)
+            stop.wait((next_due - now) / 1e9)
 
     def start(self) -> None:
-        if self._threads:
+        """Start the collection thread (the first poll does it); no-op once started or closed."""
+        if self._thread is not None or self._closed or self._group.stop_event.is_set():
             return
-        self._stop.clear()
-        for name in self._collectors:
-            thread = threading.Thread(target=self._loop, args=(name,), name=f"collector-{name}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        self._thread = threading.Thread(target=self._loop, name=f"collector-{self.name}", daemon=True)
+        self._thread.start()
 
-    def stop(self, *, timeout_s: float = 2.0) -> list[str]:
-        """Stop every loop and close every collector within one shared deadline.
-
-        Returns the names of collectors whose thread did not finish in time (stuck in a call).
-        """
-        deadline = time.monotonic() + timeout_s
-        self._stop.set()
-        stuck: list[str] = []
-        for thread in self._threads:
-            thread.join(max(deadline - time.monotonic(), 0.0))
-            if thread.is_alive():
-                stuck.append(thread.name.removeprefix("collector-"))
-        self._threads = []
-        for name, collector in self._collectors.items():
-            if name in stuck:
-                continue  # closing under a running collect() could crash inside the driver
-            try:
-                collector.close()
-            except Exception as exc:  # close errors are reported, the others still close
-                log.warning("collector %s close failed: %s", name, exc)
-        return stuck
-
-    def stats(self) -> list[CollectorStats]:
-        with self._lock:
-            return [replace(s) for s in self._stats.values()]
-
-    def latest(self, name: str) -> object | None:
-        with self._lock:
-            return self._latest.get(name)
-
-    def memory_signal(self) -> MemorySignal | None:
-        """The signal of the highest-priority collector that has one (nvml before host)."""
-        from moescope.collectors.host import MemorySignal  # moescope.collectors.host registers itself through this module
-        with self._lock:
-            # A collector whose last collection failed has no current signal (its sample is stale).
-            fresh = {n: s for n, s in self._latest.items() if self._stats[n].last_success}
-            items = sorted(fresh.items(), key=lambda kv: self._priorities.get(kv[0], 100))
-        for _, sample in items:
-            getter = getattr(sample, "memory_signal", None)
-            signal = getter() if callable(getter) else None
-            if isinstance(signal, MemorySignal):
-                return signal
-        return None
-
-
-@dataclass(frozen=True, slots=True)
-class TelemetryRecord:
-    """One collector's sample, as the daemon's sinks receive it."""
-
-    collector: str
-    sample: object
-
-
-class SupervisorSource:
-    """Adapter to moescope.agent.daemon's Source protocol: the supervisor's threads queue samples (bounded,
-    drops counted), the daemon's poll() hands them to its sinks on the daemon thread."""
-
-    name = "telemetry"
-
-    def __init__(self, supervisor: Supervisor, *, emit: Callable[[object], None], max_pending: int = 1024) -> None:
-        self.supervisor = supervisor
-        self._emit = emit
-        self._pending: deque[TelemetryRecord] = deque()
-        self._max_pending = max_pending
-        self._pending_lock = threading.Lock()
-        self.dropped_samples = 0
-        self.emitted = 0
-        supervisor.set_sink(self._enqueue)
-        supervisor.start()
-
-    def _enqueue(self, name: str, sample: object) -> None:
-        with self._pending_lock:
-            if len(self._pending) >= self._max_pending:
-                self.dropped_samples += 1  # the daemon is not polling: keep the newest, count the loss
-                self._pending.popleft()
-            self._pending.append(TelemetryRecord(name, sample))
+    # -- Source
 
     def poll(self, now_ns: int) -> int:
-        with self._pending_lock:
+        with self._lock:
             batch = list(self._pending)
             self._pending.clear()
         for record in batch:
-            self._emit(record)
-        self.emitted += len(batch)
+            try:
+                self._emit(record)
+            except Exception as exc:  # a sink's failure is counted, never stops the source
+                with self._lock:
+                    self._stats.sink_errors_total += 1
+                log.debug("emit failed for %s: %s", self.name, exc)
+        self._emitted += len(batch)
+        if self._thread is None:
+            self.start()  # after draining: the first poll hands over only what was there before it
         return len(batch)
 
     def stats(self) -> dict[str, int]:
-        out = {"samples_emitted": self.emitted, "samples_dropped_queue_full": self.dropped_samples}
-        for s in self.supervisor.stats():
-            out[f"{s.name}_collections"] = s.collections_total
-            out[f"{s.name}_failures"] = s.failures_total
-            out[f"{s.name}_overruns"] = s.overruns_total
-        return out
+        with self._lock:
+            s = self._stats
+            return {
+                "samples_emitted": self._emitted,
+                "samples_dropped_queue_full": self._dropped_queue_full,
+                "collections": s.collections_total,
+                "failures": s.failures_total,
+                "overruns": s.overruns_total,
+                "emit_errors": s.sink_errors_total,
+            }
 
-    def close(self) -> None:
-        self.supervisor.stop()
-        self.poll(0)  # flush what was collected before the stop
+    def health(self, *, now_monotonic_ns: int | None = None) -> SourceHealth:
+        """The last collection; a collection running past STALL_PERIODS periods counts as a
+        failure lasting as long as it has run so far (a hung driver call shows as success 0)."""
+        now = time.monotonic_ns() if now_monotonic_ns is None else now_monotonic_ns
+        with self._lock:
+            s = replace(self._stats)
+        started = s.in_progress_since_monotonic_ns
+        if started is not None and s.stalled(now):
+            return SourceHealth(now - started, False, f"collection running for {(now - started) / 1e9:.1f} s")
+        if s.collections_total == 0:
+            return SourceHealth()
+        return SourceHealth(s.last_duration_ns, s.last_success, s.last_error)
+
+    def close(self, *, timeout_s: float | None = None) -> None:
+        """Stop (with the group's shared deadline), close the collector unless stuck, flush."""
+        if self._closed:
+            return
+        self._closed = True
+        deadline = self._group.begin(timeout_s)
+        if self._thread is not None:
+            self._thread.join(max(deadline - time.monotonic(), 0.0))
+            self.stuck = self._thread.is_alive()
+        if self.stuck:
+            log.warning("collector %s is still inside a collection: left running, not closed", self.name)
+        else:
+            try:
+                self.collector.close()
+            except Exception as exc:  # close errors are reported; the other sources still close
+                log.warning("collector %s close failed: %s", self.name, exc)
+        self.poll(0)  # what was collected before the stop
+
+    def request_stop(self, timeout_s: float | None = None) -> None:
+        """Tell its thread (and its group's) to stop now, starting the shared deadline."""
+        self._group.begin(timeout_s)
+
+    # -- reading
+
+    def collector_stats(self) -> CollectorStats:
+        with self._lock:
+            return replace(self._stats)
+
+    def latest(self) -> object | None:
+        """The last successful sample (None before the first)."""
+        with self._lock:
+            return self._latest
+
+    def memory_signal(self) -> MemorySignal | None:
+        """The memory signal of the last sample, None when the last collection failed (stale)."""
+        with self._lock:
+            sample = self._latest if self._stats.last_success else None
+        return sample.memory_signal() if isinstance(sample, HasMemorySignal) else None
+
+
+def stop_all(sources: Iterable[object], *, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> list[str]:
+    """Stop and close every SampledSource in `sources` within one deadline; the names left stuck."""
+    sampled = [s for s in sources if isinstance(s, SampledSource)]
+    for source in sampled:
+        source.request_stop(timeout_s)  # every thread is told before any is waited for
+    for source in sampled:
+        source.close(timeout_s=timeout_s)
+    return [s.name for s in sampled if s.stuck]
+
+
+def memory_signal(sources: Iterable[object]) -> MemorySignal | None:
+    """The signal of the highest-priority sampled source that has a current one (nvml before host)."""
+    sampled = sorted((s for s in sources if isinstance(s, SampledSource)), key=lambda s: s.memory_signal_priority)
+    for source in sampled:
+        signal = source.memory_signal()
+        if signal is not None:
+            return signal
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class SampledSources:
+    """The sampled sources built for one target, sharing one StopGroup."""
+
+    sources: tuple[SampledSource, ...]
+    unavailable: Mapping[str, str] = field(default_factory=dict)  # left out at build, with the reason
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.sources]
+
+    def close(self, *, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> list[str]:
+        return stop_all(self.sources, timeout_s=timeout_s)
+
+
+def build_sampled_sources(
+    config: CollectorConfig,
+    *,
+    emit: Emit,
+    enabled: Collection[str] | None = None,
+    max_pending: int = DEFAULT_MAX_PENDING,
+    stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S,
+) -> SampledSources:
+    """A SampledSource per enabled sampled collector, in memory-signal priority order. `enabled`
+    names sources of any kind (stream names are the agent's and ignored here); None: the
+    defaults. A factory raising SourceUnavailable leaves its collector out, with one log line."""
+    specs = registered()
+    if enabled is not None:
+        check_names(enabled)
+    group = StopGroup(timeout_s=stop_timeout_s)
+    sources: list[SampledSource] = []
+    unavailable: dict[str, str] = {}
+    for name in sampled_names():
+        spec = specs[name]
+        assert spec.factory is not None  # a sampled spec always has one (SourceSpec checks)
+        if not (spec.name in enabled if enabled is not None else spec.default_enabled):
+            continue
+        try:
+            collector = spec.factory(config)
+        except SourceUnavailable as exc:
+            unavailable[spec.name] = str(exc)
+            log.info("collector %s off: %s", spec.name, exc)
+            continue
+        sources.append(SampledSource(collector, emit=emit, max_pending=max_pending,
+                                     memory_signal_priority=spec.memory_signal_priority, stop_group=group))
+    return SampledSources(tuple(sources), unavailable)
+
+
+# ---------------------------------------------------------------- flags
+
+
+def flag_dest(name: str) -> str:
+    """The argparse dest of --collector.NAME / --no-collector.NAME."""
+    return f"collector_{name}"
+
+
+NamespaceHook = Callable[[argparse.Namespace], None]
+
+
+class _CollectorSwitch(argparse.Action):
+    """--collector.NAME / --no-collector.NAME, and aliases turning several off at once: the last
+    flag given wins."""
+
+    def __init__(
+        self,
+        option_strings: Sequence[str],
+        dest: str,
+        *,
+        names: tuple[str, ...],
+        enabled: bool | None = None,  # None: on for --collector.NAME, off for --no-collector.NAME
+        on_change: NamespaceHook | None = None,
+        default: object = None,
+        help: str | None = None,
+    ) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+        self.names = names
+        self.enabled = enabled
+        self.on_change = on_change
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        on = self.enabled if self.enabled is not None else not (option_string or "").startswith("--no-")
+        for name in self.names:
+            setattr(namespace, flag_dest(name), on)
+        if self.on_change is not None:
+            self.on_change(namespace)
+
+    def format_usage(self) -> str:
+        return " | ".join(self.option_strings)
+
+
+def collectors_description() -> str:
+    """The flags' group text: how to read them, and what cannot be turned off."""
+    always = sorted(s.name for s in registered().values() if s.always_on)
+    text = "Data sources: --no-collector.NAME turns one off, --collector.NAME back on."
+    return f"{text} Always on: {', '.join(always)}." if always else text
+
+
+def add_collector_flags(container: argparse._ActionsContainer, *, on_change: NamespaceHook | None = None) -> None:
+    """--collector.NAME / --no-collector.NAME for every registered source that can be turned off."""
+    for spec in sorted(registered().values(), key=lambda s: s.name):
+        if spec.always_on:
+            continue
+        state = "on" if spec.default_enabled else "off"
+        container.add_argument(
+            f"--collector.{spec.name}", f"--no-collector.{spec.name}", dest=flag_dest(spec.name),
+            action=_CollectorSwitch, names=(spec.name,), on_change=on_change,
+            help=f"{spec.help} (default: {state})".replace("%", "%%"),
+        )
+
+
+def add_collector_alias(
+    container: argparse._ActionsContainer,
+    option: str,
+    *,
+    names: Sequence[str],
+    enabled: bool,
+    help: str,
+    on_change: NamespaceHook | None = None,
+) -> None:
+    """A flag meaning the same as --[no-]collector.NAME for each of `names` (e.g. --no-nvtx)."""
+    check_names(names)
+    container.add_argument(
+        option, dest=f"_alias_{option.lstrip('-').replace('-', '_')}", action=_CollectorSwitch,
+        names=tuple(names), enabled=enabled, on_change=on_change, default=argparse.SUPPRESS,
+        help=help.replace("%", "%%"),
+    )
+
+
+def enabled_collectors(args: argparse.Namespace) -> set[str]:
+    """The sources to run: each flag given, else the source's default; always-on ones always."""
+    out: set[str] = set()
+    for spec in registered().values():
+        chosen = getattr(args, flag_dest(spec.name), None)
+        if spec.always_on or (spec.default_enabled if chosen is None else bool(chosen)):
+            out.add(spec.name)
+    return out
 
 
 # ---------------------------------------------------------------- command line
@@ -350,7 +656,7 @@ def _jsonable(value: Any) -> Any:
 def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m moescope.collectors.registry",
-        description="Run every registered collector for a while; print samples, the memory signal and stats.",
+        description="Run every sampled collector for a while; print samples, the memory signal and stats.",
     )
     parser.add_argument("--pid", type=int, required=True, help="target process")
     parser.add_argument("--seconds", type=float, default=2.0)
@@ -371,28 +677,32 @@ def main(argv: Iterable[str] | None = None) -> int:
         nvml_library=args.nvml_library,
     )
 
-    def emit(name: str, sample: object) -> None:
+    def emit(record: object) -> None:
+        assert isinstance(record, TelemetryRecord)
         if args.json:
-            print(json.dumps({"collector": name, "sample": _jsonable(sample)}), flush=True)
+            print(json.dumps({"collector": record.collector, "sample": _jsonable(record.sample)}), flush=True)
         else:
-            print(f"{name}: {sample}", flush=True)
+            print(f"{record.collector}: {record.sample}", flush=True)
 
     try:
-        enabled = args.collectors.split(",") if args.collectors else None
-        supervisor = Supervisor.from_registry(config, enabled=enabled, sink=emit)
+        enabled = [n for n in args.collectors.split(",") if n] if args.collectors else None
+        built = build_sampled_sources(config, emit=emit, enabled=enabled)
     except (UsageError, ValueError) as exc:
         print(f"collectors: error: {exc}", file=sys.stderr)
         return UsageError.exit_code
-    supervisor.start()
+    end = time.monotonic() + args.seconds
     try:
-        time.sleep(args.seconds)
+        while (left_s := end - time.monotonic()) > 0:
+            for source in built.sources:
+                source.poll(time.monotonic_ns())  # as the daemon does; the first poll starts it
+            time.sleep(min(config.period_s, left_s))
     finally:
-        stuck = supervisor.stop()
-    signal = supervisor.memory_signal()
-    stats = supervisor.stats()
+        stuck = built.close()
+    signal = memory_signal(built.sources)
+    stats = [s.collector_stats() for s in built.sources]
     if args.json:
         print(json.dumps({"memory_signal": _jsonable(signal), "stats": _jsonable(stats),
-                          "unavailable": supervisor.unavailable, "stuck": stuck}), flush=True)
+                          "unavailable": dict(built.unavailable), "stuck": stuck}), flush=True)
     else:
         print(f"memory signal: {signal}")
         for s in stats:

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from moescope import errors
+from moescope.collectors.registry import SourceHealth
 from moescope.probes import bpf
 from moescope.probes.ingress import procnet
 from moescope.probes.ingress.ring import RingReader
@@ -303,6 +304,7 @@ class IngressProbe:
         self._flushed = 0
         self._callback_errors = 0
         self._final_drops = {name: 0 for name in DROP_NAMES.values()}
+        self._health = SourceHealth()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -435,7 +437,18 @@ class IngressProbe:
         del now_ns  # the ring is drained completely on every call
         if self._object is None:
             return 0
-        return self._drain()
+        started_ns = time.monotonic_ns()
+        try:
+            drained = self._drain()
+        except Exception as exc:
+            self._health = SourceHealth(time.monotonic_ns() - started_ns, False, f"{type(exc).__name__}: {exc}")
+            raise
+        self._health = SourceHealth(time.monotonic_ns() - started_ns, True, None)
+        return drained
+
+    def health(self) -> SourceHealth:
+        """The last drain: its duration and whether it completed (None before the first)."""
+        return self._health
 
     def stats(self) -> dict[str, int]:
         """Counters: records delivered, and every loss (all should stay 0)."""
