@@ -303,8 +303,10 @@ class RequestJoin:
                 if router is not None:
                     for expert in (*router.tokens, *router.dropped):
                         seen = max(seen, expert + 1)
-                for ev in (*layer.loads, *layer.ffns):
-                    seen = max(seen, ev.expert + 1)
+                for load in layer.loads:
+                    seen = max(seen, load.expert + 1)
+                for ffn in layer.ffns:
+                    seen = max(seen, ffn.expert + 1)
             wanted = max(seen, self._num_experts)
         changed = wanted != self._num_experts
         if changed:

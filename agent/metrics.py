@@ -30,6 +30,7 @@ from typing import Literal
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from moescope import __version__, errors
@@ -200,12 +201,17 @@ def exported_sample_names() -> frozenset[str]:
 
 
 def _build(spec: MetricSpec, registry: CollectorRegistry) -> Counter | Gauge | Histogram:
-    common = {"labelnames": spec.labels, "unit": spec.unit, "registry": registry}
     if spec.kind == "counter":
-        return Counter(spec.name, spec.help, **common)
+        return Counter(spec.name, spec.help, labelnames=spec.labels, unit=spec.unit, registry=registry)
     if spec.kind == "gauge":
-        return Gauge(spec.name, spec.help, **common)
-    return Histogram(spec.name, spec.help, buckets=spec.buckets, **common)
+        return Gauge(spec.name, spec.help, labelnames=spec.labels, unit=spec.unit, registry=registry)
+    return Histogram(
+        spec.name, spec.help, labelnames=spec.labels, unit=spec.unit, registry=registry, buckets=spec.buckets
+    )
+
+
+def _wrong_kind(name: str, child: Counter | Gauge | Histogram, method: str) -> ValueError:
+    return ValueError(f"{name}: a {type(child).__name__.lower()} has no {method}()")
 
 
 @dataclass(slots=True)
@@ -314,22 +320,34 @@ class Metrics:
         series = self._series[drop]
         if key in series or len(series) < self._specs[drop].max_series:
             series.add(key)
-            self._families[drop].labels(name).inc()
+            family = self._families[drop]
+            if isinstance(family, Histogram):
+                raise _wrong_kind(drop, family, "inc")
+            family.labels(name).inc()
 
     def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
         child = self._child(name, labels)
-        if child is not None:
-            child.inc(amount)  # type: ignore[union-attr]
+        if child is None:
+            return
+        if isinstance(child, Histogram):
+            raise _wrong_kind(name, child, "inc")
+        child.inc(amount)
 
     def set(self, name: str, value: float, **labels: str) -> None:
         child = self._child(name, labels)
-        if child is not None:
-            child.set(value)  # type: ignore[union-attr]
+        if child is None:
+            return
+        if not isinstance(child, Gauge):
+            raise _wrong_kind(name, child, "set")
+        child.set(value)
 
     def observe(self, name: str, value: float, **labels: str) -> None:
         child = self._child(name, labels)
-        if child is not None:
-            child.observe(value)  # type: ignore[union-attr]
+        if child is None:
+            return
+        if not isinstance(child, Histogram):
+            raise _wrong_kind(name, child, "observe")
+        child.observe(value)
 
     def set_counter_total(self, name: str, total: float, **labels: str) -> None:
         """Advance a counter to a cumulative ``total`` read from a source (NVLink, CPU time).
@@ -434,7 +452,7 @@ class _RefreshOnScrape(Collector):
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
 
-    def collect(self) -> Iterable[object]:
+    def collect(self) -> Iterable[Metric]:
         try:
             self._metrics.refresh_self()
         except OSError as exc:
@@ -445,7 +463,7 @@ class _RefreshOnScrape(Collector):
             log.exception("metrics refresh hook failed")
         return []
 
-    def describe(self) -> Iterable[object]:
+    def describe(self) -> Iterable[Metric]:
         return []
 
 
@@ -469,7 +487,8 @@ class MetricsServer:
         try:
             self._server, self._thread = start_http_server(self.requested_port, addr=self.addr, registry=registry)
         except OSError as exc:
-            raise errors.UsageError(f"cannot serve /metrics on {self.addr}:{self.requested_port}: {exc.strerror}") from exc
+            where = f"{self.addr}:{self.requested_port}"
+            raise errors.UsageError(f"cannot serve /metrics on {where}: {exc.strerror}") from exc
         return self.port
 
     @property
@@ -492,7 +511,7 @@ class _Delegate(Collector):
     def __init__(self, registry: CollectorRegistry) -> None:
         self._registry = registry
 
-    def collect(self) -> Iterable[object]:
+    def collect(self) -> Iterable[Metric]:
         return self._registry.collect()
 
 

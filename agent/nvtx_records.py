@@ -14,14 +14,14 @@ from typing import IO, Any
 
 from moescope import errors
 from moescope.collectors.nvtx import (
+    KIND_PUSH,
+    KIND_START,
     PAYLOAD_DOUBLE,
     PAYLOAD_FLOAT,
     PAYLOAD_I32,
     PAYLOAD_I64,
     PAYLOAD_U32,
     PAYLOAD_U64,
-    KIND_PUSH,
-    KIND_START,
     NvtxBatch,
 )
 

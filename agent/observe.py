@@ -23,7 +23,7 @@ import time
 from collections import deque
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moescope import errors
 from moescope.agent import state as st
@@ -32,10 +32,10 @@ from moescope.agent.export.config import ExportConfig
 from moescope.agent.export.setup import Tracing, build_tracing, stats_to_metrics
 from moescope.agent.metrics import Metrics, MetricsServer
 from moescope.agent.pipeline import Pipeline, resource_attributes
-from moescope.agent.source_metrics import publish_source_health
 from moescope.agent.policy.rules import Signals
 from moescope.agent.policy.stats_source import RuntimeStatsSource
-from moescope.collectors.moe_convention import StepBatch
+from moescope.agent.source_metrics import publish_source_health
+from moescope.collectors.moe_convention import MoeConventionParser, StepBatch
 from moescope.collectors.registry import (
     CollectorConfig,
     SampledSources,
@@ -45,6 +45,9 @@ from moescope.collectors.registry import (
 )
 from moescope.probes.ingress.loader import DROP_NAMES
 from moescope.procfs import read_comm
+
+if TYPE_CHECKING:  # imported where an NVTX ring is attached: a start without NVTX never loads it
+    from moescope.collectors.nvtx import NvtxCollector
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +67,8 @@ class Observers:
         self.notes: list[str] = []  # one line each, said at start
         self.targets: list[st.Target] = []
         self.probes: list[str] = []
-        self.nvtx: list[Any] = []
-        self.parsers: list[Any] = []
+        self.nvtx: list[NvtxCollector] = []
+        self.parsers: list[MoeConventionParser] = []
         self.telemetry: SampledSources | None = None
         self.policy: Any = None
         self.policy_loop: Any = None
@@ -178,7 +181,7 @@ class Observers:
             self._stop_policy()
 
     def _retire_finished_nvtx(self, _now_ns: int) -> None:
-        for collector in [c for c in self.daemon.sources if c in self.nvtx and c.finished]:
+        for collector in [c for c in self.nvtx if c.finished and c in self.daemon.sources]:
             collector.close()
             self.daemon.sources.remove(collector)
         return None
@@ -283,7 +286,9 @@ class Observers:
     def _attach_telemetry(self, pid: int | None) -> None:
         """One sampled source per enabled registry collector (NVML, host memory) for `pid`."""
         built = build_sampled_sources(
-            CollectorConfig(target_pid=pid, budget_bytes=self.args.memory_budget_bytes, nvml_library=self.args.nvml_library),
+            CollectorConfig(
+                target_pid=pid, budget_bytes=self.args.memory_budget_bytes, nvml_library=self.args.nvml_library
+            ),
             emit=self.daemon.emit,
             enabled=enabled_collectors(self.args),
         )
@@ -329,10 +334,9 @@ class Observers:
 
     def _build_policy(self, pid: int | None) -> None:
         from moescope.agent.policy import publish
+        from moescope.agent.policy.actuator import find_control_socket
         from moescope.agent.policy.stats_source import RuntimeStatsSignals
         from moescope.agent.policy.wiring import build_policy
-
-        from moescope.agent.policy.actuator import find_control_socket
 
         if not self.args.control_socket and pid is not None:
             find_control_socket(pid)  # ControlError until the runtime has made it (also in --dry-run)
@@ -351,7 +355,9 @@ class Observers:
             self.runtime_stats = RuntimeStatsSource(self.stats_signals, emit=self.daemon.emit)
             self.daemon.add_source(self.runtime_stats)
         mode = "dry-run" if self.args.dry_run else "acting"
-        self.notes.append(f"policy: {len(engine.rules)} rules, {mode}, control socket {socket_path}, audit {self.args.policy_audit}")
+        self.notes.append(
+            f"policy: {len(engine.rules)} rules, {mode}, control socket {socket_path}, audit {self.args.policy_audit}"
+        )
         self.policy = engine
 
     def _start_policy(self) -> None:
@@ -456,7 +462,10 @@ class Observers:
             s = collector.stats()
             drops = {k: v for k, v in s.items() if _is_drop(k) and v}
             anomalies = {k: v for k, v in parser.stats().items() if k in _PARSER_ANOMALIES and v}
-            lines.append(f"nvtx pid {collector.pid}: {s.get('records_received', 0)} records, drops {drops or 0}, anomalies {anomalies or 0}")
+            lines.append(
+                f"nvtx pid {collector.pid}: {s.get('records_received', 0)} records, drops {drops or 0}, "
+                f"anomalies {anomalies or 0}"
+            )
         export = self.tracing.stats()
         lines.append(f"export: {_fmt_export(export)}")
         if self.policy is not None or self._closed_audit_records:
@@ -513,7 +522,9 @@ class Observers:
             self._event_totals[source.name] = (now, events)
             self.metrics.set_counter_total("moescope_agent_events", float(events), source=source.name)
             for reason, count in lost.items():
-                self.metrics.set_counter_total("moescope_agent_events_dropped", float(count), source=source.name, reason=reason)
+                self.metrics.set_counter_total(
+                    "moescope_agent_events_dropped", float(count), source=source.name, reason=reason
+                )
             out.append(st.SourceStats(name=source.name, events_per_s=rate, drops_total=drops))
         # Trace export as a row of its own: spans exported per second; lost = failed + dropped.
         export = self.tracing.stats()
@@ -570,7 +581,9 @@ def _is_drop(counter: str) -> bool:
     return "drop" in counter or counter in _INGRESS_DROPS
 
 
-_PARSER_ANOMALIES = ("unknown_names", "malformed_payloads", "malformed_categories", "misplaced", "orphans", "pending_overflow")
+_PARSER_ANOMALIES = (
+    "unknown_names", "malformed_payloads", "malformed_categories", "misplaced", "orphans", "pending_overflow"
+)
 
 
 def _fmt_export(stats: Any) -> str:

@@ -16,7 +16,8 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+
+from opentelemetry.util.types import AttributeValue
 
 from moescope import procfs
 from moescope.agent import state as st
@@ -80,7 +81,9 @@ class Pipeline:
         if self.metrics_output is not None:
             self.join.add_output(self.metrics_output)
         self.traces = (
-            TraceOutput(spans, epoch_offset_ns=self.epoch_offset_ns, span_detail=span_detail) if spans is not None else None
+            TraceOutput(spans, epoch_offset_ns=self.epoch_offset_ns, span_detail=span_detail)
+            if spans is not None
+            else None
         )
         if self.traces is not None:
             self.join.add_output(self.traces)
@@ -143,10 +146,10 @@ class Pipeline:
             output.shutdown(deadline)
 
 
-def resource_attributes(pids: Iterable[int]) -> dict[str, Any]:
+def resource_attributes(pids: Iterable[int]) -> dict[str, AttributeValue]:
     """OTel resource for the traced serving process(es) and this host."""
     pids = list(pids)
-    attrs: dict[str, Any] = {
+    attrs: dict[str, AttributeValue] = {
         "service.name": os.environ.get("OTEL_SERVICE_NAME", "moe-serving"),
         "host.name": socket.gethostname(),
         "telemetry.sdk.name": "opentelemetry",

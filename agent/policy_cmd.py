@@ -21,13 +21,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moescope.errors import ControlError
 from moescope.agent.policy.actuator import Actuator, CommandFailed, find_control_socket
 from moescope.agent.policy.audit import AuditLog, AuditRecord
 from moescope.agent.policy.config import PolicyConfig, load_policy
 from moescope.agent.policy.engine import PolicyEngine, PolicyLoop
 from moescope.agent.policy.rules import SIGNALS, RuleSpec
 from moescope.agent.policy.stats_source import RuntimeStatsSignals
+from moescope.errors import ControlError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -59,7 +59,6 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-
 NAN = float("nan")
 
 CountVector = npt.NDArray[np.int64]

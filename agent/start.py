@@ -36,7 +36,6 @@ from types import FrameType
 from typing import IO, Any
 
 from moescope import errors
-
 from moescope.agent import privileges
 from moescope.agent.allocator import Allocator
 from moescope.agent.daemon import STOP_SIGNAL, Daemon
@@ -228,7 +227,8 @@ class TargetFollower:
             if target.port is not None and self.follow_ports and not any(t.port == target.port for t in self.live):
                 self.waiting.setdefault(target.port, now_ns)
                 print(f"agent: target {target.describe()} exited; waiting for a process listening on port "
-                      f"{target.port} to re-attach (--exit-on-target-exit to stop instead)", file=sys.stderr, flush=True)
+                      f"{target.port} to re-attach (--exit-on-target-exit to stop instead)",
+                      file=sys.stderr, flush=True)
             else:
                 print(f"agent: target {target.describe()} exited", file=sys.stderr, flush=True)
 
@@ -266,7 +266,7 @@ def child_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def privileges_to_keep(args: argparse.Namespace) -> tuple[str, ...]:
-    keep = privileges.KEEP_AFTER_ATTACH
+    keep: tuple[str, ...] = privileges.KEEP_AFTER_ATTACH
     if args.metrics_port and 0 < args.metrics_port < 1024:  # bound after the drop
         keep += ("CAP_NET_BIND_SERVICE",)
     return keep

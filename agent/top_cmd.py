@@ -14,7 +14,6 @@ from types import FrameType
 from rich.console import Console
 
 from moescope import errors
-from moescope.procfs import pid_exists
 from moescope.agent.state import (
     STATE_FILE_RE,
     Snapshot,
@@ -24,6 +23,7 @@ from moescope.agent.state import (
 )
 from moescope.agent.tui.app import DEFAULT_INTERVAL_S, run_live
 from moescope.agent.tui.layout import Dashboard
+from moescope.procfs import pid_exists
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -23,7 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="traces_command", metavar="ACTION", required=True)
     p_list = sub.add_parser("list", help="recent traces, newest first")
     add_state_dir_argument(p_list)
-    p_list.add_argument("--limit", type=int, default=20, metavar="N", help="show at most N traces (default 20; 0 = all)")
+    p_list.add_argument(
+        "--limit", type=int, default=20, metavar="N", help="show at most N traces (default 20; 0 = all)"
+    )
     p_list.add_argument("--json", action="store_true", help="one JSON object per trace")
     p_show = sub.add_parser("show", help="one trace as a tree of spans")
     add_state_dir_argument(p_show)

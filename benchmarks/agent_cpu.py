@@ -98,7 +98,9 @@ def build_workload(*, batches: int, seed: int, t0_ns: int) -> list[tuple[list[An
                 ft = l0 + 50 * US
                 if (b + s + layer_index) % 16 == 0:  # an expert load now and then (offloaded expert)
                     expert = max(tokens, key=tokens.__getitem__)
-                    layer.loads.append(ExpertLoadEvent(expert=expert, start_ns=ft, end_ns=ft + 200 * US, bytes_moved=24 << 20))
+                    layer.loads.append(
+                        ExpertLoadEvent(expert=expert, start_ns=ft, end_ns=ft + 200 * US, bytes_moved=24 << 20)
+                    )
                     ft += 210 * US
                 for expert in sorted(tokens):
                     layer.ffns.append(ExpertFfnEvent(expert=expert, start_ns=ft, end_ns=ft + 20 * US,
@@ -126,7 +128,15 @@ def nvtx_batches(steps: list[Any]) -> tuple[list[Any], int]:
     import numpy as np
 
     from moescope.collectors import moe_convention as mc
-    from moescope.collectors.nvtx import MARK_DTYPE, PAYLOAD_DOUBLE, PAYLOAD_I64, PAYLOAD_NONE, RANGE_DTYPE, NvtxBatch, StringTable
+    from moescope.collectors.nvtx import (
+        MARK_DTYPE,
+        PAYLOAD_DOUBLE,
+        PAYLOAD_I64,
+        PAYLOAD_NONE,
+        RANGE_DTYPE,
+        NvtxBatch,
+        StringTable,
+    )
 
     strings = StringTable()
     strings.domains[1] = mc.DOMAIN
@@ -139,7 +149,9 @@ def nvtx_batches(steps: list[Any]) -> tuple[list[Any], int]:
         ranges: list[tuple[Any, ...]] = []
         marks: list[tuple[Any, ...]] = []
 
-        def rng_row(name: str, parent: int, start: int, end: int, payload: int, ptype: int, category: int, depth: int) -> int:
+        def rng_row(
+            name: str, parent: int, start: int, end: int, payload: int, ptype: int, category: int, depth: int
+        ) -> int:
             nonlocal uid
             uid += 1
             ranges.append((uid, parent, start, end, payload, 0, step.tid, 1, ids[name], category, 0, depth, 1, ptype))
@@ -162,7 +174,16 @@ def nvtx_batches(steps: list[Any]) -> tuple[list[Any], int]:
             for expert, count in r.dropped.items():
                 mark_row(mc.EXPERT_DROPPED, router_uid, r.start_ns + 1, count, expert + 1)
             for load in layer.loads:
-                rng_row(mc.EXPERT_LOAD, layer_uid, load.start_ns, load.end_ns, load.bytes_moved, PAYLOAD_I64, load.expert + 1, 2)
+                rng_row(
+                    mc.EXPERT_LOAD,
+                    layer_uid,
+                    load.start_ns,
+                    load.end_ns,
+                    load.bytes_moved,
+                    PAYLOAD_I64,
+                    load.expert + 1,
+                    2,
+                )
             for ffn in layer.ffns:
                 rng_row(mc.EXPERT_FFN, layer_uid, ffn.start_ns, ffn.end_ns, ffn.tokens, PAYLOAD_I64, ffn.expert + 1, 2)
         ranges.sort(key=lambda row: row[3])  # completion order, as the collector pairs them
@@ -209,13 +230,18 @@ def worker(variant: str, *, batches: int, endpoint: str | None) -> dict[str, flo
         if variant == "grpc":
             assert endpoint is not None
             otlp_fields = set(OtlpTarget.__dataclass_fields__)
-            target_args = dict(protocol="grpc", endpoint=endpoint, insecure=True, headers=(), timeout_ms=10_000)
+            # Any: filtered by the fields of the tree under test (a baseline checkout may lack some).
+            target_args: dict[str, Any] = dict(
+                protocol="grpc", endpoint=endpoint, insecure=True, headers=(), timeout_ms=10_000
+            )
             otlp = OtlpTarget(**{k: v for k, v in target_args.items() if k in otlp_fields})
         else:
             otlp = None
         config = ExportConfig(**{k: v for k, v in (common | {"otlp": otlp}).items() if k in fields})
         metrics = Metrics()
-        tracing = build_tracing(config, resource_attributes={"service.name": "bench", "process.pid": PID}, metrics=metrics)
+        tracing = build_tracing(
+            config, resource_attributes={"service.name": "bench", "process.pid": PID}, metrics=metrics
+        )
         pipeline = Pipeline(spans=tracing.factory, metrics=metrics, num_experts=NUM_EXPERTS)
         # warm-up batch: first-call costs (imports, gRPC channel) are not the steady state
         warm = build_workload(batches=1, seed=1, t0_ns=t0 - 30 * 1_000 * MS)
@@ -322,19 +348,28 @@ def main() -> int:
                 def run_a(variant: str = variant, endpoint: str | None = endpoint) -> dict[str, float]:
                     return run_worker(base, variant, batches=args.batches, endpoint=endpoint)
 
-                ab = alternate_ab(run_a=run_a, run_b=run_b, pairs=args.runs, progress=lambda s, v=variant: print(f"{v}: {s}", flush=True))
+                def progress(line: str, variant: str = variant) -> None:
+                    print(f"{variant}: {line}", flush=True)
+
+                ab = alternate_ab(run_a=run_a, run_b=run_b, pairs=args.runs, progress=progress)
                 results[variant] = ab.to_dict()
             else:
                 runs = []
                 for i in range(args.runs):
                     runs.append(run_b())
                     print(f"{variant}: run {i + 1}/{args.runs}: {runs[-1]}", flush=True)
-                results[variant] = {"runs": runs, "medians": {k: sorted(r[k] for r in runs)[len(runs) // 2] for k in runs[0]}}
+                results[variant] = {
+                    "runs": runs,
+                    "medians": {k: sorted(r[k] for r in runs)[len(runs) // 2] for k in runs[0]},
+                }
     finally:
         if receiver is not None:
             receiver.close()
     def side_medians(side: str | None) -> dict[str, dict[str, float]]:
-        return {v: (r["medians"] if side is None else {k: m[side] for k, m in r["medians"].items()}) for v, r in results.items()}
+        return {
+            v: (r["medians"] if side is None else {k: m[side] for k, m in r["medians"].items()})
+            for v, r in results.items()
+        }
 
     def core_percent(medians: dict[str, dict[str, float]]) -> float:
         # this path's CPU at the reference rates: spans built + exported to files, steps parsed
@@ -365,8 +400,11 @@ def main() -> int:
             print(f"{variant} ratio B/A: " + ", ".join(f"{k} {v:.3f}" for k, v in r["ratio"].items()))
     if estimate:
         baseline = estimate.get("core_percent_file_export_baseline")
-        print(f"estimate at reference load (span + parse path only): {estimate['core_percent_file_export']:.1f} % of one core"
-              + (f" (baseline {baseline:.1f} %)" if baseline is not None else ""))
+        print(
+            "estimate at reference load (span + parse path only): "
+            f"{estimate['core_percent_file_export']:.1f} % of one core"
+            + (f" (baseline {baseline:.1f} %)" if baseline is not None else "")
+        )
     print(f"wrote {path}")
     return 0
 

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import REPO, ABResult, Metrics, write_result
-from moescope.agent.pipeline import DEFAULT_STEP_RETENTION_NS
+from moescope.agent.join import DEFAULT_STEP_RETENTION_NS
 from moescope.collectors.nvtx import INJECTION_ENV, RING_DIR_ENV, injection_env
 from moescope.examples.moe_runtime.launch import LaunchError, LineReader, launch, runtime_argv
 
@@ -474,11 +474,14 @@ def soak(args: argparse.Namespace, workdir: Path) -> int:
     if settle_s < STEP_RETENTION_S:
         print(f"e2e_soak: note: shorter than 2 x (step retention {STEP_RETENTION_S:.0f} s + 30 s): the slope "
               "still includes the pipeline's step buffer filling up", flush=True)
-    print(f"e2e_soak: {elapsed:.0f} s, {len(samples)} samples (slope fitted from t >= {settle_s:.0f} s), {load_result['requests']} requests "
-          f"({load_result['failures']} failed): agent RSS slope {slope_rss / 1e3 * 60:+.1f} kB/min "
-          f"(anon {slope_anon / 1e3 * 60:+.1f} kB/min) = {growth_per_hour / 1e6:+.1f} MB/hour (bar 10), "
-          f"peak {peak / 1e6:.0f} MB, CPU {agent_cpu:.1f} % of a core; runtime RSS slope "
-          f"{slope_runtime / 1e3 * 60:+.1f} kB/min")
+    print(
+        f"e2e_soak: {elapsed:.0f} s, {len(samples)} samples (slope fitted from t >= {settle_s:.0f} s), "
+        f"{load_result['requests']} requests "
+        f"({load_result['failures']} failed): agent RSS slope {slope_rss / 1e3 * 60:+.1f} kB/min "
+        f"(anon {slope_anon / 1e3 * 60:+.1f} kB/min) = {growth_per_hour / 1e6:+.1f} MB/hour (bar 10), "
+        f"peak {peak / 1e6:.0f} MB, CPU {agent_cpu:.1f} % of a core; runtime RSS slope "
+        f"{slope_runtime / 1e3 * 60:+.1f} kB/min"
+    )
     print("  bars: " + ", ".join(f"{k}={'PASS' if v else 'MISS'}" for k, v in bars.items()) + f" -> {path}")
     return 0 if bar_met else 1
 

@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from moescope.agent.daemon import Daemon
 from benchmarks.common import Metrics, alternate_ab, build_c, write_result
+from moescope.agent.daemon import Daemon
 from moescope.probes.ingress.loader import DROP_NAMES, IngressOptions, IngressProbe, load_program, program_text
 
 BAR_NS_PER_REQUEST = 400
@@ -131,13 +131,17 @@ def main(argv: list[str] | None = None) -> int:
     records_per_run: list[int] = []
 
     def probe_off() -> Metrics:
-        return client_run(binary, server_pid=responder.popen.pid, port=responder.port, requests=args.requests, cpu=bench_cpu)
+        return client_run(
+            binary, server_pid=responder.popen.pid, port=responder.port, requests=args.requests, cpu=bench_cpu
+        )
 
     def empty_on() -> Metrics:
         empty = load_program(text=empty_program_text(), flags=[])
         try:
             empty.attach()
-            return client_run(binary, server_pid=responder.popen.pid, port=responder.port, requests=args.requests, cpu=bench_cpu)
+            return client_run(
+                binary, server_pid=responder.popen.pid, port=responder.port, requests=args.requests, cpu=bench_cpu
+            )
         finally:
             empty.close()
 
@@ -213,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             "pass": ok,
         },
     )
+    server_min_ns = result.minimum("b", "server_cpu_ns_per_request") - result.minimum("a", "server_cpu_ns_per_request")
     print(
         f"ingress_overhead ({args.probe}, {args.drain} drain): ns per request (client+server on one CPU) "
         f"off {result.median('a', PRIMARY):.0f}, "
@@ -220,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         f"(bar {BAR_NS_PER_REQUEST}), ratio {result.ratio(PRIMARY):.3f}; server alone "
         f"{result.delta('server_cpu_ns_per_request'):+.0f} ns; of minimums: added "
         f"{result.minimum('b', PRIMARY) - result.minimum('a', PRIMARY):+.0f} ns, server "
-        f"{result.minimum('b', 'server_cpu_ns_per_request') - result.minimum('a', 'server_cpu_ns_per_request'):+.0f} ns; agent {agent_ns:.0f} CPU ns/record; "
+        f"{server_min_ns:+.0f} ns; "
+        f"agent {agent_ns:.0f} CPU ns/record; "
         f"records per on-run {sorted(set(records_per_run))}, drops {sum(drops_total.values())} -> {path}"
     )
     return 0 if ok else 1

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from moescope.errors import SourceUnavailable
 from moescope.collectors.registry import CollectorConfig, register
+from moescope.errors import SourceUnavailable
 from moescope.procfs import pid_exists
 
 log = logging.getLogger("moescope.host")
@@ -486,4 +486,9 @@ def _factory(config: CollectorConfig) -> HostCollector:
     )
 
 
-register("host", _factory, help="the target's RSS and cgroup memory: the memory signal where there is no GPU", memory_signal_priority=10)
+register(
+    "host",
+    _factory,
+    help="the target's RSS and cgroup memory: the memory signal where there is no GPU",
+    memory_signal_priority=10,
+)

@@ -26,13 +26,16 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import pynvml
 
-from moescope.errors import NvmlUnavailable
 from moescope.collectors.host import MemorySignal, in_nested_pid_namespace, process_tree
 from moescope.collectors.registry import CollectorConfig, register
+from moescope.errors import NvmlUnavailable
+
+if TYPE_CHECKING:  # for annotations only: no run-time dependency
+    from typing_extensions import TypeIs
 
 log = logging.getLogger("moescope.nvml")
 
@@ -124,7 +127,8 @@ MaybeFloat = float | NotAvailable
 MaybeStr = str | NotAvailable
 
 
-def is_na(value: object) -> bool:
+def is_na(value: object) -> TypeIs[NotAvailable]:
+    """Whether `value` is N/A; a False narrows a `MaybeInt` to int (and so on) for the type checker."""
     return isinstance(value, NotAvailable)
 
 
@@ -278,18 +282,18 @@ class NvmlSample:
         """The fullest GPU among those the target uses (all GPUs when it uses none we can see)."""
         used_by_target = [g for g in self.gpus if any(p.pid in self.target_pids for p in g.processes)]
         candidates = used_by_target or list(self.gpus)
-        best: tuple[float, GpuSample] | None = None
+        best: tuple[float, GpuSample, int, int] | None = None  # (ratio, GPU, in use, total bytes)
         for gpu in candidates:
             in_use, total = gpu.memory_in_use_bytes, gpu.memory_total_bytes
-            if is_na(in_use) or is_na(total) or int(total) <= 0:
+            if is_na(in_use) or is_na(total) or total <= 0:
                 continue
-            ratio = int(in_use) / int(total)
+            ratio = in_use / total
             if best is None or ratio > best[0]:
-                best = (ratio, gpu)
+                best = (ratio, gpu, in_use, total)
         if best is None:
             return None
-        gpu = best[1]
-        return MemorySignal(int(gpu.memory_in_use_bytes), int(gpu.memory_total_bytes), "nvml", f"GPU {gpu.index} {gpu.uuid}")
+        _, gpu, in_use_bytes, total_bytes = best
+        return MemorySignal(in_use_bytes, total_bytes, "nvml", f"GPU {gpu.index} {gpu.uuid}")
 
 
 # ---------------------------------------------------------------- counters
@@ -313,7 +317,9 @@ class CounterRates:
     def __init__(self) -> None:
         self._state: dict[tuple[int, int, int], _CounterState] = {}
 
-    def update(self, key: tuple[int, int, int], value: int, timestamp_us: int, *, bits: int, scale: float) -> MaybeFloat:
+    def update(
+        self, key: tuple[int, int, int], value: int, timestamp_us: int, *, bits: int, scale: float
+    ) -> MaybeFloat:
         prev = self._state.get(key)
         if prev is None or timestamp_us < prev.timestamp_us:
             self._state[key] = _CounterState(value, timestamp_us, NA)
@@ -484,6 +490,10 @@ class NvmlCollector:
         if is_na(mem):
             mem = gw.call("nvmlDeviceGetMemoryInfo", h)
             memory_api = "v1"
+        total: MaybeInt
+        used: MaybeInt
+        free: MaybeInt
+        reserved: MaybeInt
         if is_na(mem):
             total = used = free = reserved = NA
             memory_api = "none"
@@ -499,7 +509,8 @@ class NvmlCollector:
         if listed is None or any(is_na(p.used_bytes) for p in processes if p.pid in pids):
             target_used: MaybeInt = NA
         else:
-            target_used = sum(int(p.used_bytes) for p in processes if p.pid in pids)
+            # (none of the target's is N/A here: the filter is for the type checker)
+            target_used = sum(p.used_bytes for p in processes if p.pid in pids and not is_na(p.used_bytes))
         return GpuSample(
             index=gpu.index,
             name=gpu.name,
@@ -570,7 +581,9 @@ class NvmlCollector:
         merged: dict[int, ProcessGpuMemory] = {}
         any_list = False
         for kind in ("compute", "graphics"):
-            base = "nvmlDeviceGetComputeRunningProcesses" if kind == "compute" else "nvmlDeviceGetGraphicsRunningProcesses"
+            base = (
+                "nvmlDeviceGetComputeRunningProcesses" if kind == "compute" else "nvmlDeviceGetGraphicsRunningProcesses"
+            )
             procs = self.gateway.call(
                 base + "_v3", handle, on_missing=f"{base}_v3 missing (older driver): using {base}_v2"
             )
@@ -589,7 +602,7 @@ class NvmlCollector:
                     both = max(float(prev.used_bytes), float(used))
                     merged[pid] = ProcessGpuMemory(pid, NA if math.isnan(both) else int(both), "compute+graphics")
                 else:
-                    merged[pid] = ProcessGpuMemory(pid, used, kind)  # type: ignore[arg-type]
+                    merged[pid] = ProcessGpuMemory(pid, used, kind)
         return tuple(sorted(merged.values(), key=lambda p: p.pid)) if any_list else None
 
     def close(self) -> None:
@@ -649,7 +662,8 @@ def format_sample(sample: NvmlSample) -> list[str]:
         for link in g.nvlinks:
             state = "" if link.supported else f" ({link.error})"
             lines.append(
-                f"  nvlink {link.link}: tx {_mib(link.tx_bytes_per_s, 1)} rx {_mib(link.rx_bytes_per_s, 1)} MiB/s{state}"
+                f"  nvlink {link.link}: tx {_mib(link.tx_bytes_per_s, 1)} rx {_mib(link.rx_bytes_per_s, 1)} "
+                f"MiB/s{state}"
             )
         for p in g.processes:
             lines.append(f"  pid {p.pid} ({p.kind}): {_mib(p.used_bytes)} MiB")

@@ -90,7 +90,9 @@ def _latency_quantile(q: float, metric: str) -> Query:
 SERVING = Dashboard(
     uid="moescope-serving",
     title="moescope — MoE serving",
-    description="Requests (kernel-timed), MoE routing health, experts, devices and policy actions from the moescope agent.",
+    description=(
+        "Requests (kernel-timed), MoE routing health, experts, devices and policy actions from the moescope agent."
+    ),
     variables=(LAYER_VAR, SERVICE_VAR),
     rows=(
         Row("Requests", (

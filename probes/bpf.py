@@ -29,7 +29,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from moescope import errors
 
@@ -114,8 +114,8 @@ def possible_cpus(path: Path = Path("/sys/devices/system/cpu/possible")) -> int:
     return last + 1
 
 
-K = TypeVar("K", bound=ct._SimpleCData | ct.Structure)  # type: ignore[type-arg]
-V = TypeVar("V", bound=ct._SimpleCData | ct.Structure)  # type: ignore[type-arg]
+K = TypeVar("K", bound=ct._SimpleCData | ct.Structure)
+V = TypeVar("V", bound=ct._SimpleCData | ct.Structure)
 
 
 class BpfMap(Generic[K, V]):
@@ -161,11 +161,13 @@ class BpfMap(Generic[K, V]):
         result = self._elem(BPF_MAP_LOOKUP_ELEM, key, buf)
         if result < 0:
             raise OSError(-result, f"lookup in map {self.name}: {os.strerror(-result)}")
-        return [self.value_type.from_buffer_copy(buf, cpu * self._slot_bytes) for cpu in range(self._cpus)]
+        values = [self.value_type.from_buffer_copy(buf, cpu * self._slot_bytes) for cpu in range(self._cpus)]
+        # typeshed types from_buffer_copy on type[V] as V's bound (a union), not V: they are V's
+        return cast(list[V], values)
 
     def sum(self, key: K) -> int:
         """The values of a per-CPU counter added over CPUs."""
-        return sum(int(v.value) for v in self.lookup_percpu(key))  # type: ignore[attr-defined]
+        return sum(int(v.value) for v in self.lookup_percpu(key))
 
     def update(self, key: K, value: V, *, flags: int = BPF_ANY) -> bool:
         """Write; False when flags forbid it (BPF_NOEXIST and the key exists). Other errors raise."""

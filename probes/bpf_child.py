@@ -37,7 +37,7 @@ def _load(request: dict[str, Any]) -> tuple[dict[str, Any], list[int], Any]:
         return {"error": "BccMissing",
                 "message": f"bcc is not importable ({exc}): install Debian's python3-bpfcc (`make setup`)"}, [], None
 
-    class _LoadOnly(bcc.BPF):  # type: ignore[misc,name-defined]
+    class _LoadOnly(bcc.BPF):
         def _trace_autoload(self) -> None:
             """Attaching is the parent's job: a program attached here too would run twice."""
 
@@ -64,7 +64,11 @@ def _load(request: dict[str, Any]) -> tuple[dict[str, Any], list[int], Any]:
             maps.append(table_name.decode())
             fds.append(module.get_table(table_name).map_fd)
     except Exception as exc:  # bcc raises bare Exception for compile and load failures
-        return {"error": "ProbeLoadError", "message": f"eBPF program failed to compile/load: {_one_line(exc)}"}, [], None
+        return (
+            {"error": "ProbeLoadError", "message": f"eBPF program failed to compile/load: {_one_line(exc)}"},
+            [],
+            None,
+        )
     if len(fds) > MAX_FDS:
         return {"error": "ProbeLoadError", "message": f"{len(fds)} programs and maps: at most {MAX_FDS}"}, [], None
     return {"programs": programs, "maps": maps}, fds, module

@@ -88,7 +88,7 @@ def flatten(requests: list[ExportTraceServiceRequest]) -> list[FlatSpan]:
                             start_ns=int(s.start_time_unix_nano),
                             end_ns=int(s.end_time_unix_nano),
                             attributes=_attrs(s.attributes),
-                            links=[(l.trace_id.hex(), l.span_id.hex(), _attrs(l.attributes)) for l in s.links],
+                            links=[(lk.trace_id.hex(), lk.span_id.hex(), _attrs(lk.attributes)) for lk in s.links],
                             events=[(e.name, int(e.time_unix_nano), _attrs(e.attributes)) for e in s.events],
                             status_code=int(s.status.code),
                             resource=resource,
@@ -173,7 +173,9 @@ class _ReceiverBase:
         end = time.monotonic() + timeout_s
         with self._state.changed:
             while True:
-                have = sum(len(ss.spans) for r in self._state.requests for rs in r.resource_spans for ss in rs.scope_spans)
+                have = sum(
+                    len(ss.spans) for r in self._state.requests for rs in r.resource_spans for ss in rs.scope_spans
+                )
                 if have >= n:
                     break
                 left = end - time.monotonic()

@@ -207,7 +207,7 @@ def resolve_export_config(flags: ExportFlags, env: Mapping[str, str] | None = No
 
         otlp = OtlpTarget(
             endpoint=endpoint,
-            protocol=protocol,  # type: ignore[arg-type]
+            protocol=protocol,
             headers=tuple(headers),
             timeout_ms=timeout_ms,
             insecure=insecure,
@@ -248,8 +248,12 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"rotate trace files at this size (default {DEFAULT_FILE_MAX_BYTES})")
     g.add_argument("--trace-files-keep", type=int, metavar="N",
                    help=f"keep this many trace files, oldest deleted (default {DEFAULT_FILES_KEEP})")
-    g.add_argument("--export-queue-spans", type=int, metavar="N",
-                   help=f"spans queued for export before new ones are dropped and counted (default {DEFAULT_QUEUE_SPANS})")
+    g.add_argument(
+        "--export-queue-spans",
+        type=int,
+        metavar="N",
+        help=f"spans queued for export before new ones are dropped and counted (default {DEFAULT_QUEUE_SPANS})",
+    )
     g.add_argument("--span-detail", choices=("layer", "expert"), default="layer",
                    help="layer (default): one moe.layer span per layer, its router, expert loads and FFNs as "
                         "array attributes (moe.layer.ffn.*); expert: a span for each of them too (~4x the spans, "

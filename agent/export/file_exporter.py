@@ -69,7 +69,8 @@ class OtlpJsonFileExporter(SpanExporter):
         self._shutdown = False
         ensure_directory(self.directory)
         existing = trace_files(self.directory)
-        self._seq = int(FILE_PATTERN.match(existing[-1].name).group(1)) if existing else 0  # type: ignore[union-attr]
+        newest = FILE_PATTERN.match(existing[-1].name) if existing else None  # trace_files() lists only matches
+        self._seq = int(newest.group(1)) if newest else 0
 
     def _lines(self, spans: Sequence[ReadableSpan]) -> list[tuple[bytes, int]]:
         """Encoded lines with their span counts; splits batches too large for one file."""
@@ -80,7 +81,9 @@ class OtlpJsonFileExporter(SpanExporter):
             return [(data, len(spans))]
         if len(spans) == 1:
             self.spans_too_large += 1
-            log.warning("trace file: one span encodes to %d bytes > file limit %d: dropped", len(data), self.max_file_bytes)
+            log.warning(
+                "trace file: one span encodes to %d bytes > file limit %d: dropped", len(data), self.max_file_bytes
+            )
             return []
         half = len(spans) // 2
         return self._lines(spans[:half]) + self._lines(spans[half:])

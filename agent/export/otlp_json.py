@@ -211,7 +211,9 @@ def _scope(scope: Any) -> str:
 
 
 def _flags(context: Any) -> str:
-    return str(_FLAG_HAS_IS_REMOTE | _FLAG_IS_REMOTE if context is not None and context.is_remote else _FLAG_HAS_IS_REMOTE)
+    return str(
+        _FLAG_HAS_IS_REMOTE | _FLAG_IS_REMOTE if context is not None and context.is_remote else _FLAG_HAS_IS_REMOTE
+    )
 
 
 def _span(span: ReadableSpan) -> str:

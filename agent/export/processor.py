@@ -160,7 +160,8 @@ class BoundedBatchSpanProcessor(SpanProcessor):
     def _shutdown_exporter(self, deadline: Deadline) -> None:
         try:
             try:
-                self.exporter.shutdown(timeout_millis=deadline.remaining_s() * 1000)  # type: ignore[call-arg]
+                timeout_ms = deadline.remaining_s() * 1000
+                self.exporter.shutdown(timeout_millis=timeout_ms)  # type: ignore[call-arg]  # OTLP's take it; the base's not
             except TypeError:  # exporters whose shutdown() takes no timeout
                 self.exporter.shutdown()
         except Exception as exc:  # noqa: BLE001 - exporter errors are logged, never raised

@@ -131,4 +131,6 @@ def build_tracing(
     provider.add_span_processor(processor)
     tracer = provider.get_tracer(INSTRUMENTATION_SCOPE, agent_version())
     log.info("%s", config.describe())
-    return Tracing(config=config, provider=provider, processor=processor, exporter=exporter, factory=SpanFactory(tracer))
+    return Tracing(
+        config=config, provider=provider, processor=processor, exporter=exporter, factory=SpanFactory(tracer)
+    )

@@ -282,7 +282,7 @@ class SpanFactory:
         links: Iterable[SpanLink] = (),
     ) -> trace.Span:
         """Start a span at ``start_ns``; end it later with ``end(span, end_ns=...)``."""
-        if self.direct and self.tracer._is_enabled():  # type: ignore[attr-defined]
+        if self.direct and self.tracer._is_enabled():  # type: ignore[attr-defined]  # the SDK Tracer's, not the API's
             return self._start_direct(name, int(start_ns), parent, kind, attributes, links)
         return self.tracer.start_span(
             name,
@@ -329,7 +329,11 @@ class SpanFactory:
                     valid.append(Link(link.context, BoundedAttributes(
                         self._limits.max_link_attributes, link_attrs, max_value_len=None, immutable=True)))
             max_links = self._limits.max_links
-            span_links = BoundedList.from_seq(max_links, valid) if max_links is not None and len(valid) > max_links else tuple(valid)
+            span_links = (
+                BoundedList.from_seq(max_links, valid)
+                if max_links is not None and len(valid) > max_links
+                else tuple(valid)
+            )
         return _DirectSpan(self, name, context, parent, kind, attrs, span_links, start_ns)
 
     def _merge(
@@ -406,7 +410,7 @@ class SpanFactory:
         """A complete span in one call; returns its context (to parent children or link to)."""
         if end_ns < start_ns:
             end_ns = start_ns  # clock skew between sources must not make a negative duration
-        if self.direct and self.tracer._is_enabled():  # type: ignore[attr-defined]
+        if self.direct and self.tracer._is_enabled():  # type: ignore[attr-defined]  # the SDK Tracer's, not the API's
             # one-shot: straight to the finished span (what end() does, minus its checks on a fresh span)
             direct = self._start_direct(name, int(start_ns), parent, kind, attributes, links)
             for event in events:

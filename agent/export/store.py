@@ -220,7 +220,8 @@ def render_list(summaries: list[TraceSummary]) -> str:
     lines = [header]
     for s in summaries:
         lines.append(
-            f"{s.trace_id:32}  {format_time_ns(s.start_ns):27}  {format_ms(s.duration_ns):>12}  {s.span_count:>5}  {s.root_name}"
+            f"{s.trace_id:32}  {format_time_ns(s.start_ns):27}  {format_ms(s.duration_ns):>12}  "
+            f"{s.span_count:>5}  {s.root_name}"
         )
     return "\n".join(lines) + "\n"
 

@@ -44,7 +44,7 @@ class MetricsOutput:
                     self._request(event)
                 case StepSeen(step=b):
                     self._step(b)
-                case TelemetrySeen(sample=sample, memory=memory):
+                case TelemetrySeen(sample=sample):
                     self._telemetry(sample)
                 case _:
                     pass
@@ -113,8 +113,8 @@ class MetricsOutput:
         windows = self.windows
         if windows is not None and step.end_ns - self._window_gauges_ns >= WINDOW_GAUGE_PERIOD_NS:
             self._window_gauges_ns = now = step.end_ns
-            for layer, gini in windows.layer_gini(now).items():
-                m.set("moescope_expert_load_gini_window", gini, layer=str(layer))
+            for layer_index, gini in windows.layer_gini(now).items():
+                m.set("moescope_expert_load_gini_window", gini, layer=str(layer_index))
 
     def _telemetry(self, sample: object) -> None:
         m = self.metrics
@@ -132,13 +132,20 @@ class MetricsOutput:
                         m.set(name, float(value), device=dev)
                 for link in gpu.nvlinks:
                     if finite(link.tx_total_bytes):
-                        m.set_counter_total("moescope_nvlink_transmit_bytes", float(link.tx_total_bytes), device=dev, link=str(link.link))
+                        m.set_counter_total(
+                            "moescope_nvlink_transmit_bytes",
+                            float(link.tx_total_bytes),
+                            device=dev,
+                            link=str(link.link),
+                        )
                     if finite(link.rx_total_bytes):
-                        m.set_counter_total("moescope_nvlink_receive_bytes", float(link.rx_total_bytes), device=dev, link=str(link.link))
+                        m.set_counter_total(
+                            "moescope_nvlink_receive_bytes", float(link.rx_total_bytes), device=dev, link=str(link.link)
+                        )
         elif isinstance(sample, HostSample):
             signal = sample.memory_signal()
             if signal is not None:
                 m.set("moescope_device_memory_used_bytes", float(signal.used_bytes), device="host")
                 m.set("moescope_device_memory_total_bytes", float(signal.total_bytes), device="host")
-            if finite(sample.rss_bytes):
+            if sample.rss_bytes is not None and finite(sample.rss_bytes):
                 m.set("moescope_target_memory_bytes", float(sample.rss_bytes), device="host")

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, replace
 
 from moescope.agent import state as st
 from moescope.agent.join import JoinEvent, RequestJoined, RuntimeSeen, StepSeen, TelemetrySeen
-from moescope.agent.policy.actuator import RuntimeState
 from moescope.agent.outputs.values import float_or_none, int_or_none
+from moescope.agent.policy.actuator import RuntimeState
 from moescope.agent.policy.rules import Signals
 from moescope.agent.routing_health import NAN, RoutingHealthWindow
 from moescope.collectors.host import MemorySignal
@@ -90,7 +90,9 @@ class WindowsOutput:
                             self._routing = None  # windows are per E: restart them
                         if b.num_experts > 0:
                             if self._routing is None:
-                                self._routing = RoutingHealthWindow(duration_ns=self.window_ns, num_experts=b.num_experts)
+                                self._routing = RoutingHealthWindow(
+                                    duration_ns=self.window_ns, num_experts=b.num_experts
+                                )
                             self._routing.add_step(step.end_ns, b.routings)
                     case TelemetrySeen(sample=sample, memory=memory):
                         if isinstance(sample, NvmlSample):
@@ -202,7 +204,11 @@ class WindowsOutput:
                             memory_total_bytes=int_or_none(gpu.memory_total_bytes),
                             utilization_pct=float_or_none(gpu.utilization_gpu_percent),
                             nvlinks=[
-                                st.NvLink(link=lk.link, tx_bytes_per_s=float_or_none(lk.tx_bytes_per_s), rx_bytes_per_s=float_or_none(lk.rx_bytes_per_s))
+                                st.NvLink(
+                                    link=lk.link,
+                                    tx_bytes_per_s=float_or_none(lk.tx_bytes_per_s),
+                                    rx_bytes_per_s=float_or_none(lk.rx_bytes_per_s),
+                                )
                                 for lk in gpu.nvlinks
                             ],
                         )
@@ -212,7 +218,9 @@ class WindowsOutput:
                 devices = st.Devices(
                     gpus=devices.gpus,
                     host_budget=st.HostBudget(
-                        source=f"{memory.source}: {memory.scope}", used_bytes=memory.used_bytes, total_bytes=memory.total_bytes
+                        source=f"{memory.source}: {memory.scope}",
+                        used_bytes=memory.used_bytes,
+                        total_bytes=memory.total_bytes,
                     ),
                 )
             runtime = self._runtime

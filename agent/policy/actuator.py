@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moescope.errors import ControlError
 from moescope.agent.policy.audit import CommandResult
 from moescope.agent.policy.rules import Intent, RuleSpec, Target
+from moescope.errors import ControlError
 
 PROTOCOL = "moescope-control/1"
 MAX_REPLY_BYTES = 64 * 1024 * 1024  # a stats reply grows with layers x experts

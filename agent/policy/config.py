@@ -14,8 +14,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from moescope.errors import ConfigError, one_line
 from moescope.agent.policy.rules import ACTIONS, COMPARISONS, SIGNALS, ArgSpec, RuleSpec, fires_upward
+from moescope.errors import ConfigError, one_line
 
 DEFAULT_POLICY_NAME = "default_policy.toml"
 

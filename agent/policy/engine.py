@@ -25,22 +25,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moescope.errors import UsageError
 from moescope.agent.policy.actuator import ActionOutcome, Actuator, CommandFailed, RuntimeState, describe_plan
 from moescope.agent.policy.audit import AuditLog, AuditRecord, now_unix_s
 from moescope.agent.policy.config import PolicyConfig
 from moescope.agent.policy.rules import (
     ACTIONS,
+    TIME_EPS_S,
     InstanceView,
     Intent,
     RuleInstance,
-    TIME_EPS_S,
     RuleSpec,
     Signals,
     State,
     Target,
     TargetKind,
 )
+from moescope.errors import UsageError
 
 __all__ = ["PolicyEngine", "PolicyLoop", "Signals"]
 

@@ -9,7 +9,8 @@ and an OpenTelemetry span per action. The daemon wires these:
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import Protocol
 
 from moescope.agent.policy.audit import AuditHook, AuditRecord
 from moescope.agent.policy.engine import PolicyEngine
@@ -36,8 +37,21 @@ class MetricsSink(Protocol):
     def set_counter_total(self, name: str, total: float, **labels: str) -> None: ...
 
 
+# The attribute values an audit record's span carries (a subset of OpenTelemetry's AttributeValue).
+SpanAttributeValue = str | bool | int | float
+
+
+class SpanLike(Protocol):
+    """The part of an OpenTelemetry span the hook uses."""
+
+    def add_event(self, name: str, attributes: Mapping[str, SpanAttributeValue] | None = None) -> None: ...
+    def end(self) -> None: ...
+
+
 class TracerLike(Protocol):
-    def start_span(self, name: str, **kwargs: Any) -> Any: ...
+    """The part of an OpenTelemetry tracer the hook uses: `attributes` by keyword."""
+
+    def start_span(self, name: str, *, attributes: Mapping[str, SpanAttributeValue] | None = None) -> SpanLike: ...
 
 
 def instance_name(view: InstanceView) -> str:

@@ -28,6 +28,7 @@ import numpy as np
 from moescope.agent.policy.actuator import CommandFailed, ControlConnection, RuntimeState
 from moescope.agent.policy.rules import Signals
 from moescope.agent.routing_health import LayerRouting, RoutingHealthWindow, normalised_router_entropy
+from moescope.collectors.registry import SourceHealth
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ class RuntimeStatsSignals:
         self._prev_tokens: dict[int, np.ndarray] = {}
         self._last_busy_s: dict[tuple[int, int], float] = {}
         self.last_state: RuntimeState | None = None
+        # The last read's outcome (None: not read yet), for RuntimeStatsSource.health().
+        self.last_read_ok: bool | None = None
+        self.last_read_error: str | None = None
         # Routing health from the runtime's cumulative token counts (Gini, entropy per layer): the
         # agent turns it off while NVTX gives it the same per step.
         self.with_routing = True
@@ -82,9 +86,11 @@ class RuntimeStatsSignals:
             state = self._read()
         except CommandFailed as exc:
             self.poll_errors += 1
+            self.last_read_ok, self.last_read_error = False, str(exc)
             if self.poll_errors == 1:
                 log.warning("policy: cannot read runtime stats: %s (counting further failures)", exc)
             return Signals(t_s=now_s)
+        self.last_read_ok, self.last_read_error = True, None
         self.last_state = state  # the agent's live view shows precision and residency from it
         now_ns = int(now_s * 1e9)
         if not self.with_routing:
@@ -159,8 +165,16 @@ class RuntimeStatsSource:
         self._emit = emit
         self._last: RuntimeState | None = None
         self.emitted = 0
+        self._last_poll_duration_ns: int | None = None
 
     def poll(self, now_ns: int) -> int:
+        started_ns = time.monotonic_ns()
+        try:
+            return self._poll_once()
+        finally:
+            self._last_poll_duration_ns = time.monotonic_ns() - started_ns
+
+    def _poll_once(self) -> int:
         state = self.signals.last_state  # one attribute read: the policy thread replaces it whole
         if state is None or state is self._last:
             return 0
@@ -168,6 +182,11 @@ class RuntimeStatsSource:
         self._emit(state)
         self.emitted += 1
         return 1
+
+    def health(self) -> SourceHealth:
+        """This source's last poll's duration; success is the policy poller's last read (the
+        control-socket `stats` call), which is where this source's data can fail."""
+        return SourceHealth(self._last_poll_duration_ns, self.signals.last_read_ok, self.signals.last_read_error)
 
     def stats(self) -> dict[str, int]:
         return {"records": self.emitted, "polls_failed": self.signals.poll_errors}

@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from moescope.errors import ControlError
 from moescope.agent.policy.actuator import Actuator, find_control_socket
 from moescope.agent.policy.audit import AuditLog
 from moescope.agent.policy.config import load_policy
 from moescope.agent.policy.engine import PolicyEngine
+from moescope.errors import ControlError
 
 DEFAULT_AUDIT_PATH = "/var/log/moescope/policy-audit.jsonl"
 DEFAULT_STATE_DIR = "/var/lib/moescope"

@@ -48,15 +48,15 @@ def count(value: float | int | None) -> str:
 
 
 def gib(value_bytes: float | int | None) -> str:
-    return num(None if missing(value_bytes) else float(value_bytes) / 2**30, ".1f")  # type: ignore[arg-type]
+    return num(None if value_bytes is None else value_bytes / 2**30, ".1f")  # num(): NaN stays N/A
 
 
 def mib(value_bytes: float | int | None) -> str:
-    return num(None if missing(value_bytes) else float(value_bytes) / 2**20, ".1f", suffix=" MiB")  # type: ignore[arg-type]
+    return num(None if value_bytes is None else value_bytes / 2**20, ".1f", suffix=" MiB")
 
 
 def gbps(value_bytes_per_s: float | None) -> str:
-    return num(None if missing(value_bytes_per_s) else float(value_bytes_per_s) / 1e9, ".1f")  # type: ignore[arg-type]
+    return num(None if value_bytes_per_s is None else value_bytes_per_s / 1e9, ".1f")
 
 
 def duration(seconds: float | None) -> str:
@@ -78,9 +78,9 @@ def duration(seconds: float | None) -> str:
 
 
 def ratio(used: float | int | None, total: float | int | None) -> float | None:
-    if missing(used) or missing(total) or not total:
+    if used is None or total is None or missing(used) or missing(total) or not total:
         return None
-    return float(used) / float(total)  # type: ignore[arg-type]
+    return float(used) / float(total)
 
 
 def bar(fraction: float | None, width: int) -> str:

@@ -32,17 +32,24 @@ class ModelConfig:
         checks: list[tuple[bool, str]] = [
             (self.vocab >= 258, f"vocab must be >= 258 (256 bytes + BOS/EOS), got {self.vocab}"),
             (self.d_model >= 8, f"d_model must be >= 8, got {self.d_model}"),
-            (self.n_heads >= 1 and self.d_model % self.n_heads == 0,
-             f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})"),
+            (
+                self.n_heads >= 1 and self.d_model % self.n_heads == 0,
+                f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})",
+            ),
             (self.d_ff >= 1, f"d_ff must be >= 1, got {self.d_ff}"),
             (self.layers >= 1, f"layers must be >= 1, got {self.layers}"),
             (self.experts >= 2, f"experts must be >= 2, got {self.experts}"),
             (1 <= self.top_k <= self.experts, f"top_k must be in 1..experts, got {self.top_k}"),
             (self.max_seq >= 2, f"max_seq must be >= 2, got {self.max_seq}"),
-            (self.capacity_factor > 0 and math.isfinite(self.capacity_factor),
-             f"capacity_factor must be > 0, got {self.capacity_factor}"),
+            (
+                self.capacity_factor > 0 and math.isfinite(self.capacity_factor),
+                f"capacity_factor must be > 0, got {self.capacity_factor}",
+            ),
             (self.overflow in OVERFLOW_POLICIES, f"overflow must be one of {OVERFLOW_POLICIES}, got {self.overflow!r}"),
-            (self.gumbel_tau >= 0 and math.isfinite(self.gumbel_tau), f"gumbel_tau must be >= 0, got {self.gumbel_tau}"),
+            (
+                self.gumbel_tau >= 0 and math.isfinite(self.gumbel_tau),
+                f"gumbel_tau must be >= 0, got {self.gumbel_tau}",
+            ),
         ]
         for ok, message in checks:
             if not ok:

@@ -186,7 +186,7 @@ class ControlServer:
                                      "error": f"request line longer than {MAX_LINE_BYTES} bytes; closing"})
                         _discard_input(conn)
                         return
-            except (OSError, socket.timeout):
+            except (TimeoutError, OSError):
                 return
 
     def handle_line(self, line: bytes) -> dict[str, Any]:

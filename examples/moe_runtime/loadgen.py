@@ -278,10 +278,20 @@ def run(*, url: str, scenario: str, concurrency: int, requests: int | None, dura
     if memory is not None:
         memory.start()
     clients = [Client(host, port, timeout_s=timeout_s) for _ in range(concurrency)]
-    threads = [threading.Thread(target=worker, args=(c, schedule, results), daemon=True,
-                                kwargs={"scenario": "balanced" if scenario in ("uniform", "memory", "burst") else scenario,
-                                        "seed": seed, "max_tokens": max_tokens, "long_bytes": long_bytes})
-               for c in clients]
+    threads = [
+        threading.Thread(
+            target=worker,
+            args=(c, schedule, results),
+            daemon=True,
+            kwargs={
+                "scenario": "balanced" if scenario in ("uniform", "memory", "burst") else scenario,
+                "seed": seed,
+                "max_tokens": max_tokens,
+                "long_bytes": long_bytes,
+            },
+        )
+        for c in clients
+    ]
     t0 = time.monotonic()
     for t in threads:
         t.start()

@@ -19,14 +19,18 @@ import os
 import statistics
 import sys
 import time
+import types
 from typing import Any
 
 import nvtx
 import torch
-import types
 
-from moescope.examples.moe_runtime.instrument import (DOMAIN_NAME, Instrumentation, NvtxInstrumentation,
-                                             make_instrumentation)
+from moescope.examples.moe_runtime.instrument import (
+    DOMAIN_NAME,
+    Instrumentation,
+    NvtxInstrumentation,
+    make_instrumentation,
+)
 from moescope.examples.moe_runtime.model import SequenceState
 from moescope.examples.moe_runtime.runtime import Runtime, RuntimeOptions
 
@@ -109,12 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [[256, *range(70 + i, 101 + i)] for i in range(8)]  # 8 x 32 tokens
     calls = count_calls(rt, prompts)
     results: dict[str, dict[str, list[float]]] = {name: {"decode_us": [], "prefill_us": []} for name in variants}
-    for name, ins in variants.items():  # warm-up
+    for _name, ins in variants.items():  # warm-up
         _time_step(rt, ins, prompts=prompts, decode=True, iters=3)
     for _ in range(args.rounds):
         for name, ins in variants.items():
             results[name]["decode_us"].append(_time_step(rt, ins, prompts=prompts, decode=True, iters=args.iters))
-            results[name]["prefill_us"].append(_time_step(rt, ins, prompts=prompts, decode=False, iters=args.iters // 4 or 1))
+            results[name]["prefill_us"].append(
+                _time_step(rt, ins, prompts=prompts, decode=False, iters=args.iters // 4 or 1)
+            )
     medians = {name: {k: round(statistics.median(v), 2) for k, v in r.items()} for name, r in results.items()}
     off = medians["off"]
     summary = {

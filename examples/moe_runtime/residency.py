@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -75,6 +75,37 @@ def _copy_to(src: torch.Tensor, *, device: torch.device, dtype: torch.dtype, pin
     return dst
 
 
+# One move's result as the control socket answers it ("from" is a keyword: the functional form).
+MoveResult = TypedDict(
+    "MoveResult",
+    {"layer": int, "expert": int, "from": dict[str, str], "to": dict[str, str], "bytes_moved": int, "noop": bool},
+)
+
+
+class DeviceMemory(TypedDict):
+    expert_bytes: int
+    non_expert_bytes: int
+    used_bytes: int
+    budget_bytes: int
+    used_ratio: float
+    resident_experts: int
+    capacity_experts: int
+
+
+class HostMemory(TypedDict):
+    master_bytes: int
+    offload_bytes: int
+    total_bytes: int
+
+
+class MemoryReport(TypedDict):
+    """`ExpertStore.memory()`: bytes per compute device, on the host, and per fp32 expert."""
+
+    devices: dict[str, DeviceMemory]
+    host: HostMemory
+    expert_bytes_fp32: int
+
+
 class ExpertStore:
     """The expert table plus per-device resident pools (capacity in experts) and accounting."""
 
@@ -132,12 +163,12 @@ class ExpertStore:
                 return ExpertHandle(layer, expert, HOST, TIER_HOST, dtype, w1, w3, w2, True)
             tdt = TORCH_DTYPES[dtype]
             cpu = torch.device("cpu")
-            copies = [_copy_to(t, device=cpu, dtype=tdt, pin=self._pin) for t in (w1, w3, w2)]
-            return ExpertHandle(layer, expert, HOST, TIER_HOST, dtype, *copies, False)
+            c1, c3, c2 = (_copy_to(t, device=cpu, dtype=tdt, pin=self._pin) for t in (w1, w3, w2))
+            return ExpertHandle(layer, expert, HOST, TIER_HOST, dtype, c1, c3, c2, False)
         tdev = torch_device(device)
         tdt = TORCH_DTYPES[dtype]
-        copies = [_copy_to(t, device=tdev, dtype=tdt) for t in (w1, w3, w2)]
-        return ExpertHandle(layer, expert, device, TIER_DEVICE, dtype, *copies, False)
+        c1, c3, c2 = (_copy_to(t, device=tdev, dtype=tdt) for t in (w1, w3, w2))
+        return ExpertHandle(layer, expert, device, TIER_DEVICE, dtype, c1, c3, c2, False)
 
     def load_for_step(self, handle: ExpertHandle) -> tuple[ExpertHandle, int]:
         """On-demand load of a host-tier expert into the primary device for one step (a real copy).
@@ -145,8 +176,8 @@ class ExpertStore:
         the pool has room. Returns the loaded handle and the bytes moved."""
         tdev = torch_device(self.primary)
         tdt = TORCH_DTYPES[handle.dtype]
-        copies = [_copy_to(t, device=tdev, dtype=tdt) for t in (handle.w1, handle.w3, handle.w2)]
-        loaded = ExpertHandle(handle.layer, handle.expert, self.primary, TIER_DEVICE, handle.dtype, *copies, False)
+        c1, c3, c2 = (_copy_to(t, device=tdev, dtype=tdt) for t in (handle.w1, handle.w3, handle.w2))
+        loaded = ExpertHandle(handle.layer, handle.expert, self.primary, TIER_DEVICE, handle.dtype, c1, c3, c2, False)
         if self.cache_on_load:
             with self._lock:
                 current = self._handles[handle.layer][handle.expert]
@@ -170,10 +201,10 @@ class ExpertStore:
         with self._lock:
             return self._handles[layer][expert]
 
-    def memory(self) -> dict[str, object]:
+    def memory(self) -> MemoryReport:
         with self._lock:
             handles = [h for row in self._handles for h in row]
-        devices: dict[str, dict[str, object]] = {}
+        devices: dict[str, DeviceMemory] = {}
         for device in self.devices:
             expert_bytes = sum(h.nbytes for h in handles if h.tier == TIER_DEVICE and h.device == device)
             non_expert = self.non_expert_bytes if device == self.primary else 0
@@ -234,7 +265,7 @@ class ExpertStore:
         if used >= self.capacity[device]:
             raise CommandError(f"device {device} resident pool full ({used}/{self.capacity[device]} experts)")
 
-    def _move(self, layer: int, expert: int, *, device: str, dtype: str, offloaded: bool) -> dict[str, object]:
+    def _move(self, layer: int, expert: int, *, device: str, dtype: str, offloaded: bool) -> MoveResult:
         self.check_expert(layer, expert)
         self._check_target(device)
         if dtype not in PRECISIONS:
@@ -262,15 +293,15 @@ class ExpertStore:
         return {"layer": layer, "expert": expert, "from": current.describe(), "to": new.describe(),
                 "bytes_moved": 0 if new.is_master else new.nbytes, "noop": False}
 
-    def migrate(self, layer: int, expert: int, *, device: str, dtype: str | None) -> dict[str, object]:
+    def migrate(self, layer: int, expert: int, *, device: str, dtype: str | None) -> MoveResult:
         self.check_expert(layer, expert)
         target_dtype = dtype if dtype is not None else self.precision[layer][expert]
         return self._move(layer, expert, device=device, dtype=target_dtype, offloaded=device == HOST)
 
-    def offload(self, layer: int, expert: int, *, dtype: str) -> dict[str, object]:
+    def offload(self, layer: int, expert: int, *, dtype: str) -> MoveResult:
         return self._move(layer, expert, device=HOST, dtype=dtype, offloaded=True)
 
-    def restore(self, layer: int, expert: int, *, device: str | None) -> dict[str, object]:
+    def restore(self, layer: int, expert: int, *, device: str | None) -> MoveResult:
         self.check_expert(layer, expert)
         current = self.handle(layer, expert)
         if device is None:
@@ -320,7 +351,9 @@ class ExpertStore:
         with self._lock:
             resident = self._resident_count(device)
             if experts < resident:
-                raise CommandError(f"device {device} holds {resident} experts; offload some before shrinking to {experts}")
+                raise CommandError(
+                    f"device {device} holds {resident} experts; offload some before shrinking to {experts}"
+                )
             self.capacity[device] = experts
         return {"device": device, "capacity_experts": experts, "resident_experts": resident}
 
@@ -335,21 +368,21 @@ class ExpertStore:
             self.check_expert(layer, 0)
         snapshot = self.snapshot()
         candidates = [
-            (hotness[l][e], cumulative[l][e], l, e)
-            for l in (range(self.layers) if layer is None else [layer])
+            (hotness[lyr][e], cumulative[lyr][e], lyr, e)
+            for lyr in (range(self.layers) if layer is None else [layer])
             for e in range(self.experts)
-            if snapshot[l][e].tier == TIER_HOST
+            if snapshot[lyr][e].tier == TIER_HOST
         ]
         candidates.sort(key=lambda c: (-c[0], -c[1], c[2], c[3]))
         loaded: list[list[int]] = []
         bytes_moved = 0
         skipped = 0
-        for _, _, l, e in candidates[:count]:
+        for _, _, lyr, e in candidates[:count]:
             try:
-                result = self._move(l, e, device=target, dtype=self.precision[l][e], offloaded=False)
+                result = self._move(lyr, e, device=target, dtype=self.precision[lyr][e], offloaded=False)
             except CommandError:
                 skipped += 1
                 continue
-            loaded.append([l, e])
-            bytes_moved += int(result["bytes_moved"])  # type: ignore[call-overload]
+            loaded.append([lyr, e])
+            bytes_moved += result["bytes_moved"]
         return {"loaded": loaded, "bytes_moved": bytes_moved, "skipped_pool_full": skipped, "device": target}

@@ -3,11 +3,26 @@
 from __future__ import annotations
 
 import threading
+from typing import TypedDict
 
 import numpy as np
 
 # Hotness (for prefetch) halves every this many steps of a layer.
 HOTNESS_HALF_LIFE_STEPS = 32
+
+
+class StatsSnapshot(TypedDict):
+    """`RuntimeStats.snapshot()`: per-layer lists (one value per expert, or per layer) and counters."""
+
+    tokens: list[list[int]]
+    dropped: list[list[int]]
+    rerouted_in: list[list[int]]
+    queue_depth: list[list[int]]
+    last_step_tokens: list[list[int]]
+    loads: list[list[int]]
+    entropy_bits: list[float]
+    capacity: list[int]
+    counters: dict[str, float]  # integer counts, and mean_batch_requests
 
 
 class RuntimeStats:
@@ -75,9 +90,9 @@ class RuntimeStats:
         with self._lock:
             return self.hotness.tolist(), self.tokens.tolist()
 
-    def snapshot(self) -> dict[str, object]:
+    def snapshot(self) -> StatsSnapshot:
         with self._lock:
-            counters = dict(self.counters)
+            counters: dict[str, float] = dict(self.counters)
             steps = counters["steps"]
             counters["batches"] = steps
             counters["mean_batch_requests"] = round(self._batch_requests_total / steps, 3) if steps else 0.0

@@ -1,4 +1,5 @@
-"""Load the ingress probe (ingress.bpf.c; compiled by bcc in a child process), manage its targets, drain its ring buffer.
+"""Load the ingress probe (ingress.bpf.c; compiled by bcc in a child process), manage its targets, drain its
+ring buffer.
 
     probe = IngressProbe(on_record=records.append)
     probe.load()                 # compile (child process) + attach (~0.5 s); tracks nothing until a target is added
@@ -174,7 +175,9 @@ def _peer_text(family: int, raw: bytes) -> str | None:
     return None
 
 
-def _record_from(raw: IngressEvent | IngressConn, *, tgid: int, fd: int, end_ns: int, seq: int, flags: int) -> IngressRecord:
+def _record_from(
+    raw: IngressEvent | IngressConn, *, tgid: int, fd: int, end_ns: int, seq: int, flags: int
+) -> IngressRecord:
     return IngressRecord(
         tgid=tgid,
         tid=raw.tid,
@@ -215,7 +218,9 @@ def decode_events(events: np.ndarray, *, peer_cache: dict[tuple[int, bytes], str
             peer = peer_cache[key] = _peer_text(family, raw)
             if len(peer_cache) > 65536:
                 peer_cache.clear()  # bounded: many distinct peers just cost a re-format
-        records.append(IngressRecord(tgid, tid, fd, gen, seq, family, peer, port, start, first, end, b_in, b_out, flags))
+        records.append(
+            IngressRecord(tgid, tid, fd, gen, seq, family, peer, port, start, first, end, b_in, b_out, flags)
+        )
     return records
 
 
@@ -244,11 +249,11 @@ def cflags(options: IngressOptions) -> list[str]:
     options.validate()
     return [
         f"-I{PROBE_DIR}",
-        "-DMAX_TARGETS=%d" % options.max_targets,
-        "-DINGRESS_TARGET_SLOTS=%d" % options.target_slots,
-        "-DMAX_CONNS=%d" % options.max_conns,
-        "-DMAX_INFLIGHT=%d" % options.max_inflight,
-        "-DRINGBUF_PAGES=%d" % options.ringbuf_pages,
+        f"-DMAX_TARGETS={options.max_targets:d}",
+        f"-DINGRESS_TARGET_SLOTS={options.target_slots:d}",
+        f"-DMAX_CONNS={options.max_conns:d}",
+        f"-DMAX_INFLIGHT={options.max_inflight:d}",
+        f"-DRINGBUF_PAGES={options.ringbuf_pages:d}",
     ]
 
 
@@ -388,7 +393,9 @@ class IngressProbe:
         for blocked in procnet.blocked_syscalls(tgid):
             fd = ct.c_int32(blocked.args[0] & 0xFFFFFFFF).value
             if blocked.nr in accepts:
-                entry = IngressInflight(enter_ns=time.monotonic_ns(), sockaddr_ptr=blocked.args[1], fd=-1, kind=K_ACCEPT)
+                entry = IngressInflight(
+                    enter_ns=time.monotonic_ns(), sockaddr_ptr=blocked.args[1], fd=-1, kind=K_ACCEPT
+                )
             elif blocked.nr in reads and fd in seeded_fds:
                 entry = IngressInflight(enter_ns=time.monotonic_ns(), sockaddr_ptr=0, fd=fd, kind=K_READ)
             else:

@@ -60,7 +60,9 @@ class RingReader:
             rows, headers = rows[:count], headers[:count]
         lengths = headers & ~np.uint32(BUSY_BIT | DISCARD_BIT)
         if np.any(lengths != self.record.itemsize):
-            raise RingFormatError(f"ring record of {sorted(set(lengths.tolist()))} bytes, expected {self.record.itemsize}")
+            raise RingFormatError(
+                f"ring record of {sorted(set(lengths.tolist()))} bytes, expected {self.record.itemsize}"
+            )
         kept = rows[(headers & DISCARD_BIT) == 0, HEADER_BYTES : HEADER_BYTES + self.record.itemsize]
         records = np.ascontiguousarray(kept).view(self.record).ravel()
         self._consumer[0] = consumer + count * self.slot_bytes  # hand the space back

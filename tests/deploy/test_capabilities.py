@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import pytest
 from deploy_files import REPO, Capability, capabilities
@@ -59,14 +60,15 @@ def setpriv_prefix(caps: list[Capability], *, uid: int = 0) -> list[str]:
     return prefix
 
 
-def read_line(stream: object, *, timeout_s: float) -> str:
-    """One line from a child's pipe, or fail after timeout_s (never blocks the suite)."""
+def read_line(stream: IO[str] | None, *, timeout_s: float) -> str:
+    """One line from a child's pipe (text mode), or fail after timeout_s (never blocks the suite)."""
+    assert stream is not None, "the child's stream is not a pipe"
     sel = selectors.DefaultSelector()
-    sel.register(stream, selectors.EVENT_READ)  # type: ignore[arg-type]
+    sel.register(stream, selectors.EVENT_READ)
     try:
         if not sel.select(timeout=timeout_s):
             pytest.fail(f"no output within {timeout_s} s")
-        return stream.readline()  # type: ignore[attr-defined,no-any-return]
+        return stream.readline()
     finally:
         sel.close()
 
@@ -175,7 +177,9 @@ def test_agent_start_runs_with_only_the_documented_set(foreign_server: ForeignSe
         conn.close()
         # the records file is flushed every tick: wait (bounded) until all requests are there
         deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline and (not records.exists() or len(records.read_text().splitlines()) < requests):
+        while time.monotonic() < deadline and (
+            not records.exists() or len(records.read_text().splitlines()) < requests
+        ):
             time.sleep(0.05)
         agent.send_signal(signal.SIGINT)
         out, err = agent.communicate(timeout=WAIT_S)

@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from otlp_receiver import FlatSpan
 
 from moescope.collectors.nvtx import OFF_CONSUMER_ATTACHED, ring_path
 from moescope.examples.moe_runtime.launch import READY_LINE, LaunchError, parse_banner
 from moescope.examples.moe_runtime.launch import runtime_argv as launch_runtime_argv
-from otlp_receiver import FlatSpan
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
@@ -107,7 +107,9 @@ class Proc:
                     if m:
                         return m
                 if self.popen.poll() is not None and all(not t.is_alive() for t in self._readers):
-                    raise AssertionError(f"{self.argv[:4]} exited {self.popen.returncode} before /{pattern}/:\n{self.text()}")
+                    raise AssertionError(
+                        f"{self.argv[:4]} exited {self.popen.returncode} before /{pattern}/:\n{self.text()}"
+                    )
                 left = end - time.monotonic()
                 if left <= 0:
                     raise AssertionError(f"no line /{pattern}/ within {timeout_s} s:\n{self.text()}")
@@ -300,7 +302,9 @@ class AgentSummary:
 def parse_summary(stdout_lines: list[str]) -> AgentSummary:
     text = "\n".join(stdout_lines)
     m = re.search(r"agent: summary: (\d+) requests \((\d+) unanswered\).*, drops (\d+) \(", text)
-    p = re.search(r"agent: pipeline: (\d+) requests \((\d+) joined to steps\), (\d+) steps \((\d+) unjoined\), (\d+) spans", text)
+    p = re.search(
+        r"agent: pipeline: (\d+) requests \((\d+) joined to steps\), (\d+) steps \((\d+) unjoined\), (\d+) spans", text
+    )
     e = re.search(r"agent: export: (.*)$", text, re.M)
     assert m and p and e, f"summary lines missing:\n{text}"
     export = {k: int(v) for k, v in re.findall(r"(\w+) (\d+)", e.group(1))}
@@ -363,21 +367,36 @@ def spans_from_otlp_json(trace_dir: Path) -> list[FlatSpan]:
                 resource = _json_attrs(rs.get("resource", {}).get("attributes"))
                 for ss in rs.get("scopeSpans", []):
                     for s in ss.get("spans", []):
-                        out.append(FlatSpan(
-                            name=s["name"], trace_id=s["traceId"], span_id=s["spanId"],
-                            parent_span_id=s.get("parentSpanId") or None, kind=int(s.get("kind", 0)),
-                            start_ns=int(s["startTimeUnixNano"]), end_ns=int(s["endTimeUnixNano"]),
-                            attributes=_json_attrs(s.get("attributes")),
-                            links=[(l["traceId"], l["spanId"], _json_attrs(l.get("attributes"))) for l in s.get("links", [])],
-                            events=[(e["name"], int(e["timeUnixNano"]), _json_attrs(e.get("attributes"))) for e in s.get("events", [])],
-                            status_code=int(s.get("status", {}).get("code", 0)), resource=resource,
-                            scope=ss.get("scope", {}).get("name", ""),
-                        ))
+                        out.append(
+                            FlatSpan(
+                                name=s["name"],
+                                trace_id=s["traceId"],
+                                span_id=s["spanId"],
+                                parent_span_id=s.get("parentSpanId") or None,
+                                kind=int(s.get("kind", 0)),
+                                start_ns=int(s["startTimeUnixNano"]),
+                                end_ns=int(s["endTimeUnixNano"]),
+                                attributes=_json_attrs(s.get("attributes")),
+                                links=[
+                                    (lk["traceId"], lk["spanId"], _json_attrs(lk.get("attributes")))
+                                    for lk in s.get("links", [])
+                                ],
+                                events=[
+                                    (e["name"], int(e["timeUnixNano"]), _json_attrs(e.get("attributes")))
+                                    for e in s.get("events", [])
+                                ],
+                                status_code=int(s.get("status", {}).get("code", 0)),
+                                resource=resource,
+                                scope=ss.get("scope", {}).get("name", ""),
+                            )
+                        )
     return out
 
 
 # ---------------------------------------------------------------------------- independent routing math
-def expected_layer_health(tokens: list[int], dropped: list[int], router_entropy_bits: float, experts: int) -> dict[str, float]:
+def expected_layer_health(
+    tokens: list[int], dropped: list[int], router_entropy_bits: float, experts: int
+) -> dict[str, float]:
     """Routing health from first principles (pairwise Gini, population CV), not agent/routing_health.py."""
     c = np.asarray(tokens, dtype=np.float64)
     assert c.shape == (experts,), (tokens, experts)
@@ -475,7 +494,9 @@ def check_traces(spans: list[FlatSpan], *, layers: int = LAYERS, experts: int = 
             assert s.attributes.get("moe.step.unjoined") is True
     # each owner step is reached by exactly the requests of its batch
     for step in owner_steps:
-        assert claims[step.span_id] == step.attributes["moe.step.batch_size"] == len(step.attributes["moe.step.requests"])
+        assert (
+            claims[step.span_id] == step.attributes["moe.step.batch_size"] == len(step.attributes["moe.step.requests"])
+        )
 
     layers_checked = 0
     for step in owner_steps + unjoined:
@@ -529,11 +550,19 @@ def check_traces(spans: list[FlatSpan], *, layers: int = LAYERS, experts: int = 
             drops.append(sum(dropped))
         # per step: token-weighted mean of the layers' Gini, and the worst layer
         w = np.asarray(weights, dtype=np.float64)
-        assert math.isclose(step.attributes["moe.expert_load.gini"], float((w * np.asarray(ginis)).sum() / w.sum()), rel_tol=1e-9)
+        assert math.isclose(
+            step.attributes["moe.expert_load.gini"], float((w * np.asarray(ginis)).sum() / w.sum()), rel_tol=1e-9
+        )
         assert math.isclose(step.attributes["moe.expert_load.gini_max"], max(ginis), rel_tol=1e-9)
         assert math.isclose(step.attributes["moe.expert_load.max_share"], max(shares), rel_tol=1e-9)
-        assert math.isclose(step.attributes["moe.router.entropy_bits"], float((w * np.asarray(router_bits)).sum() / w.sum()), rel_tol=1e-9)
-        assert math.isclose(step.attributes["moe.tokens.drop_fraction"], sum(drops) / float(w.sum()), rel_tol=1e-9, abs_tol=1e-12)
+        assert math.isclose(
+            step.attributes["moe.router.entropy_bits"],
+            float((w * np.asarray(router_bits)).sum() / w.sum()),
+            rel_tol=1e-9,
+        )
+        assert math.isclose(
+            step.attributes["moe.tokens.drop_fraction"], sum(drops) / float(w.sum()), rel_tol=1e-9, abs_tol=1e-12
+        )
     completions = [s for s in servers if steps_of[s.span_id]]
     stepless = [s for s in servers if not steps_of[s.span_id]]
     return TraceReport(servers=servers, completions=completions, stepless=stepless, owner_steps=owner_steps,
@@ -543,7 +572,11 @@ def check_traces(spans: list[FlatSpan], *, layers: int = LAYERS, experts: int = 
 def check_requests(report: TraceReport, *, loadgen_requests: int, loadgen_max_tokens: int, sent: list[Sent],
                    stepless_expected: int) -> None:
     """One server span per client request; each request's steps match what the runtime told the client."""
-    assert len(report.completions) == loadgen_requests + len(sent), (len(report.completions), loadgen_requests, len(sent))
+    assert len(report.completions) == loadgen_requests + len(sent), (
+        len(report.completions),
+        loadgen_requests,
+        len(sent),
+    )
     assert len(report.stepless) == stepless_expected, [s.attributes for s in report.stepless]
     # every request came over TCP from a peer: the agent's own /stats polls on the runtime's UNIX
     # control socket are not requests (the probe ignores UNIX-domain connections)
@@ -568,4 +601,6 @@ def check_requests(report: TraceReport, *, loadgen_requests: int, loadgen_max_to
     for s in report.completions:
         if s.span_id not in matched:  # a load-generator request: fixed max_tokens, one token per step
             got = len(report.steps_of[s.span_id])
-            assert got == loadgen_max_tokens, f"a request reached {got} of its {loadgen_max_tokens} steps: {s.attributes}"
+            assert got == loadgen_max_tokens, (
+                f"a request reached {got} of its {loadgen_max_tokens} steps: {s.attributes}"
+            )

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from otlp_receiver import FlatSpan
 
 from .harness import (

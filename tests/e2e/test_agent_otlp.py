@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-
 from otlp_receiver import FlatSpan, GrpcOtlpReceiver
 
 from .harness import (
@@ -166,7 +165,9 @@ def test_one_server_span_per_client_request(bpf: None, grpc_run: GrpcRun, report
     assert all(s.attributes["http.request.size"] < 200 for s in report.stepless)
 
 
-def test_every_trace_reaches_its_steps_and_every_step_is_served(bpf: None, grpc_run: GrpcRun, report: TraceReport) -> None:
+def test_every_trace_reaches_its_steps_and_every_step_is_served(
+    bpf: None, grpc_run: GrpcRun, report: TraceReport
+) -> None:
     assert report.unjoined_steps == [], [s.attributes for s in report.unjoined_steps]
     # every step the runtime ran is in exactly one owner subtree
     assert len(report.owner_steps) == grpc_run.runtime_steps

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-
 from otlp_receiver import FlatSpan, GrpcOtlpReceiver
 
 from .harness import (
@@ -74,10 +73,14 @@ def late_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LateRun]:
                 "--pid", str(runtime.pid), "--metrics-port", "0", "--no-policy",
                 "--otlp-endpoint", rx.endpoint, "--otlp-insecure",
             ]))
-            m = agent.wait_for_line(rf"^agent: tracing pid {runtime.pid} .*; (\d+) open connections seeded", stream="err")
+            m = agent.wait_for_line(
+                rf"^agent: tracing pid {runtime.pid} .*; (\d+) open connections seeded", stream="err"
+            )
             wait_nvtx_attached(runtime.pid)
             after = [completion(conn, max_tokens=n, prompt=f"after attach {n}") for n in (3, 1, 2)]
-            run_loadgen(port, requests=LOADGEN_REQUESTS, concurrency=3, max_tokens=LOADGEN_MAX_TOKENS, out=tmp / "lg.json")
+            run_loadgen(
+                port, requests=LOADGEN_REQUESTS, concurrency=3, max_tokens=LOADGEN_MAX_TOKENS, out=tmp / "lg.json"
+            )
             rc = agent.interrupt_and_wait()
             yield LateRun(rc=rc, target_pid=runtime.pid, seeded=int(m.group(1)), spans=rx.spans(), before=before,
                           after=after, summary=parse_summary(agent.out), output=agent.text())

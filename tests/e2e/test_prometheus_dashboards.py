@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from dashboard_queries import PromTarget, load_dashboards, prometheus_targets, promql_metric_names, query_variables
+
 from moescope.agent import metrics as m
 
 from .harness import (
@@ -105,7 +105,9 @@ def substitute(expr: str, values: dict[str, str]) -> str:
     def one(match: re.Match[str]) -> str:
         name = match.group(1) or match.group(2) or match.group(3)
         if name not in values:
-            raise AssertionError(f"dashboard variable ${name} has no test value: add one to the substitutions ({expr!r})")
+            raise AssertionError(
+                f"dashboard variable ${name} has no test value: add one to the substitutions ({expr!r})"
+            )
         return values[name]
 
     return re.sub(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)|\[\[(\w+)\]\]", one, expr)
@@ -329,4 +331,5 @@ def test_grafana_variables_are_substituted_as_grafana_does() -> None:
     assert substitute("y[${__rate_interval}] + z{l=~\"[[layer]]\"}", values) == 'y[4s] + z{l=~"(0|1)"}'
     with pytest.raises(AssertionError, match=r"\$job has no test value"):
         substitute('up{job="$job"}', values)
-    assert label_values_query("label_values(moescope_expert_load_gini, layer)") == ("moescope_expert_load_gini", "layer")
+    query = "label_values(moescope_expert_load_gini, layer)"
+    assert label_values_query(query) == ("moescope_expert_load_gini", "layer")

@@ -59,7 +59,11 @@ def emit_sample(factory: SpanFactory, *, t0_ns: int = T0_NS) -> tuple[dict[str, 
     )
     ctx["step"] = step.get_span_context()
     ctx["layer"] = factory.record(
-        "moe.layer", start_ns=t0_ns + 2_100_000, end_ns=t0_ns + 5_000_000, parent=ctx["step"], attributes={"moe.layer": 0}
+        "moe.layer",
+        start_ns=t0_ns + 2_100_000,
+        end_ns=t0_ns + 5_000_000,
+        parent=ctx["step"],
+        attributes={"moe.layer": 0},
     )
     ctx["router"] = factory.record(
         "moe.router",

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from dashboard_queries import DASH, all_panels, load_dashboards, promql_metric_names
+
 from moescope.agent import metrics as m
 
 
@@ -75,7 +75,9 @@ def test_healthy_bands_match_design() -> None:
         (None, "red"), (pytest.approx(7.5 / 14, abs=1e-3), "yellow"), (pytest.approx(8.2 / 14, abs=1e-3), "green"),
         (pytest.approx(8.7 / 14, abs=1e-3), "blue")]
     gini = panels["Expert-load Gini per layer (latest step)"]["fieldConfig"]["defaults"]["thresholds"]["steps"]
-    assert [(s["value"], s["color"]) for s in gini] == [(None, "blue"), (0.08, "green"), (0.12, "yellow"), (0.15, "red")]
+    assert [(s["value"], s["color"]) for s in gini] == [
+        (None, "blue"), (0.08, "green"), (0.12, "yellow"), (0.15, "red")
+    ]
     assert panels["Tokens per expert (heatmap)"]["type"] == "heatmap"
 
 

@@ -3,16 +3,38 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 import pytest
 
 from moescope import errors
-from moescope.agent.export import ExportFlags, add_export_arguments, flags_from_args, resolve_export_config
+from moescope.agent.export import (
+    ExportConfig,
+    ExportFlags,
+    add_export_arguments,
+    flags_from_args,
+    resolve_export_config,
+)
 
 
-def resolve(env: dict[str, str], **flags: object):
-    return resolve_export_config(ExportFlags(**flags), env=env)  # type: ignore[arg-type]
+class FlagValues(TypedDict, total=False):
+    """ExportFlags' fields, to pass as keyword arguments."""
+
+    endpoint: str | None
+    protocol: str | None
+    headers: Sequence[str]
+    timeout_ms: int | None
+    insecure: bool | None
+    state_dir: str | None
+    file_max_bytes: int | None
+    files_keep: int | None
+    queue_spans: int | None
+
+
+def resolve(env: dict[str, str], **flags: Unpack[FlagValues]) -> ExportConfig:
+    return resolve_export_config(ExportFlags(**flags), env=env)
 
 
 def test_no_endpoint_means_file_default_under_state_dir() -> None:
@@ -52,8 +74,14 @@ def test_signal_specific_beats_generic_and_flags_beat_both() -> None:
                       headers=("k=v",))
     assert flagged.otlp is not None
     assert flagged.otlp.endpoint == "http://flag:9999/base/v1/traces"  # base URL: v1/traces appended
-    assert (flagged.otlp.timeout_ms, flagged.otlp.headers, flagged.otlp.source) == (42, (("k", "v"),), "--otlp-endpoint")
-    generic_http = resolve({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://g:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
+    assert (flagged.otlp.timeout_ms, flagged.otlp.headers, flagged.otlp.source) == (
+        42,
+        (("k", "v"),),
+        "--otlp-endpoint",
+    )
+    generic_http = resolve(
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://g:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
+    )
     assert generic_http.otlp is not None and generic_http.otlp.endpoint == "http://g:4318/v1/traces"
     grpc_flag = resolve(env, endpoint="http://flag:4317", protocol="grpc")
     assert grpc_flag.otlp is not None and grpc_flag.otlp.endpoint == "http://flag:4317"
@@ -74,7 +102,7 @@ def test_signal_specific_beats_generic_and_flags_beat_both() -> None:
         ({}, {"queue_spans": -1}, "--export-queue-spans"),
     ],
 )
-def test_bad_values_are_config_errors(env: dict[str, str], flags: dict[str, object], message: str) -> None:
+def test_bad_values_are_config_errors(env: dict[str, str], flags: FlagValues, message: str) -> None:
     with pytest.raises(errors.ConfigError, match=message) as info:
         resolve(env, **flags)
     assert info.value.exit_code == errors.EXIT_USAGE

@@ -11,7 +11,7 @@ from opentelemetry.trace import SpanKind
 from otlp_receiver import FlatSpan, GrpcOtlpReceiver, HttpOtlpReceiver
 from sample_trace import check_received, emit_sample
 
-from moescope.agent.export import ExportFlags, build_tracing, resolve_export_config
+from moescope.agent.export import ExportFlags, ExportStats, build_tracing, resolve_export_config
 from moescope.agent.export.processor import BoundedBatchSpanProcessor
 from moescope.agent.export.setup import build_otlp_exporter
 from moescope.agent.export.store import StoredSpan, TraceStore
@@ -163,7 +163,7 @@ def test_shutdown_deadline_holds_with_a_stuck_backend() -> None:
         for i in range(10):
             tracing.factory.record(f"s{i}", start_ns=1, end_ns=2)
         done = threading.Event()
-        result: list[object] = []
+        result: list[ExportStats] = []
 
         def stop() -> None:
             result.append(tracing.shutdown(timeout_s=1.0))

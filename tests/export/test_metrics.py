@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import socket
 import urllib.request
+from collections.abc import Iterator
 
 import pytest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from moescope import errors
-
 from moescope.agent import metrics as m
 from moescope.agent import routing_health as rh
 
@@ -18,7 +19,7 @@ def _labels_for(spec: m.MetricSpec, i: int) -> dict[str, str]:
     return {label: f"{label}{i}" for label in spec.labels}
 
 
-def scrape(port: int) -> dict[str, object]:
+def scrape(port: int) -> dict[str, Metric]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
         assert resp.status == 200
         text = resp.read().decode()
@@ -26,7 +27,7 @@ def scrape(port: int) -> dict[str, object]:
 
 
 @pytest.fixture
-def served() -> tuple[m.Metrics, int]:
+def served() -> Iterator[tuple[m.Metrics, int]]:
     metrics = m.Metrics(version="9.9.9")
     server = m.MetricsServer(metrics, port=0)
     port = server.start()
@@ -61,7 +62,9 @@ def test_every_declared_family_is_scraped_with_its_value(served: tuple[m.Metrics
         if spec.name not in expected:
             continue
         labels = _labels_for(spec, i)
-        samples = {s.name: s for s in families[spec.name].samples if all(s.labels.get(k) == v for k, v in labels.items())}
+        samples = {
+            s.name: s for s in families[spec.name].samples if all(s.labels.get(k) == v for k, v in labels.items())
+        }
         if spec.kind == "counter":
             value = samples[f"{spec.name}_total"].value
             if spec.name == "moescope_agent_cpu_seconds":  # refreshed from getrusage on scrape

@@ -14,8 +14,17 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
-from opentelemetry.trace import set_span_in_context
+from opentelemetry.trace import (
+    Link,
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    TraceState,
+    set_span_in_context,
+)
 
 from moescope.agent.export import SpanEvent, SpanFactory, SpanLink
 from moescope.agent.export.otlp_json import line_to_request, request_to_line, spans_to_line
@@ -28,7 +37,9 @@ ATTRS = {
 }
 
 
-def _provider(resource: Resource, exporter: InMemorySpanExporter, *, limits: SpanLimits | None = None) -> TracerProvider:
+def _provider(
+    resource: Resource, exporter: InMemorySpanExporter, *, limits: SpanLimits | None = None
+) -> TracerProvider:
     provider = TracerProvider(resource=resource, span_limits=limits or SpanLimits())
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     return provider
@@ -50,9 +61,16 @@ def _spans() -> list[ReadableSpan]:
                      events=[SpanEvent("ev", t0 + 5, {"k": 1}), SpanEvent("", t0 + 6)])
     remote = SpanContext(trace_id=0x0102030405060708090A0B0C0D0E0F10, span_id=0x1112131415161718, is_remote=True,
                          trace_flags=TraceFlags(1), trace_state=TraceState([("vendor", "v1"), ("b", "2")]))
-    f1.record("child", start_ns=t0 + 10, end_ns=t0 + 20, parent=root, attributes={"a": 1, "b": 2, "c": 3, "d": 4, "e": 5},
-              links=[SpanLink(remote, {"moe.link": "x"}), SpanLink(root)], error="boom",
-              events=[SpanEvent("one", t0 + 11), SpanEvent("two", t0 + 12)])
+    f1.record(
+        "child",
+        start_ns=t0 + 10,
+        end_ns=t0 + 20,
+        parent=root,
+        attributes={"a": 1, "b": 2, "c": 3, "d": 4, "e": 5},
+        links=[SpanLink(remote, {"moe.link": "x"}), SpanLink(root)],
+        error="boom",
+        events=[SpanEvent("one", t0 + 11), SpanEvent("two", t0 + 12)],
+    )
     f3.record("under-remote", start_ns=t0 + 30, end_ns=t0 + 40, parent=remote, kind=SpanKind.CLIENT)
     # The SDK API directly: a span with trace state inherited, OK status, a link without attributes.
     tracer = p2.get_tracer("other-scope", schema_url="https://example.test/schema")
@@ -89,12 +107,18 @@ def test_parses_back_into_the_sdk_encoding() -> None:
     child = data["resourceSpans"][1]["scopeSpans"][0]["spans"][0]
     assert child["droppedAttributesCount"] == 1 and child["droppedLinksCount"] == 1 and child["droppedEventsCount"] == 1
     # the SDK keeps the newest link (root's, local: flags say "not remote")
-    assert len(child["links"]) == 1 and child["links"][0]["traceId"] == child["traceId"] and child["links"][0]["flags"] == 0x100
+    assert (
+        len(child["links"]) == 1
+        and child["links"][0]["traceId"] == child["traceId"]
+        and child["links"][0]["flags"] == 0x100
+    )
     under = data["resourceSpans"][1]["scopeSpans"][0]["spans"][1]
     assert under["parentSpanId"] == "1112131415161718" and under["flags"] == 0x300
     assert under["traceState"] == "vendor=v1,b=2"
     direct = data["resourceSpans"][0]["scopeSpans"][0]["spans"][1]
-    assert direct["links"] == [{"traceId": "0102030405060708090a0b0c0d0e0f10", "spanId": "1112131415161718", "flags": 0x300}]
+    assert direct["links"] == [
+        {"traceId": "0102030405060708090a0b0c0d0e0f10", "spanId": "1112131415161718", "flags": 0x300}
+    ]
     assert direct["status"] == {"code": 1} and direct["kind"] == 4
 
 

@@ -18,10 +18,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import SpanContext, SpanKind, StatusCode, TraceFlags, TraceState
+from sample_trace import emit_sample
 
 from moescope.agent.export import SpanEvent, SpanFactory, SpanLink
 from moescope.agent.export.otlp_json import request_to_line, spans_to_line
-from export.sample_trace import emit_sample
 
 
 class CountingIds(IdGenerator):
@@ -37,7 +37,9 @@ class CountingIds(IdGenerator):
         return (1 << 100) + next(self._next)
 
 
-def _factory(*, direct: bool, limits: SpanLimits, ids: IdGenerator | None = None) -> tuple[SpanFactory, InMemorySpanExporter]:
+def _factory(
+    *, direct: bool, limits: SpanLimits, ids: IdGenerator | None = None
+) -> tuple[SpanFactory, InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
     provider = TracerProvider(sampler=ALWAYS_ON, resource=Resource.create({"service.name": "t"}), span_limits=limits,
                               id_generator=ids or CountingIds())
@@ -71,11 +73,11 @@ def _fields(span: ReadableSpan) -> dict[str, Any]:
     return {
         "name": span.name, "context": span.context, "parent": span.parent, "kind": span.kind,
         "start": span.start_time, "end": span.end_time,
-        "attributes": [(k, v, type(v)) for k, v in span.attributes.items()],
+        "attributes": [(k, v, type(v)) for k, v in (span.attributes or {}).items()],
         "dropped_attributes": span.dropped_attributes,
-        "events": [(e.name, e.timestamp, dict(e.attributes), e.dropped_attributes) for e in span.events],
+        "events": [(e.name, e.timestamp, dict(e.attributes or {}), e.dropped_attributes) for e in span.events],
         "dropped_events": span.dropped_events,
-        "links": [(lk.context, dict(lk.attributes), lk.dropped_attributes) for lk in span.links],
+        "links": [(lk.context, dict(lk.attributes or {}), lk.dropped_attributes) for lk in span.links],
         "dropped_links": span.dropped_links,
         "status": (span.status.status_code, span.status.description),
         "resource": span.resource, "scope": span.instrumentation_scope,

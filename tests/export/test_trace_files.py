@@ -13,7 +13,7 @@ from opentelemetry.trace import SpanKind
 from sample_trace import T0_NS, emit_sample
 
 from moescope.agent.export import ExportFlags, build_tracing, resolve_export_config
-from moescope.agent.export.file_exporter import trace_files
+from moescope.agent.export.file_exporter import OtlpJsonFileExporter, trace_files
 from moescope.agent.export.store import TraceStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,7 +23,12 @@ def agent_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.Compl
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "moescope.agent", *argv], cwd=REPO, env=full_env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "moescope.agent", *argv],
+        cwd=REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -42,7 +47,8 @@ def test_rotation_keeps_files_and_bytes_bounded(tmp_path: Path) -> None:
     assert len(files) == 3
     assert all(f.stat().st_size <= 4096 for f in files)
     exporter = tracing.exporter
-    assert exporter.files_deleted > 0  # type: ignore[attr-defined]
+    assert isinstance(exporter, OtlpJsonFileExporter)
+    assert exporter.files_deleted > 0
     # What is kept is the newest spans, contiguous up to the last one written.
     store = TraceStore.load(tmp_path / "traces")
     kept = sorted(s.attributes["i"] for t in store.trace_ids() for s in store.spans(t))

@@ -19,7 +19,7 @@ from moescope.agent import state as st
 from moescope.agent.export.config import DEFAULT_BATCH_SPANS
 from moescope.agent.export.store import TraceStore
 
-from .harness import WAIT_S, Lab, run_load, rss_bytes, wait_until
+from .harness import WAIT_S, Lab, rss_bytes, run_load, wait_until
 
 SUMMARY = re.compile(r"^agent: summary: (\d+) requests \((\d+) unanswered\).*drops (\d+) \(", re.M)
 EXPORT = re.compile(r"^agent: export: (.*)$", re.M)
@@ -93,7 +93,9 @@ def test_a_restarted_server_is_reattached_by_itself(lab: Lab) -> None:
     assert nvtx and int(nvtx.group(1)) > 0, out
     # traced: request spans and NVTX step spans of the new pid reached the trace files
     store = TraceStore.load(lab.tmp / "state" / "traces")
-    names = Counter(s.name for t in store.trace_ids() for s in store.spans(t) if s.attributes.get("process.pid") == second.pid)
+    names = Counter(
+        s.name for t in store.trace_ids() for s in store.spans(t) if s.attributes.get("process.pid") == second.pid
+    )
     assert names["moe.step"] > 0 and sum(names.values()) > names["moe.step"], names
     assert "s after the previous target exited" in line
 
@@ -153,8 +155,11 @@ def test_otlp_receiver_outage_bounded_memory_counted_drops_and_resumed_export(la
     assert stats["dropped_queue_full"] >= dropped and stats["failed"] >= failed
     assert stats["exported"] >= have
     growth = rss_after - rss_before
-    print(f"agent RSS {rss_before / 2**20:.1f} -> {rss_after / 2**20:.1f} MiB over the outage; "
-          f"queued max {queued_max:.0f} (bound {queue_spans} + {DEFAULT_BATCH_SPANS} in flight); dropped {stats['dropped_queue_full']}, failed {stats['failed']}")
+    print(
+        f"agent RSS {rss_before / 2**20:.1f} -> {rss_after / 2**20:.1f} MiB over the outage; "
+        f"queued max {queued_max:.0f} (bound {queue_spans} + {DEFAULT_BATCH_SPANS} in flight); "
+        f"dropped {stats['dropped_queue_full']}, failed {stats['failed']}"
+    )
     # The queue holds at most queue_spans spans (a few MiB); an unbounded one would hold all of them.
     # Unbounded, every span lost here (thousands) would have been held instead.
     assert growth < 48 * 2**20, growth

@@ -64,7 +64,9 @@ class RingFile:
         self.strings_offset = nvtx.HEADER_BYTES + capacity * nvtx.RECORD_BYTES
         self.strings_bytes = strings_bytes
         size = self.strings_offset + strings_bytes if file_bytes is None else file_bytes
-        head = bytes(header_bytes(pid=pid, capacity=capacity, strings_bytes=strings_bytes) if header is None else header)
+        head = bytes(
+            header_bytes(pid=pid, capacity=capacity, strings_bytes=strings_bytes) if header is None else header
+        )
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "wb") as f:
             f.write(head[:size])

@@ -31,8 +31,13 @@ REPLY_TIMEOUT_S = 60.0  # generous: only bounds waiting on a shared, noisy 2-cor
 def server() -> Iterator[RunningServer]:
     directory = tempfile.mkdtemp(prefix="moe-fuzz-", dir="/tmp")
     path = os.path.join(directory, "control.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "moescope.examples.moe_runtime", "--port", "0", "--control-socket", path,
-                             *SMALL_MODEL], cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moescope.examples.moe_runtime", "--port", "0", "--control-socket", path, *SMALL_MODEL],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         banner = _read_banner(proc, timeout_s=120)
         yield RunningServer(proc=proc, port=int(banner["http port"]), socket_path=banner["control socket"],
@@ -110,9 +115,20 @@ def requests(draw: st.DrawFn) -> bytes:
         return opener * n
     if kind == "digits":
         return b'{"cmd":"ping","id":' + b"9" * draw(st.integers(4000, 20_000)) + b"}"
-    return draw(st.sampled_from([b'{"cmd":"ping","id":NaN}', b'{"cmd":"ping","id":1e999}', b'{"cmd":"ping","id":-Infinity}',
-                                 b'{"cmd":"set_router_penalty","args":{"expert":0,"penalty":1e999}}',
-                                 b'{"cmd":"ping","args":null}', b'{"cmd":"ping"}\r', b"\xef\xbb\xbf{}", b"\x00"]))
+    return draw(
+        st.sampled_from(
+            [
+                b'{"cmd":"ping","id":NaN}',
+                b'{"cmd":"ping","id":1e999}',
+                b'{"cmd":"ping","id":-Infinity}',
+                b'{"cmd":"set_router_penalty","args":{"expert":0,"penalty":1e999}}',
+                b'{"cmd":"ping","args":null}',
+                b'{"cmd":"ping"}\r',
+                b"\xef\xbb\xbf{}",
+                b"\x00",
+            ]
+        )
+    )
 
 
 def expect_replies(conn: Conn, line: bytes) -> None:
@@ -176,8 +192,8 @@ def test_over_long_line_gets_the_documented_error_then_close(server: RunningServ
     try:
         try:
             c.sock.sendall(b'{"cmd":"ping","id":"' + b"x" * (MAX_LINE_BYTES + extra))
-        except (BrokenPipeError, ConnectionResetError):
-            raise AssertionError("the server must read what is sent after the limit (up to DRAIN_MAX_BYTES)")
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise AssertionError("the server must read what is sent after the limit (up to DRAIN_MAX_BYTES)") from exc
         reply = c.reply()
         assert reply is not None and reply["ok"] is False and reply["id"] is None
         assert f"longer than {MAX_LINE_BYTES} bytes" in reply["error"]

@@ -135,7 +135,9 @@ def test_children_of_a_parent_that_never_ends_are_bounded() -> None:
     assert stats["pending_overflow"] > 0
 
 
-def reference_marks(events: list[dict[str, int]]) -> tuple[dict[tuple[int, str, int], int], list[tuple[int, int]], dict[str, int]]:
+def reference_marks(
+    events: list[dict[str, int]],
+) -> tuple[dict[tuple[int, str, int], int], list[tuple[int, int]], dict[str, int]]:
     """The convention's mark rules, one mark at a time (docs/nvtx-convention.md): what the parser
     files per (parent, kind, expert), the request keys per parent, and the counters."""
     by_id = {sid: name for name, sid in NAME_IDS.items()}

@@ -22,10 +22,10 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 from ringfile import Record, RingFile, header_bytes, string_entry
 
-from moescope.errors import NvtxUnavailable
 from moescope.collectors import nvtx
 from moescope.collectors.moe_convention import MoeConventionParser
 from moescope.collectors.nvtx import NvtxBatch, NvtxCollector
+from moescope.errors import NvtxUnavailable
 
 PID = os.getpid()  # the ring is "ours": the collector's liveness checks see a live process
 TID = threading.get_native_id()
@@ -160,9 +160,16 @@ def string_entries(draw: st.DrawFn) -> tuple[bytes, dict[str, int]]:
     for _ in range(draw(st.integers(0, 12))):
         kind = draw(st.integers(0, 6))
         sid = draw(st.one_of(st.integers(0, 9), st.integers(nvtx.MAX_STRING_ID - 1, nvtx.MAX_STRING_ID + 1), U32))
-        text = draw(st.one_of(st.sampled_from(MOE_TEXTS), st.binary(max_size=40),
-                              st.integers(nvtx.MAX_STRING_BYTES - 1, nvtx.MAX_STRING_BYTES + 1).map(lambda n: b"x" * n)))
-        blob += string_entry(kind=kind, sid=sid, text=text, domain_id=draw(st.integers(0, 3)), flags=draw(st.integers(0, 3)))
+        text = draw(
+            st.one_of(
+                st.sampled_from(MOE_TEXTS),
+                st.binary(max_size=40),
+                st.integers(nvtx.MAX_STRING_BYTES - 1, nvtx.MAX_STRING_BYTES + 1).map(lambda n: b"x" * n),
+            )
+        )
+        blob += string_entry(
+            kind=kind, sid=sid, text=text, domain_id=draw(st.integers(0, 3)), flags=draw(st.integers(0, 3))
+        )
         bad = (len(text) > nvtx.MAX_STRING_BYTES or kind not in (1, 2, 3, 4)
                or (kind in (1, 2) and not 0 < sid <= nvtx.MAX_STRING_ID))
         if bad:
@@ -262,7 +269,9 @@ def test_wild_records_and_strings_are_counted_never_fatal(
     assert kept <= table.entries <= nvtx.MAX_STRING_ENTRIES
     assert table.text_bytes <= nvtx.MAX_STRING_TABLE_BYTES
     assert len(table.known) <= 2 * (nvtx.MAX_STRING_ID + 1)
-    assert all(len(text.encode("utf-8", "surrogatepass")) <= 3 * nvtx.MAX_STRING_BYTES for text in table.strings.values())
+    assert all(
+        len(text.encode("utf-8", "surrogatepass")) <= 3 * nvtx.MAX_STRING_BYTES for text in table.strings.values()
+    )
     parser = sink.parser.stats()
     assert parser["pending_parents"] <= 100_000
 

@@ -15,9 +15,9 @@ from fuzzing import fuzz
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from moescope.errors import ConfigError
 from moescope.agent.policy.config import ENGINE_KEYS, RULE_KEYS, PolicyConfig, default_policy_text, load_policy
 from moescope.agent.policy.rules import ACTIONS, COMPARISONS, SIGNALS
+from moescope.errors import ConfigError
 
 
 def toml_value(value: Any) -> str:
@@ -27,7 +27,11 @@ def toml_value(value: Any) -> str:
     if isinstance(value, int):
         return str(value)
     if isinstance(value, float):
-        return "nan" if math.isnan(value) else ("inf" if value == math.inf else "-inf" if value == -math.inf else repr(value))
+        return (
+            "nan"
+            if math.isnan(value)
+            else ("inf" if value == math.inf else "-inf" if value == -math.inf else repr(value))
+        )
     if isinstance(value, str):
         return json.dumps(value)  # TOML basic strings share JSON's escapes
     if isinstance(value, list):
@@ -79,7 +83,9 @@ def documents(draw: st.DrawFn) -> str:
             body["args"] = draw(arg_tables)
         tree[f"rules.{json.dumps(name)}"] = body
     if draw(st.booleans()):
-        tree[draw(st.sampled_from(["extra", "rules", "engine.x"]))] = draw(st.dictionaries(st.text(max_size=4), values, max_size=2))
+        tree[draw(st.sampled_from(["extra", "rules", "engine.x"]))] = draw(
+            st.dictionaries(st.text(max_size=4), values, max_size=2)
+        )
     return toml_document(tree)
 
 

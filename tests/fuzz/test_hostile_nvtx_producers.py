@@ -33,7 +33,9 @@ THREADS = 1200
 
 @pytest.fixture
 def producer(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path, Path]]:
-    ring_dir = Path(tempfile.mkdtemp(prefix="moescope-fuzz-rings-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    ring_dir = Path(
+        tempfile.mkdtemp(prefix="moescope-fuzz-rings-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    )
     log_path = tmp_path / "producer.json"
     env = dict(os.environ)
     env.update(injection_env())

@@ -155,7 +155,9 @@ def check_nvml(report: Report, children: Children, args: argparse.Namespace) -> 
             stdin=subprocess.PIPE,
         )
         line = first_line(alloc, "cuda_alloc", r"^allocated|^error", timeout_s=60)
-        if not report.check(line is not None and line.startswith("allocated"), "CUDA process allocates 1 GiB", line or "no answer"):
+        if not report.check(
+            line is not None and line.startswith("allocated"), "CUDA process allocates 1 GiB", line or "no answer"
+        ):
             return
         collector.target_pid = alloc.pid
         samples, durations_ms = sample_for(collector, args.seconds, show=True)
@@ -252,7 +254,9 @@ def check_runtime(report: Report, children: Children, args: argparse.Namespace) 
     port = launched.banner.http_port
     report.check(True, f"runtime starts on {args.device}", f"http port: {port}")
     ctl = Control(sock_path)
-    collector = open_nvml(library_path=args.nvml_library, target_pid=runtime.pid) if args.device.startswith("cuda") else None
+    collector = (
+        open_nvml(library_path=args.nvml_library, target_pid=runtime.pid) if args.device.startswith("cuda") else None
+    )
     load_out = tmp / "load.json"
     load = children.start(
         [sys.executable, "-m", "moescope.examples.moe_runtime.loadgen", "--url", f"http://127.0.0.1:{port}",
@@ -303,7 +307,7 @@ def check_runtime(report: Report, children: Children, args: argparse.Namespace) 
             load.returncode == 0 and summary.get("failures") == 0 and summary.get("requests", 0) > 0,
             "load during migration + fp16 fallback: 0 failed requests",
             f"requests {summary.get('requests')}, failures {summary.get('failures')}, "
-            f"p99 {summary.get('latency_ms', {}).get('p99') if isinstance(summary.get('latency_ms'), dict) else '?'} ms",
+            f"p99 {summary['latency_ms'].get('p99') if isinstance(summary.get('latency_ms'), dict) else '?'} ms",
         )
     except (OSError, KeyError, ValueError, RuntimeError, subprocess.TimeoutExpired) as exc:
         report.add("FAIL", "runtime control sequence", f"{type(exc).__name__}: {exc}")

@@ -82,7 +82,13 @@ class HttpClient:
         self.requests: list[ClientRequest] = []
 
     def request(
-        self, *, method: str = "GET", path: str = "/size/10", body: bytes = b"", split: bool = False, close: bool = False
+        self,
+        *,
+        method: str = "GET",
+        path: str = "/size/10",
+        body: bytes = b"",
+        split: bool = False,
+        close: bool = False,
     ) -> ClientRequest:
         head = f"{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Length: {len(body)}\r\n"
         if close:

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict
 
 from ingress_harness import AGENT, HTTP_SERVERS, WAIT_S, AgentRun, HttpClient, Server, free_port
 
@@ -36,7 +37,19 @@ def summary_of(out: str) -> re.Match[str]:
     return match
 
 
-def read_records(path: Path) -> list[dict[str, object]]:
+class RecordLine(TypedDict):
+    """One line of `--records` (IngressRecord.to_json_dict()), as far as these tests read it."""
+
+    tgid: int
+    peer_port: int
+    start_ns: int
+    end_ns: int
+    bytes_in: int
+    bytes_out: int
+    flags: list[str]
+
+
+def read_records(path: Path) -> list[RecordLine]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
@@ -45,9 +58,9 @@ def nearest_rank_ms(values: list[int], pct: float) -> float:
     return ordered[max(1, math.ceil(pct / 100 * len(ordered))) - 1] / 1e6
 
 
-def assert_summary_matches_records(match: re.Match[str], records: list[dict[str, object]]) -> None:
+def assert_summary_matches_records(match: re.Match[str], records: list[RecordLine]) -> None:
     """The summary's numbers, recomputed independently from the records file."""
-    latencies = [int(r["end_ns"]) - int(r["start_ns"]) for r in records if "no_response" not in r["flags"]]  # type: ignore[arg-type,operator]
+    latencies = [r["end_ns"] - r["start_ns"] for r in records if "no_response" not in r["flags"]]
     assert int(match["requests"]) == len(latencies)
     for pct, key in ((50, "p50"), (99, "p99")):
         exact = nearest_rank_ms(latencies, pct)

@@ -45,7 +45,9 @@ def match_records(records: list[IngressRecord], clients: list[HttpClient]) -> No
 
 def assert_no_drops(tracer: Tracer) -> None:
     stats = tracer.probe.stats()
-    assert {name: stats[name] for name in loader.DROP_NAMES.values()} == {name: 0 for name in loader.DROP_NAMES.values()}
+    assert {name: stats[name] for name in loader.DROP_NAMES.values()} == {
+        name: 0 for name in loader.DROP_NAMES.values()
+    }
     assert stats["callback_errors"] == 0
 
 
@@ -100,7 +102,9 @@ def test_reused_fd_is_a_new_connection(tracer: Tracer, start_server: Callable[..
     assert_no_drops(tracer)
 
 
-def test_connection_opened_before_attach_is_seeded_and_timed(tracer: Tracer, start_server: Callable[..., Server]) -> None:
+def test_connection_opened_before_attach_is_seeded_and_timed(
+    tracer: Tracer, start_server: Callable[..., Server]
+) -> None:
     server = start_server("threaded")
     early = HttpClient(server.port)
     early.request(path="/size/3")  # before attach: not recorded
@@ -147,7 +151,9 @@ def test_asyncio_server_concurrent_clients(tracer: Tracer, start_server: Callabl
     assert_no_drops(tracer)
 
 
-def test_idle_keepalive_request_is_flushed_when_target_removed(tracer: Tracer, start_server: Callable[..., Server]) -> None:
+def test_idle_keepalive_request_is_flushed_when_target_removed(
+    tracer: Tracer, start_server: Callable[..., Server]
+) -> None:
     # asyncio reads a connection only when it is readable, so the last request of an idle
     # keep-alive connection stays open in the kernel until removal flushes it.
     server = start_server("asyncio")

@@ -38,14 +38,21 @@ def test_ctypes_mirrors_match_the_c_header(tmp_path: Path) -> None:
     source.write_text(C_PROGRAM)
     binary = tmp_path / "layout"
     subprocess.run(["gcc", "-Wall", "-Werror", f"-I{loader.PROBE_DIR}", "-o", str(binary), str(source)], check=True)
-    facts = dict(line.rsplit(" ", 1) for line in subprocess.run([str(binary)], capture_output=True, text=True, check=True).stdout.splitlines())
+    facts = dict(
+        line.rsplit(" ", 1)
+        for line in subprocess.run([str(binary)], capture_output=True, text=True, check=True).stdout.splitlines()
+    )
     c = {name: int(value) for name, value in facts.items()}
 
     assert c["ingress_event"] == ct.sizeof(loader.IngressEvent)
     assert c["ingress_conn_key"] == ct.sizeof(loader.IngressConnKey)
     assert c["ingress_conn"] == ct.sizeof(loader.IngressConn)
     assert c["ingress_inflight"] == ct.sizeof(loader.IngressInflight)
-    for struct, py in (("ingress_event", loader.IngressEvent), ("ingress_conn", loader.IngressConn), ("ingress_inflight", loader.IngressInflight)):
+    for struct, py in (
+        ("ingress_event", loader.IngressEvent),
+        ("ingress_conn", loader.IngressConn),
+        ("ingress_inflight", loader.IngressInflight),
+    ):
         for key, value in c.items():
             if key.startswith(struct + "."):
                 assert getattr(py, key.split(".")[1]).offset == value, key
@@ -60,7 +67,11 @@ def test_ctypes_mirrors_match_the_c_header(tmp_path: Path) -> None:
     assert c["INGRESS_CC_USER_DELETES"] == loader.CC_USER_DELETES
     assert c["INGRESS_CC_NR"] == loader.CC_NR
     assert (c["INGRESS_TARGET_SLOTS"], c["INGRESS_TARGET_SHARED"]) == (loader.TARGET_SLOTS, loader.TARGET_SHARED)
-    assert (c["INGRESS_K_ACCEPT"], c["INGRESS_K_READ"], c["INGRESS_K_WRITE"]) == (loader.K_ACCEPT, loader.K_READ, loader.K_WRITE)
+    assert (c["INGRESS_K_ACCEPT"], c["INGRESS_K_READ"], c["INGRESS_K_WRITE"]) == (
+        loader.K_ACCEPT,
+        loader.K_READ,
+        loader.K_WRITE,
+    )
 
 
 TCP4 = """\

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from fractions import Fraction
 
 import pytest
@@ -16,7 +17,7 @@ from moescope.latency import LatencyHistogram, SlidingQuantile, nearest_rank, ne
 QUANTILES = [(0.0, 0.0), (0.07, 7.0), (0.5, 50.0), (0.9, 90.0), (0.95, 95.0), (0.99, 99.0), (0.999, 99.9), (1.0, 100.0)]
 
 
-def by_definition(values: list[float], q_decimal: str) -> float:
+def by_definition(values: Sequence[float], q_decimal: str) -> float:
     """The smallest value v with at least q * n of the values <= v (exact rational q)."""
     q = Fraction(q_decimal)
     return min(v for v in values if sum(1 for x in values if x <= v) >= q * len(values))
@@ -31,7 +32,10 @@ def exact_nearest_rank(values: list[int], pct: float) -> int:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(min_value=0, max_value=10**12), min_size=1, max_size=300), st.sampled_from([50.0, 90.0, 99.0, 100.0]))
+@given(
+    st.lists(st.integers(min_value=0, max_value=10**12), min_size=1, max_size=300),
+    st.sampled_from([50.0, 90.0, 99.0, 100.0]),
+)
 def test_histogram_percentile_within_one_128th_of_exact(values: list[int], pct: float) -> None:
     hist = LatencyHistogram()
     for v in values:

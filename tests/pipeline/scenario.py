@@ -15,7 +15,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -106,7 +106,9 @@ def build_step(
         if load_layer == layer_index:
             hot = int(np.argmax(counts))
             dur = int(rng.integers(50_000, 400_000))
-            layer.loads.append(ExpertLoadEvent(expert=hot, start_ns=t, end_ns=t + dur, bytes_moved=int(rng.integers(1, 64)) << 20))
+            layer.loads.append(
+                ExpertLoadEvent(expert=hot, start_ns=t, end_ns=t + dur, bytes_moved=int(rng.integers(1, 64)) << 20)
+            )
             t += dur + 1_000
         for expert, count in router.tokens.items():
             served = count - router.dropped.get(expert, 0)
@@ -114,6 +116,13 @@ def build_step(
             t += 6_000
         step.layers.append(layer)
     return step
+
+
+class Thread(TypedDict):
+    """The serving thread a record comes from, passed to record() as keyword arguments."""
+
+    pid: int
+    tid: int
 
 
 def record(
@@ -157,7 +166,8 @@ class Scenario:
         request when the kernel record arrives (after the response was written)."""
         out = [(s.end_ns + STEP_FEED_DELAY_NS, "step", n) for n, s in self.steps.items()]
         out += [
-            (r.end_ns + self.record_delay_ns.get(n, RECORD_FEED_DELAY_NS), "request", n) for n, r in self.records.items()
+            (r.end_ns + self.record_delay_ns.get(n, RECORD_FEED_DELAY_NS), "request", n)
+            for n, r in self.records.items()
         ]
         return sorted(out)
 
@@ -178,8 +188,8 @@ def main_scenario(seed: int = 6) -> Scenario:
     """Keep-alive requests on one fd, fd reuse, a batch of 3 over several decode steps, a request
     whose step expired before its record arrived, unclaimed steps, and two pids with the same fd."""
     rng = np.random.default_rng(seed)
-    a = {"pid": PID_A, "tid": 4101}
-    b = {"pid": PID_B, "tid": 5201}
+    a: Thread = {"pid": PID_A, "tid": 4101}
+    b: Thread = {"pid": PID_B, "tid": 5201}
     p7, p8, p9 = ("127.0.0.1", 50001), ("127.0.0.1", 50002), ("::1", 50003)
     records = {
         # batch of three on fds 7, 8, 9 (pid A), finishing in the order R9a, R7a, R8a

@@ -13,6 +13,7 @@ import pytest
 from moescope.agent import state as st
 from moescope.agent.metrics import Metrics
 from moescope.agent.pipeline import Pipeline
+from moescope.agent.policy.rules import Signals
 from moescope.collectors.moe_convention import StepEvent
 from moescope.collectors.nvml import NA, GpuSample, NvLinkSample, NvmlSample, ProcessGpuMemory
 from moescope.collectors.registry import TelemetryRecord
@@ -25,7 +26,6 @@ from .scenario import (
     NUM_LAYERS,
     PID_A,
     PRECISION,
-    runtime_state,
     RETENTION_NS,
     STEP_FEED_DELAY_NS,
     TARGET_RSS_BYTES,
@@ -41,6 +41,7 @@ from .scenario import (
     ref_gini,
     ref_layer,
     ref_step,
+    runtime_state,
 )
 
 WINDOW_NS = 10_000 * MS
@@ -56,7 +57,9 @@ class Run:
     records: list[IngressRecord]
 
     def events(self) -> list[tuple[int, int, str, object]]:
-        out: list[tuple[int, int, str, object]] = [(s.end_ns + STEP_FEED_DELAY_NS, i, "step", s) for i, s in enumerate(self.steps)]
+        out: list[tuple[int, int, str, object]] = [
+            (s.end_ns + STEP_FEED_DELAY_NS, i, "step", s) for i, s in enumerate(self.steps)
+        ]
         out += [(r.end_ns + 300_000, i, "request", r) for i, r in enumerate(self.records)]
         return sorted(out, key=lambda e: (e[0], e[1], e[2]))
 
@@ -96,7 +99,7 @@ def in_window(t_ns: int, now_ns: int) -> bool:
     return t_ns > now_ns - WINDOW_NS  # a window covers (now - W, now]
 
 
-def expected_signals(steps: Iterable[StepEvent], records: Iterable[IngressRecord], now_ns: int) -> dict[str, object]:
+def expected_signals(steps: Iterable[StepEvent], records: Iterable[IngressRecord], now_ns: int) -> Signals:
     steps = list(steps)
     # loads are windowed by their own end time, steps by theirs
     load_ms = [
@@ -117,13 +120,14 @@ def expected_signals(steps: Iterable[StepEvent], records: Iterable[IngressRecord
         bits = np.array([r.entropy_bits for r in routers if r is not None])
         gini[layer] = ref_gini(counts)
         ratio[layer] = float(np.average(bits, weights=weights) / np.log2(NUM_EXPERTS))
-    return {
-        "step_p99_ms": percentile(step_ms, 99) if step_ms else math.nan,
-        "expert_load_p99_ms": percentile(load_ms, 99) if load_ms else math.nan,
-        "request_p99_ms": percentile(request_ms, 99) if request_ms else math.nan,
-        "expert_load_gini": gini,
-        "router_entropy_ratio": ratio,
-    }
+    return Signals(
+        t_s=now_ns / 1e9,
+        step_p99_ms=percentile(step_ms, 99) if step_ms else math.nan,
+        expert_load_p99_ms=percentile(load_ms, 99) if load_ms else math.nan,
+        request_p99_ms=percentile(request_ms, 99) if request_ms else math.nan,
+        expert_load_gini=gini,
+        router_entropy_ratio=ratio,
+    )
 
 
 def same(got: float, want: float) -> bool:
@@ -146,14 +150,14 @@ def test_signals_over_sliding_windows() -> None:
         want = expected_signals(fed_steps, fed_records, now_ns)
         assert sig.t_s == now_ns / 1e9
         for name in ("step_p99_ms", "expert_load_p99_ms", "request_p99_ms"):
-            assert same(getattr(sig, name), want[name]), (name, now_ns)
+            assert same(getattr(sig, name), getattr(want, name)), (name, now_ns)
         for name in ("expert_load_gini", "router_entropy_ratio"):
-            got, exp = dict(getattr(sig, name)), want[name]
+            got, exp = dict(getattr(sig, name)), getattr(want, name)
             assert isinstance(exp, dict) and sorted(got) == sorted(exp), (name, now_ns)
             for layer, value in exp.items():
                 assert got[layer] == pytest.approx(value, rel=1e-9), (name, layer, now_ns)
         assert sig.device_memory_used_ratio == pytest.approx(MEMORY.used_bytes / MEMORY.total_bytes)
-        return not want["expert_load_gini"]
+        return not want.expert_load_gini
 
     empty = 0
     last_ns = clock.now_ns
@@ -264,7 +268,9 @@ def gpu(index: int, *, free_bytes: int, tx_total: list[int], pids: tuple[int, ..
 
 
 def nvml(*gpus: GpuSample) -> TelemetryRecord:
-    return TelemetryRecord(collector="nvml", sample=NvmlSample(at_ns=0, gpus=gpus, lost_gpus=(), target_pids=frozenset({PID_A})))
+    return TelemetryRecord(
+        collector="nvml", sample=NvmlSample(at_ns=0, gpus=gpus, lost_gpus=(), target_pids=frozenset({PID_A}))
+    )
 
 
 def test_device_telemetry_metrics_panels_and_memory_signal() -> None:
@@ -274,9 +280,15 @@ def test_device_telemetry_metrics_panels_and_memory_signal() -> None:
     pipeline = Pipeline(spans=None, metrics=metrics, clock=FakeClock())
     pipeline.on_telemetry(TelemetryRecord(collector="host", sample=host_sample()))
     assert pipeline.signals().device_memory_used_ratio == pytest.approx(3 / 8)
-    first = nvml(gpu(0, free_bytes=20 << 30, tx_total=[100, 200], pids=(PID_A,)), gpu(1, free_bytes=5 << 30, tx_total=[7], pids=()))
+    first = nvml(
+        gpu(0, free_bytes=20 << 30, tx_total=[100, 200], pids=(PID_A,)),
+        gpu(1, free_bytes=5 << 30, tx_total=[7], pids=()),
+    )
     pipeline.on_telemetry(first)
-    second = nvml(gpu(0, free_bytes=10 << 30, tx_total=[150, 260], pids=(PID_A,)), gpu(1, free_bytes=4 << 30, tx_total=[9], pids=()))
+    second = nvml(
+        gpu(0, free_bytes=10 << 30, tx_total=[150, 260], pids=(PID_A,)),
+        gpu(1, free_bytes=4 << 30, tx_total=[9], pids=()),
+    )
     pipeline.on_telemetry(second)
     # a later host sample does not replace the GPU signal
     pipeline.on_telemetry(TelemetryRecord(collector="host", sample=host_sample()))
@@ -307,7 +319,10 @@ def test_device_telemetry_metrics_panels_and_memory_signal() -> None:
         (0, "NVIDIA H200", (80 << 30) - (10 << 30) - (1 << 28), 80 << 30, 87.0),
         (1, "NVIDIA H200", (80 << 30) - (4 << 30) - (1 << 28), 80 << 30, None),
     ]
-    assert [(lk.link, lk.tx_bytes_per_s, lk.rx_bytes_per_s) for lk in devices.gpus[0].nvlinks] == [(0, 15.0, None), (1, 26.0, None)]
+    assert [(lk.link, lk.tx_bytes_per_s, lk.rx_bytes_per_s) for lk in devices.gpus[0].nvlinks] == [
+        (0, 15.0, None),
+        (1, 26.0, None),
+    ]
     assert devices.host_budget is not None and devices.host_budget.source == "nvml: GPU 0 GPU-0000"
     snap = st.Snapshot(header=st.Header(agent_pid=1, started_unix_s=1.0), taken_unix_s=2.0, devices=devices)
     assert st.from_json(st.to_json(snap)) == snap
@@ -387,7 +402,7 @@ def test_metrics_equal_what_was_fed() -> None:
         assert layer.router is not None
         ref = ref_layer(layer.router, NUM_EXPERTS)
         lbl = str(layer.layer)
-        for metric, key in (
+        for metric, attribute in (
             ("moescope_router_entropy_bits", "moe.router.entropy_bits"),
             ("moescope_router_entropy_normalized", "moe.router.entropy_normalized"),
             ("moescope_expert_load_gini", "moe.expert_load.gini"),
@@ -396,21 +411,31 @@ def test_metrics_equal_what_was_fed() -> None:
             ("moescope_expert_load_max_share", "moe.expert_load.max_share"),
             ("moescope_expert_load_cv", "moe.expert_load.cv"),
         ):
-            assert metrics.get(metric, layer=lbl) == pytest.approx(ref[key], rel=1e-9), metric
-        window_counts = np.sum(
-            [counts_vector(s.layers[layer.layer].router.tokens, NUM_EXPERTS) for s in steps  # type: ignore[union-attr]
-             if last.end_ns - WINDOW_NS < s.end_ns <= last.end_ns],
-            axis=0,
+            assert metrics.get(metric, layer=lbl) == pytest.approx(ref[attribute], rel=1e-9), metric
+        in_window_counts = []
+        for s in steps:
+            if last.end_ns - WINDOW_NS < s.end_ns <= last.end_ns:
+                router = s.layers[layer.layer].router
+                assert router is not None
+                in_window_counts.append(counts_vector(router.tokens, NUM_EXPERTS))
+        window_counts = np.sum(in_window_counts, axis=0)
+        assert metrics.get("moescope_expert_load_gini_window", layer=lbl) == pytest.approx(
+            ref_gini(window_counts), rel=1e-9
         )
-        assert metrics.get("moescope_expert_load_gini_window", layer=lbl) == pytest.approx(ref_gini(window_counts), rel=1e-9)
-        assert ref["moe.expert_load.entropy_bits"] == pytest.approx(ref_entropy_bits(counts_vector(layer.router.tokens, NUM_EXPERTS)))
+        assert ref["moe.expert_load.entropy_bits"] == pytest.approx(
+            ref_entropy_bits(counts_vector(layer.router.tokens, NUM_EXPERTS))
+        )
     step_ref = ref_step(last, NUM_EXPERTS)
-    assert metrics.get("moescope_step_router_entropy_normalized") == pytest.approx(step_ref["moe.router.entropy_normalized"])
+    assert metrics.get("moescope_step_router_entropy_normalized") == pytest.approx(
+        step_ref["moe.router.entropy_normalized"]
+    )
     assert metrics.get("moescope_step_expert_load_gini") == pytest.approx(step_ref["moe.expert_load.gini"])
     assert metrics.get("moescope_step_expert_load_gini_max") == pytest.approx(step_ref["moe.expert_load.gini_max"])
     assert metrics.get("moescope_device_memory_used_bytes", device="host") == MEMORY.used_bytes
     assert metrics.get("moescope_target_memory_bytes", device="host") == TARGET_RSS_BYTES
-    assert metrics.get("moescope_agent_metric_series_dropped", metric="moescope_expert_tokens") == 0  # none dropped, shown
+    assert (
+        metrics.get("moescope_agent_metric_series_dropped", metric="moescope_expert_tokens") == 0
+    )  # none dropped, shown
 
 
 def test_rates_stay_bounded_without_a_live_view() -> None:

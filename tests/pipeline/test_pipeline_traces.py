@@ -121,6 +121,7 @@ def check_step_subtree(
     for layer, lspan in zip(step.layers, layers, strict=True):
         lw = f"{where} layer {layer.layer}"
         assert (lspan.start_ns, lspan.end_ns) == (layer.start_ns + OFF, layer.end_ns + OFF), lw
+        assert layer.router is not None, lw  # every scenario layer routes
         if detail == "layer":
             want = {"moe.layer": layer.layer, **ref_layer(layer.router, NUM_EXPERTS), **folded_layer(layer)}
             approx_attrs(lspan.attributes, want, lw)
@@ -151,17 +152,19 @@ def check_step_subtree(
         for ev, s in zip(layer.loads, loads, strict=True):
             assert (s.start_ns, s.end_ns) == (ev.start_ns + OFF, ev.end_ns + OFF), lw
             approx_attrs(
-                s.attributes, {"moe.layer": layer.layer, "moe.expert": ev.expert, "moe.expert.load.bytes": ev.bytes_moved}, lw
+                s.attributes,
+                {"moe.layer": layer.layer, "moe.expert": ev.expert, "moe.expert.load.bytes": ev.bytes_moved},
+                lw,
             )
         assert len(ffns) == len(layer.ffns) and len(ffns) > 0, lw
-        for ev, s in zip(layer.ffns, ffns, strict=True):
-            assert (s.start_ns, s.end_ns) == (ev.start_ns + OFF, ev.end_ns + OFF), lw
+        for ffn, s in zip(layer.ffns, ffns, strict=True):
+            assert (s.start_ns, s.end_ns) == (ffn.start_ns + OFF, ffn.end_ns + OFF), lw
             approx_attrs(
                 s.attributes,
                 {
                     "moe.layer": layer.layer,
-                    "moe.expert": ev.expert,
-                    "moe.expert.ffn.tokens": ev.tokens,
+                    "moe.expert": ffn.expert,
+                    "moe.expert.ffn.tokens": ffn.tokens,
                     "moe.precision": PRECISION[layer.layer],
                 },
                 lw,
@@ -429,7 +432,9 @@ def test_default_epoch_offset_maps_monotonic_to_unix_time() -> None:
     pipeline = Pipeline(spans=None)
     after = time.time_ns() - time.monotonic_ns()
     # the two clocks' difference only drifts (NTP slew); a second is far more than any drift here
-    assert abs(pipeline.epoch_offset_ns - before) < 1_000_000_000 and abs(pipeline.epoch_offset_ns - after) < 1_000_000_000
+    assert (
+        abs(pipeline.epoch_offset_ns - before) < 1_000_000_000 and abs(pipeline.epoch_offset_ns - after) < 1_000_000_000
+    )
     assert resource_attributes([])["service.name"] in (os.environ.get("OTEL_SERVICE_NAME", "moe-serving"),)
     assert "process.pid" not in resource_attributes([])
 

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from policy_helpers import REPO, RuntimeProc, StartRuntime
 
 from moescope.examples.moe_runtime.launch import LaunchError, launch, runtime_argv
-from policy_helpers import REPO, RuntimeProc, StartRuntime
 
 # Small enough for 2 shared cores: 2 layers x 8 experts of 24 KiB (fp32) each.
 SMALL_MODEL = ("--layers", "2", "--experts", "8", "--d-model", "32", "--d-ff", "64", "--n-heads", "2")

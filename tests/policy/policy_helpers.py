@@ -7,10 +7,10 @@ import json
 import os
 import signal
 import subprocess
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from moescope.agent.policy.audit import AuditLog, AuditRecord
 from moescope.agent.policy.engine import PolicyEngine
@@ -21,6 +21,27 @@ PERIOD_S = 0.2
 REPO = Path(__file__).resolve().parents[2]
 
 
+class EngineKeys(TypedDict, total=False):
+    """PolicyConfig's engine-wide settings, to override as keyword arguments."""
+
+    sample_period_ms: int
+    max_actions: int
+    rate_window_s: float
+    command_timeout_ms: float
+
+
+class SignalValues(TypedDict, total=False):
+    """Signals' values (every field but t_s), to pass as keyword arguments."""
+
+    step_p99_ms: float
+    device_memory_used_ratio: float
+    expert_load_p99_ms: float
+    request_p99_ms: float
+    expert_queue_tokens: Mapping[tuple[int, int], float]
+    expert_load_gini: Mapping[int, float]
+    router_entropy_ratio: Mapping[int, float]
+
+
 def target_for(spec: RuleSpec) -> Target:
     return {TargetKind.GLOBAL: (), TargetKind.LAYER: (1,), TargetKind.EXPERT: (1, 3)}[spec.target_kind]
 
@@ -28,11 +49,15 @@ def target_for(spec: RuleSpec) -> Target:
 def signals_for(spec: RuleSpec, t_s: float, value: float, target: Target | None = None) -> Signals:
     target = target_for(spec) if target is None else target
     kind = spec.target_kind
+    # Any: the rule names its signal (a string), so which field it sets is known at run time only.
+    values: dict[str, Any]
     if kind is TargetKind.GLOBAL:
-        return Signals(t_s=t_s, **{spec.signal: value})
-    if kind is TargetKind.LAYER:
-        return Signals(t_s=t_s, **{spec.signal: {target[0]: value}})
-    return Signals(t_s=t_s, **{spec.signal: {(target[0], target[1]): value}})
+        values = {spec.signal: value}
+    elif kind is TargetKind.LAYER:
+        values = {spec.signal: {target[0]: value}}
+    else:
+        values = {spec.signal: {(target[0], target[1]): value}}
+    return Signals(t_s=t_s, **values)
 
 
 @dataclass

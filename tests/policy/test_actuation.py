@@ -10,11 +10,11 @@ import os
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import pytest
 from peer_probe import connect_as_nobody
-from policy_helpers import PERIOD_S, Feeder, RuntimeProc, StartRuntime, levels
+from policy_helpers import PERIOD_S, EngineKeys, Feeder, RuntimeProc, SignalValues, StartRuntime, levels
 
 from moescope.agent.policy.actuator import Actuator
 from moescope.agent.policy.audit import AuditLog
@@ -35,7 +35,11 @@ def make_engine() -> Iterator[MakeEngine]:
     engines: list[PolicyEngine] = []
 
     def make(
-        rt: RuntimeProc, *rules: str, dry_run: bool = False, state_path: Path | None = None, **engine_keys: float
+        rt: RuntimeProc,
+        *rules: str,
+        dry_run: bool = False,
+        state_path: Path | None = None,
+        **engine_keys: Unpack[EngineKeys],
     ) -> tuple[PolicyEngine, AuditLog, Actuator]:
         config = dataclasses.replace(DEFAULTS, rules=tuple(DEFAULTS.rule(r) for r in rules), **engine_keys)
         actuator = Actuator(rt.socket_path, timeout_s=config.command_timeout_ms / 1000.0)
@@ -55,7 +59,9 @@ def per_expert(stats: dict[str, Any], key: str) -> dict[tuple[int, int], Any]:
     return {(layer["layer"], e): v for layer in stats["layers"] for e, v in enumerate(layer[key])}
 
 
-def test_fp16_fallback_and_revert_change_runtime_precision(start_runtime: StartRuntime, make_engine: MakeEngine) -> None:
+def test_fp16_fallback_and_revert_change_runtime_precision(
+    start_runtime: StartRuntime, make_engine: MakeEngine
+) -> None:
     rt = start_runtime()
     engine, audit, actuator = make_engine(rt, "fp16_fallback")
     assert engine.start() is True
@@ -140,7 +146,9 @@ def test_router_penalty_set_and_removed(start_runtime: StartRuntime, make_engine
     assert audit.recent()[0].commands[-1].request["args"] == {"layer": 1, "expert": 3, "penalty": 0.3}
 
 
-def test_monopoly_moves_hottest_expert_to_least_loaded_device_and_back(start_runtime: StartRuntime, make_engine: MakeEngine) -> None:
+def test_monopoly_moves_hottest_expert_to_least_loaded_device_and_back(
+    start_runtime: StartRuntime, make_engine: MakeEngine
+) -> None:
     rt = start_runtime("--devices", "cpu,cpu:1")
     for prompt in ("aaaaaaaaaaaaaaaa", "abababababab", "zzzz"):
         rt.complete(prompt)
@@ -181,7 +189,9 @@ def test_slow_loads_prefetch_host_experts(start_runtime: StartRuntime, make_engi
     assert [(r.intent, r.outcome, len(r.commands)) for r in audit.recent()][-1] == ("revert", "cleared", 0)
 
 
-def test_refused_command_is_recorded_and_retried_once_per_cooldown(start_runtime: StartRuntime, make_engine: MakeEngine) -> None:
+def test_refused_command_is_recorded_and_retried_once_per_cooldown(
+    start_runtime: StartRuntime, make_engine: MakeEngine
+) -> None:
     rt = start_runtime()
     engine, audit, actuator = make_engine(rt, "expert_queue_soft_limit")
     engine.start()
@@ -202,7 +212,9 @@ def test_refused_command_is_recorded_and_retried_once_per_cooldown(start_runtime
     assert set(per_expert(rt.stats(), "penalty").values()) == {0.0}
 
 
-def test_runtime_killed_is_recorded_unreachable_without_a_storm(start_runtime: StartRuntime, make_engine: MakeEngine) -> None:
+def test_runtime_killed_is_recorded_unreachable_without_a_storm(
+    start_runtime: StartRuntime, make_engine: MakeEngine
+) -> None:
     rt = start_runtime()
     engine, audit, actuator = make_engine(rt, "fp16_fallback")
     assert engine.start() is True
@@ -222,7 +234,9 @@ def test_runtime_killed_is_recorded_unreachable_without_a_storm(start_runtime: S
     assert view.state in ("cooling", "pending") and not view.applied
 
 
-def test_hung_runtime_times_out_without_blocking_evaluation(start_runtime: StartRuntime, make_engine: MakeEngine) -> None:
+def test_hung_runtime_times_out_without_blocking_evaluation(
+    start_runtime: StartRuntime, make_engine: MakeEngine
+) -> None:
     rt = start_runtime()
     engine, audit, _ = make_engine(rt, "fp16_fallback", command_timeout_ms=3000.0)
     assert engine.start() is True
@@ -250,15 +264,16 @@ def test_hung_runtime_times_out_without_blocking_evaluation(start_runtime: Start
 def test_restart_reads_state_and_never_applies_twice(start_runtime: StartRuntime, make_engine: MakeEngine) -> None:
     rt = start_runtime(*HOT_BUDGET)
     rules = ("fp16_fallback", "expert_offload", "expert_queue_soft_limit")
-    hot = {"step_p99_ms": 500.0, "device_memory_used_ratio": 0.99, "expert_queue_tokens": {(1, 3): 80.0}}
-    cool = {"step_p99_ms": 100.0, "device_memory_used_ratio": 0.5, "expert_queue_tokens": {(1, 3): 0.0}}
+    hot: SignalValues = {"step_p99_ms": 500.0, "device_memory_used_ratio": 0.99, "expert_queue_tokens": {(1, 3): 80.0}}
+    cool: SignalValues = {"step_p99_ms": 100.0, "device_memory_used_ratio": 0.5, "expert_queue_tokens": {(1, 3): 0.0}}
     state_path = rt.workdir / "policy-state.json"
     first, audit1, _ = make_engine(rt, *rules, state_path=state_path)
     first.start()
     t = 0.0
     for i in range(30):
         # Offload first: fp16 halves the experts' bytes, after which there would be nothing to offload.
-        first.evaluate(Signals(t_s=t, **{**hot, "step_p99_ms": 500.0 if i >= 25 else math.nan}))
+        values: SignalValues = {**hot, "step_p99_ms": 500.0 if i >= 25 else math.nan}
+        first.evaluate(Signals(t_s=t, **values))
         assert first.wait_idle(60)
         t += PERIOD_S
     assert sorted((r.rule, r.outcome) for r in audit1.recent()) == [

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from moescope.agent import policy_cmd
-from moescope.errors import EXIT_USAGE, ConfigError
 from moescope.agent.policy.config import load_policy
+from moescope.errors import EXIT_USAGE, ConfigError
 
 # DESIGN.md "Policy defaults", written out independently of default_policy.toml.
 DESIGN_TABLE = {
@@ -31,7 +31,15 @@ def test_defaults_are_designs_table() -> None:
     assert [r.name for r in config.rules] == list(DESIGN_TABLE)
     for spec in config.rules:
         signal, cmp, fire, window_evals, action, clear, clear_evals = DESIGN_TABLE[spec.name]
-        got = (spec.signal, spec.comparison, spec.fire, spec.window_evals, spec.action, spec.clear, spec.clear_window_evals)
+        got = (
+            spec.signal,
+            spec.comparison,
+            spec.fire,
+            spec.window_evals,
+            spec.action,
+            spec.clear,
+            spec.clear_window_evals,
+        )
         assert got == (signal, cmp, fire, window_evals, action, clear, clear_evals), spec.name
         assert spec.enabled and spec.revert
     assert config.rule("expert_queue_soft_limit").args["penalty"] == -0.3
@@ -77,20 +85,23 @@ enabled = false
     ("body", "expected"),
     [
         ("[rules.fp16_fallback]\nfyre = 1.0\n", "rule 'fp16_fallback': unknown key 'fyre'"),
-        ("[rules.fp16_fallback]\nfire = \"high\"\n", "rule 'fp16_fallback': key 'fire': expected a number, got string"),
+        ('[rules.fp16_fallback]\nfire = "high"\n', "rule 'fp16_fallback': key 'fire': expected a number, got string"),
         ("[rules.fp16_fallback]\nfire = true\n", "rule 'fp16_fallback': key 'fire': expected a number, got boolean"),
-        ("[rules.fp16_fallback]\nwindow_evals = 2.5\n", "rule 'fp16_fallback': key 'window_evals': expected an integer"),
+        (
+            "[rules.fp16_fallback]\nwindow_evals = 2.5\n",
+            "rule 'fp16_fallback': key 'window_evals': expected an integer",
+        ),
         ("[rules.fp16_fallback]\nclear = 500.0\n", "rule 'fp16_fallback': key 'clear': 500 is above fire 430"),
         ("[rules.router_collapse]\nclear = 0.5\n", "rule 'router_collapse': key 'clear': 0.5 is below fire 0.536"),
         ("[rules.expert_offload]\nwindow_s = -5.0\n", "rule 'expert_offload': key 'window_s': must be > 0 seconds"),
         ("[rules.memory_alert]\nclear_window_s = -1\n", "rule 'memory_alert': key 'clear_window_s': must be > 0"),
         ("[rules.memory_alert]\nwindow_evals = 0\n", "rule 'memory_alert': key 'window_evals': must be >= 1"),
         ("[rules.memory_alert]\ncooldown_s = -1\n", "rule 'memory_alert': key 'cooldown_s': must be >= 0"),
-        ("[rules.memory_alert]\naction = \"reboot\"\n", "rule 'memory_alert': key 'action': unknown action 'reboot'"),
-        ("[rules.memory_alert]\nsignal = \"cpu_temp\"\n", "rule 'memory_alert': key 'signal': unknown signal 'cpu_temp'"),
-        ("[rules.memory_alert]\ncomparison = \"~\"\n", "rule 'memory_alert': key 'comparison': unknown comparison '~'"),
+        ('[rules.memory_alert]\naction = "reboot"\n', "rule 'memory_alert': key 'action': unknown action 'reboot'"),
+        ('[rules.memory_alert]\nsignal = "cpu_temp"\n', "rule 'memory_alert': key 'signal': unknown signal 'cpu_temp'"),
+        ('[rules.memory_alert]\ncomparison = "~"\n', "rule 'memory_alert': key 'comparison': unknown comparison '~'"),
         (
-            "[rules.memory_alert]\naction = \"router_penalty\"\n",
+            '[rules.memory_alert]\naction = "router_penalty"\n',
             "rule 'memory_alert': key 'action': 'router_penalty' acts on a expert target",
         ),
         (
@@ -98,16 +109,16 @@ enabled = false
             "rule 'expert_queue_soft_limit': key 'args.penalty': must be <= 0",
         ),
         (
-            "[rules.expert_queue_soft_limit.args]\ncmd = \"rm -rf /\"\n",
+            '[rules.expert_queue_soft_limit.args]\ncmd = "rm -rf /"\n',
             "rule 'expert_queue_soft_limit': key 'args.cmd': unknown argument",
         ),
-        ("[rules.fp16_fallback.args]\nprecision = \"int4\"\n", "key 'args.precision': 'int4' is not one of"),
+        ('[rules.fp16_fallback.args]\nprecision = "int4"\n', "key 'args.precision': 'int4' is not one of"),
         (
-            "[rules.my_rule]\nsignal = \"step_p99_ms\"\ncomparison = \">\"\nfire = 1.0\nclear = 0.5\naction = \"alert\"\n",
+            '[rules.my_rule]\nsignal = "step_p99_ms"\ncomparison = ">"\nfire = 1.0\nclear = 0.5\naction = "alert"\n',
             "rule 'my_rule': missing key 'cooldown_s'",
         ),
         (
-            "[rules.my_rule]\nsignal = \"step_p99_ms\"\ncomparison = \">\"\nfire = 1.0\nclear = 0.5\naction = \"alert\"\n"
+            '[rules.my_rule]\nsignal = "step_p99_ms"\ncomparison = ">"\nfire = 1.0\nclear = 0.5\naction = "alert"\n'
             "cooldown_s = 1\nwindow_s = 1\nwindow_evals = 2\nclear_window_evals = 1\n",
             "rule 'my_rule': give 'window_s' or 'window_evals', not both",
         ),

@@ -9,26 +9,26 @@ import json
 import math
 import threading
 from pathlib import Path
+from typing import Unpack
 
 import pytest
+from policy_helpers import PERIOD_S, EngineKeys, Feeder, levels, records
 
-from moescope.errors import UsageError
-from moescope.agent.policy.audit import AuditLog
+from moescope.agent.policy.audit import AuditLog, AuditRecord
 from moescope.agent.policy.config import PolicyConfig, load_policy
 from moescope.agent.policy.engine import PolicyEngine, PolicyLoop
 from moescope.agent.policy.rules import ACTIONS, Signals
-
-from policy_helpers import PERIOD_S, Feeder, levels, records
+from moescope.errors import UsageError
 
 DEFAULTS = load_policy()
 RULES = [spec.name for spec in DEFAULTS.rules]
 
 
-def only(rule: str, **engine: float) -> PolicyConfig:
+def only(rule: str, **engine: Unpack[EngineKeys]) -> PolicyConfig:
     return dataclasses.replace(DEFAULTS, rules=(DEFAULTS.rule(rule),), **engine)
 
 
-def feeder(rule: str, **engine: float) -> tuple[Feeder, AuditLog]:
+def feeder(rule: str, **engine: Unpack[EngineKeys]) -> tuple[Feeder, AuditLog]:
     audit = AuditLog()
     config = only(rule, **engine)
     return Feeder(PolicyEngine(config, audit=audit, dry_run=True), config.rule(rule)), audit
@@ -222,7 +222,7 @@ def test_audit_file_is_json_lines(tmp_path: Path) -> None:
     path = tmp_path / "audit" / "policy.jsonl"
     audit = AuditLog(path=path)
     f = Feeder(PolicyEngine(only("fp16_fallback"), audit=audit, dry_run=True), DEFAULTS.rule("fp16_fallback"))
-    seen = []
+    seen: list[AuditRecord] = []
     audit.add_hook(seen.append)
     fire_it(f)
     f.feed([math.nan])
@@ -239,8 +239,9 @@ def test_audit_file_is_json_lines(tmp_path: Path) -> None:
 
 def test_malformed_snapshot_is_counted_and_holds_state() -> None:
     f, audit = feeder("expert_queue_soft_limit")
-    f.engine.evaluate(Signals(t_s=0.0, expert_queue_tokens={(0,): 80.0}))  # type: ignore[dict-item]
-    f.engine.evaluate(Signals(t_s=0.2, expert_queue_tokens={(0, 1): "lots"}))  # type: ignore[dict-item]
+    # Deliberately mistyped (a 1-tuple key, a string value): what a buggy signal source could send.
+    f.engine.evaluate(Signals(t_s=0.0, expert_queue_tokens={(0,): 80.0}))  # type: ignore[dict-item]  # malformed on purpose
+    f.engine.evaluate(Signals(t_s=0.2, expert_queue_tokens={(0, 1): "lots"}))  # type: ignore[dict-item]  # malformed on purpose
     assert f.engine.bad_signals == 2 and records(audit) == []
     f.engine.evaluate(Signals(t_s=0.4, expert_queue_tokens={(0, 1): 80.0}))
     assert len(records(audit)) == 1

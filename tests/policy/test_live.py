@@ -40,7 +40,9 @@ def wait_for(check: Callable[[], bool], timeout_s: float) -> bool:
     return check()
 
 
-def live_engine(rt: RuntimeProc, policy_text: str, tmp_path: Path) -> tuple[PolicyEngine, PolicyLoop, RuntimeStatsSignals]:
+def live_engine(
+    rt: RuntimeProc, policy_text: str, tmp_path: Path
+) -> tuple[PolicyEngine, PolicyLoop, RuntimeStatsSignals]:
     path = tmp_path / "policy.toml"
     path.write_text(policy_text)
     config = load_policy(path)

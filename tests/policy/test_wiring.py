@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from policy_helpers import REPO, StartRuntime
 
-from moescope.errors import ControlError
 from moescope.agent.policy.wiring import add_policy_arguments, build_policy
+from moescope.errors import ControlError
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -26,7 +26,6 @@ from moescope.examples.moe_runtime.runtime import Runtime, RuntimeOptions
 from tests.runtime.conftest import RunningServer
 
 
-
 def raw_exchange(path: str, data: bytes) -> list[dict[str, Any]]:
     """Sends raw bytes, half-closes, returns every reply line."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -64,7 +63,11 @@ def test_every_command_and_malformed_input(start_server: Callable[..., RunningSe
         assert stats["layers"][0]["device"][0] == "cpu"
 
         moved = c.call("migrate_expert", {"layer": 0, "expert": 0, "device": "cpu:1"})
-        assert moved["from"]["device"] == "cpu" and moved["to"] == {"device": "cpu:1", "tier": "device", "dtype": "fp32"}
+        assert moved["from"]["device"] == "cpu" and moved["to"] == {
+            "device": "cpu:1",
+            "tier": "device",
+            "dtype": "fp32",
+        }
         assert moved["bytes_moved"] == 3 * 64 * 128 * 4 and moved["noop"] is False
         assert c.call("migrate_expert", {"layer": 0, "expert": 0, "device": "cpu:1"})["noop"] is True
         off = c.call("offload_expert", {"layer": 0, "expert": 1})
@@ -180,7 +183,9 @@ class LoadClients:
                 prompt = HOT_PROMPTS[i % len(HOT_PROMPTS)]
                 i += 1
                 try:
-                    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS}))
+                    conn.request(
+                        "POST", "/v1/completions", body=json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS})
+                    )
                     response = conn.getresponse()
                     body = json.loads(response.read())
                 except (OSError, http.client.HTTPException, ValueError) as exc:
@@ -251,8 +256,10 @@ def test_hot_migration_under_load_no_failed_or_wrong_request(start_server: Calla
             for expert in range(0, 8, 2):
                 control.call("restore_expert", {"layer": layer, "expert": expert})
         stats = control.call("stats")
-    print(f"hot-migration: {commands} migrations, {phase1} requests in phase 1, {len(load.results)} total, "
-          f"{stats['counters']['expert_loads']} on-demand loads, {stats['counters']['multi_request_steps']} batched steps")
+    print(
+        f"hot-migration: {commands} migrations, {phase1} requests in phase 1, {len(load.results)} total, "
+        f"{stats['counters']['expert_loads']} on-demand loads, {stats['counters']['multi_request_steps']} batched steps"
+    )
     assert load.errors == []
     assert all(status == 200 and len(tokens) == MAX_TOKENS for _, status, tokens in load.results)
     assert phase1 >= 6 and len(load.results) > phase1
@@ -290,7 +297,11 @@ def test_penalty_moves_load_on_a_running_server(start_server: Callable[..., Runn
 
 @pytest.mark.parametrize("bad", ["0800", "x"])
 def test_bad_flags_exit_with_one_line_error(bad: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "moescope.examples.moe_runtime", "--port", "0", "--control-socket-mode", bad],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "moescope.examples.moe_runtime", "--port", "0", "--control-socket-mode", bad],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "control-socket-mode" in out.stderr

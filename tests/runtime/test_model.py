@@ -3,7 +3,9 @@ router penalties, residency changes (bit-identical outputs), FP16 fallback toler
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import TypedDict, Unpack
 
 import numpy as np
 import pytest
@@ -22,10 +24,18 @@ PROMPTS = ["hello world", "mixture of experts", "xxxxxxxxxxxxxxxxxxxx", "the qui
 FP16_RELATIVE_TOLERANCE = 5e-3
 
 
-def make_runtime(**overrides: object) -> Runtime:
-    options = {"model": SMALL, "nvtx": False}
-    options.update(overrides)
-    return Runtime(RuntimeOptions(**options))  # type: ignore[arg-type]
+class OptionOverrides(TypedDict, total=False):
+    """RuntimeOptions' fields these tests set, as keyword arguments."""
+
+    model: ModelConfig
+    devices: tuple[str, ...]
+    capacity_experts: int | None
+    initial_resident_experts: int | None
+    device_memory_budget_bytes: int | None
+
+
+def make_runtime(**overrides: Unpack[OptionOverrides]) -> Runtime:
+    return Runtime(dataclasses.replace(RuntimeOptions(model=SMALL, nvtx=False), **overrides))
 
 
 def generate(rt: Runtime, prompts: list[str], *, steps: int = 4) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -150,11 +160,11 @@ def test_router_penalty_moves_load_away() -> None:
     # Through the model: a large penalty on the hottest expert of layer 0 empties it.
     rt = make_runtime()
     generate(rt, PROMPTS, steps=2)
-    hot = int(np.argmax(rt.stats.snapshot()["tokens"][0]))  # type: ignore[index]
-    before = np.array(rt.stats.snapshot()["tokens"][0])  # type: ignore[index]
+    hot = int(np.argmax(rt.stats.snapshot()["tokens"][0]))
+    before = np.array(rt.stats.snapshot()["tokens"][0])
     rt.cmd_set_router_penalty(layer=0, expert=hot, penalty=50.0)
     generate(rt, PROMPTS, steps=2)
-    after = np.array(rt.stats.snapshot()["tokens"][0])  # type: ignore[index]
+    after = np.array(rt.stats.snapshot()["tokens"][0])
     assert (after - before)[hot] == 0
     assert (after - before).sum() == (before.sum())  # same number of routed tokens, elsewhere
 
@@ -183,14 +193,14 @@ def test_migrate_offload_restore_bit_identical_and_loads_counted() -> None:
     assert tokens == ref_tokens
     assert all(torch.equal(x, y) for x, y in zip(logits, ref_logits))
     snap = rt.stats.snapshot()
-    assert snap["counters"]["expert_loads"] > 0  # type: ignore[index]
+    assert snap["counters"]["expert_loads"] > 0
     memory = rt.store.memory()
-    assert memory["devices"]["cpu:1"]["resident_experts"] == SMALL.layers * SMALL.experts // 2  # type: ignore[index]
+    assert memory["devices"]["cpu:1"]["resident_experts"] == SMALL.layers * SMALL.experts // 2
     # fp16 offload changes numbers; restore rebuilds from the fp32 master: exact again.
     for layer in range(SMALL.layers):
         for expert in range(SMALL.experts):
             rt.cmd_offload_expert(layer=layer, expert=expert)
-    assert rt.store.memory()["host"]["offload_bytes"] > 0  # type: ignore[index]
+    assert rt.store.memory()["host"]["offload_bytes"] > 0
     _, fp16_logits = generate(rt, PROMPTS)
     assert not torch.equal(fp16_logits[0], ref_logits[0])
     for layer in range(SMALL.layers):
@@ -227,33 +237,33 @@ def test_fp16_for_a_set_of_experts_only() -> None:
 
 def test_pool_capacity_and_prefetch_hottest() -> None:
     rt = make_runtime(capacity_experts=4, initial_resident_experts=2)
-    assert rt.store.memory()["devices"]["cpu"]["resident_experts"] == 2  # type: ignore[index]
+    assert rt.store.memory()["devices"]["cpu"]["resident_experts"] == 2
     generate(rt, PROMPTS, steps=2)
-    loads = rt.stats.snapshot()["counters"]["expert_loads"]  # type: ignore[index]
+    loads = rt.stats.snapshot()["counters"]["expert_loads"]
     assert loads > 0
     result = rt.cmd_prefetch(count=10)
     assert len(result["loaded"]) == 2 and result["skipped_pool_full"] == 8
     hotness, _ = rt.stats.hotness_lists()
-    host = [(hotness[l][e], l, e) for l in range(2) for e in range(8) if rt.store.table()["tier"][l][e] == "host"]
-    loaded_heat = [hotness[l][e] for l, e in result["loaded"]]
+    host = [(hotness[ly][e], ly, e) for ly in range(2) for e in range(8) if rt.store.table()["tier"][ly][e] == "host"]
+    loaded_heat = [hotness[ly][e] for ly, e in result["loaded"]]
     assert min(loaded_heat) >= max(h for h, _, _ in host)
     with pytest.raises(Exception, match="resident pool full"):
         rt.cmd_restore_expert(layer=host[0][1], expert=host[0][2])
     rt.cmd_set_resident_capacity(device="cpu", experts=5)
     rt.cmd_restore_expert(layer=host[0][1], expert=host[0][2])
-    assert rt.store.memory()["devices"]["cpu"]["resident_experts"] == 5  # type: ignore[index]
+    assert rt.store.memory()["devices"]["cpu"]["resident_experts"] == 5
 
 
 def test_memory_accounting_and_budget() -> None:
     rt = make_runtime(device_memory_budget_bytes=10_000_000)
     memory = rt.store.memory()
     per_expert = 3 * SMALL.d_model * SMALL.d_ff * 4
-    dev = memory["devices"]["cpu"]  # type: ignore[index]
+    dev = memory["devices"]["cpu"]
     assert memory["expert_bytes_fp32"] == per_expert
     assert dev["expert_bytes"] == per_expert * SMALL.layers * SMALL.experts
     assert dev["used_bytes"] == dev["expert_bytes"] + dev["non_expert_bytes"]
     assert dev["used_ratio"] == pytest.approx(dev["used_bytes"] / 10_000_000, abs=1e-6)
     rt.cmd_offload_expert(layer=0, expert=0)  # fp16 host copy: half the bytes, off the device
     after = rt.store.memory()
-    assert after["devices"]["cpu"]["expert_bytes"] == dev["expert_bytes"] - per_expert  # type: ignore[index]
-    assert after["host"]["offload_bytes"] == per_expert // 2  # type: ignore[index]
+    assert after["devices"]["cpu"]["expert_bytes"] == dev["expert_bytes"] - per_expert
+    assert after["host"]["offload_bytes"] == per_expert // 2

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pynvml
 import pytest
-
-from telemetry_helpers import CHILD_PROGRAM, Child, FakeNvml, kill_group, build_fake_nvml
+from telemetry_helpers import CHILD_PROGRAM, Child, FakeNvml, build_fake_nvml, kill_group
 
 
 @pytest.fixture(scope="session")

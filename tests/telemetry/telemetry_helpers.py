@@ -88,7 +88,9 @@ class FakeNvml:
     def set_link(self, gpu: int, link: int, *, supported: bool = True, tx_kib: int = 0, rx_kib: int = 0) -> None:
         self.lib.fakeNvmlSetLink(gpu, link, int(supported), tx_kib, rx_kib)
 
-    def set_pcie(self, gpu: int, *, counters: bool, tx_bytes: int = 0, rx_bytes: int = 0, tx_kbps: int = 0, rx_kbps: int = 0) -> None:
+    def set_pcie(
+        self, gpu: int, *, counters: bool, tx_bytes: int = 0, rx_bytes: int = 0, tx_kbps: int = 0, rx_kbps: int = 0
+    ) -> None:
         self.lib.fakeNvmlSetPcie(gpu, int(counters), tx_bytes, rx_bytes, tx_kbps, rx_kbps)
 
     def add_process(self, gpu: int, pid: int, used_bytes: int, *, graphics: bool = False) -> None:

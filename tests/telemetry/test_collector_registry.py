@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pynvml
@@ -85,9 +86,9 @@ class WithSignal(Counting):
         return Sample()
 
 
-def _wait_until(predicate: object, what: str) -> None:
+def _wait_until(predicate: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + WAIT_S
-    while not predicate():  # type: ignore[operator]
+    while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
 
@@ -206,7 +207,7 @@ def test_memory_signal_prefers_the_higher_priority_source() -> None:
         source.collect_once()
     assert memory_signal(sources) == gpu
     # The GPU collector starts failing (driver gone): its last sample is stale, the host signal rules.
-    nvml.collect = Failing("x").collect  # type: ignore[method-assign]
+    nvml.collect = Failing("x").collect  # type: ignore[method-assign]  # the same collector starts failing
     assert sources[1].collect_once() is None
     assert memory_signal(sources) == host
 

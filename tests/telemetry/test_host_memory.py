@@ -7,9 +7,11 @@ import os
 from pathlib import Path
 
 import pytest
+from telemetry_helpers import Child
 
 from moescope.collectors.host import (
     HostCollector,
+    HostSample,
     MemorySignal,
     TargetGone,
     parse_mountinfo,
@@ -18,17 +20,15 @@ from moescope.collectors.host import (
     read_rss_bytes,
 )
 
-from telemetry_helpers import Child
-
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 MIB = 1 << 20
 KIB = 1 << 10
 HOST_TOTAL = 16777216 * KIB  # MemTotal in the fixtures' meminfo
 
 
-def _collect(tree: str, pid: int, **kwargs: object) -> object:
+def _collect(tree: str, pid: int, *, budget_bytes: int | None = None) -> HostSample:
     root = FIXTURES / tree
-    return HostCollector(pid, proc_root=root / "proc", rootfs=root, **kwargs).collect()  # type: ignore[arg-type]
+    return HostCollector(pid, proc_root=root / "proc", rootfs=root, budget_bytes=budget_bytes).collect()
 
 
 def test_memory_signal_ratio() -> None:

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pynvml
 import pytest
+from telemetry_helpers import NVML_VALUE_NOT_AVAILABLE, Child, FakeNvml
 
 from moescope.collectors import nvml
 from moescope.collectors.nvml import NA, NO_DRIVER_LINE, NvmlCollector, NvmlGateway, is_na, open_nvml
-
-from telemetry_helpers import NVML_VALUE_NOT_AVAILABLE, Child, FakeNvml
 
 REPO = Path(__file__).resolve().parents[2]
 T0_US = 1_700_000_000_000_000
@@ -28,8 +27,8 @@ GIB = 1 << 30
 MIB = 1 << 20
 
 
-def _collector(**kwargs: object) -> NvmlCollector:
-    collector = open_nvml(**kwargs)  # type: ignore[arg-type]
+def _collector(*, target_pid: int | None = None) -> NvmlCollector:
+    collector = open_nvml(target_pid=target_pid)
     assert collector is not None, "the fake NVML should initialise"
     return collector
 
@@ -270,7 +269,9 @@ logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelnam
 lib = ctypes.CDLL("libnvidia-ml.so.1")  # found through LD_LIBRARY_PATH, as pynvml will find it
 lib.fakeNvmlReset(2)
 lib.fakeNvmlSetLinks(0, 3, 3)
-lib.fakeNvmlSetPcie.argtypes = [ctypes.c_uint, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_uint, ctypes.c_uint]
+lib.fakeNvmlSetPcie.argtypes = [
+    ctypes.c_uint, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_uint, ctypes.c_uint
+]
 lib.fakeNvmlSetPcie(0, 1, 0, 0, 800, 400)
 lib.fakeNvmlAddProcess.argtypes = [ctypes.c_uint, ctypes.c_int, ctypes.c_uint, ctypes.c_ulonglong]
 lib.fakeNvmlAddProcess(1, 0, 4242, 1 << 30)

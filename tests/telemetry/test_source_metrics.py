@@ -42,7 +42,7 @@ def test_duration_and_success_per_source_read_back_from_the_exposition() -> None
     }
     assert all(value > 0 for value in durations.values())
     # the next run changes the series: the failing collector recovers
-    bad.collector.collect = Counting("x").collect  # type: ignore[method-assign]
+    bad.collector.collect = Counting("x").collect  # type: ignore[method-assign]  # the same collector recovers
     bad.collect_once()
     publish_source_health(metrics, [ok, bad, idle])
     assert exposed(metrics, SUCCESS_METRIC)["bad"] == 1.0
@@ -69,15 +69,26 @@ def test_merge_health() -> None:
 
 
 class _BrokenHealth:
+    """A source whose health() has a bug; the rest of the Source protocol is never called here."""
+
     name = "broken"
+
+    def poll(self, now_ns: int) -> int:
+        return 0
+
+    def stats(self) -> dict[str, int]:
+        return {}
 
     def health(self) -> SourceHealth:
         raise RuntimeError("bug")
+
+    def close(self) -> None:
+        return None
 
 
 def test_a_source_whose_health_raises_is_left_out() -> None:
     ok = _sampled(Counting("ok"))
     ok.collect_once()
     metrics = Metrics()
-    publish_source_health(metrics, [_BrokenHealth(), ok])  # type: ignore[list-item]
+    publish_source_health(metrics, [_BrokenHealth(), ok])
     assert exposed(metrics, SUCCESS_METRIC) == {"ok": 1.0}

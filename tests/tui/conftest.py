@@ -28,8 +28,9 @@ def load_fixture(name: str) -> Snapshot:
 
 
 def render(renderable: RenderableType, *, width: int, height: int | None = None) -> str:
+    buffer = io.StringIO()
     console = Console(
-        file=io.StringIO(),
+        file=buffer,
         width=width,
         height=height if height is not None else 25,
         force_terminal=False,
@@ -37,9 +38,7 @@ def render(renderable: RenderableType, *, width: int, height: int | None = None)
         legacy_windows=False,
     )
     console.print(renderable)
-    out = console.file.getvalue()  # type: ignore[attr-defined]
-    assert isinstance(out, str)
-    return out
+    return buffer.getvalue()
 
 
 def check_golden(name: str, text: str) -> None:

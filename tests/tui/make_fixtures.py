@@ -11,6 +11,7 @@ import json
 import math
 import random
 from pathlib import Path
+from typing import Literal
 
 from moescope.agent.state import (
     ActionRecord,
@@ -23,6 +24,7 @@ from moescope.agent.state import (
     NvLink,
     Policy,
     Requests,
+    RuleState,
     RuleStatus,
     SelfCost,
     Snapshot,
@@ -84,7 +86,7 @@ def layer(
     )
 
 
-DEFAULT_RULES = [
+DEFAULT_RULES: list[tuple[str, str, float, str, Literal[">", "<"]]] = [
     ("fp16_fallback", "step p99", 430.0, "ms", ">"),
     ("expert_offload", "device mem used", 95.0, "%", ">"),
     ("memory_alert", "device mem used", 92.0, "%", ">"),
@@ -96,7 +98,7 @@ DEFAULT_RULES = [
 ]
 
 
-def rules(states: dict[str, tuple[str, float, float]]) -> list[RuleStatus]:
+def rules(states: dict[str, tuple[RuleState, float, float | None]]) -> list[RuleStatus]:
     out = []
     for name, signal, threshold, unit, cmp in DEFAULT_RULES:
         state, progress, value = states[name]
@@ -105,11 +107,11 @@ def rules(states: dict[str, tuple[str, float, float]]) -> list[RuleStatus]:
                 name=name,
                 state=state,
                 progress=progress,
-                signal=signal,  # type: ignore[arg-type]
+                signal=signal,
                 value=value,
                 threshold=threshold,
                 unit=unit or None,
-                comparison=cmp,  # type: ignore[arg-type]
+                comparison=cmp,
             )
         )
     return out

@@ -89,7 +89,7 @@ def test_other_version_is_refused_with_one_line() -> None:
         (lambda d: d["header"].__setitem__("dry_run", 1), "state.header.dry_run"),
     ],
 )
-def test_bad_shape_names_the_field(mutate, where: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_shape_names_the_field(mutate, where: str) -> None:
     data = _data()
     mutate(data)
     with pytest.raises(errors.SourceUnavailable) as exc:
