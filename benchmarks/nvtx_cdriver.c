@@ -5,6 +5,9 @@
  *
  *   nvtx_cdriver pushpop ITERATIONS   -> {"ns_per_pushpop": ...}
  *   nvtx_cdriver rate EVENTS_PER_S SECONDS -> {"emitted": ..., "seconds": ...}
+ *   nvtx_cdriver extmark ITERATIONS -> marks with a 256 x int32 payload-extension payload (the
+ *       nvtx package's array layout; schema registered through the payload module), per event
+ *       in the same keys as pushpop
  *
  * Prints "ready" after init (the ring exists), waits for a line on stdin, runs, prints JSON. */
 #define _GNU_SOURCE
@@ -55,6 +58,14 @@ static uint64_t cpu_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+typedef uint64_t (*schema_register_fn)(msnvtx_domain_handle, const msnvtx_schema_attr *);
+static intptr_t payload_slots[63]; /* the payload extension module's one segment */
+
+static inline void mark(msnvtx_domain_handle d, const msnvtx_event_attributes *a) {
+    mark_fn f = (mark_fn)__atomic_load_n(&core2_slots[MSNVTX_CORE2_DomainMarkEx], __ATOMIC_RELAXED);
+    if (f) f(d, a);
+}
+
 static inline int push(msnvtx_domain_handle d, const msnvtx_event_attributes *a) {
     push_fn f = (push_fn)__atomic_load_n(&core2_slots[MSNVTX_CORE2_DomainRangePushEx], __ATOMIC_RELAXED);
     return f ? f(d, a) : -1;
@@ -87,6 +98,11 @@ int main(int argc, char **argv) {
             fprintf(stderr, "injection init failed\n");
             return 1;
         }
+        int (*init_ext)(msnvtx_ext_module_info *) =
+            (int (*)(msnvtx_ext_module_info *))dlsym(lib, "InitializeInjectionNvtxExtension");
+        msnvtx_ext_segment seg = {0, 63, payload_slots};
+        msnvtx_ext_module_info info = {3, sizeof info, MSNVTX_EXT_MODULE_PAYLOAD, 0x0104, 1, &seg, NULL, NULL};
+        if (init_ext) init_ext(&info);
     }
     msnvtx_domain_handle domain = NULL;
     msnvtx_event_attributes attr;
@@ -106,7 +122,30 @@ int main(int argc, char **argv) {
     char line[64];
     if (!fgets(line, sizeof line, stdin)) return 1;
 
-    if (strcmp(argv[1], "pushpop") == 0) {
+    if (strcmp(argv[1], "extmark") == 0) {
+        long n = atol(argv[2]);
+        /* the nvtx package's array schema: a static int32 scalar, then (uint64 size, data[size]) */
+        schema_register_fn reg = (schema_register_fn)payload_slots[MSNVTX_PAYLOAD_SLOT_SchemaRegister];
+        const uint64_t must = MSNVTX_SCHEMA_FIELD_TYPE | MSNVTX_SCHEMA_FIELD_ENTRIES | MSNVTX_SCHEMA_FIELD_NUM_ENTRIES;
+        msnvtx_schema_entry scalar = {.type = 15};
+        msnvtx_schema_attr sa = {.field_mask = must, .type = 1, .entries = &scalar, .entry_count = 1};
+        uint64_t scalar_id = reg ? reg(domain, &sa) : 0;
+        msnvtx_schema_entry fields[2] = {{.type = 18}, {.flags = 3 << 4, .type = scalar_id}};
+        msnvtx_schema_attr aa = {.field_mask = must, .type = 2, .entries = fields, .entry_count = 2};
+        static unsigned char bytes[8 + 256 * 4];
+        uint64_t length = 256;
+        memcpy(bytes, &length, 8);
+        msnvtx_payload_data data = {reg ? reg(domain, &aa) : 0, sizeof bytes, bytes};
+        msnvtx_event_attributes ext = attr;
+        ext.payload_type = MSNVTX_PAYLOAD_EXT;
+        ext.reserved0 = 1;
+        ext.payload.u64 = (uint64_t)(uintptr_t)&data;
+        uint64_t c0 = cpu_ns(), t0 = now_ns();
+        for (long i = 0; i < n; i++) mark(domain, &ext);
+        uint64_t t1 = now_ns(), c1 = cpu_ns();
+        printf("{\"ns_per_pushpop\": %.3f, \"cpu_ns_per_pushpop\": %.3f, \"iterations\": %ld}\n",
+               (double)(t1 - t0) / (double)n, (double)(c1 - c0) / (double)n, n);
+    } else if (strcmp(argv[1], "pushpop") == 0) {
         long n = atol(argv[2]);
         uint64_t c0 = cpu_ns(), t0 = now_ns();
         for (long i = 0; i < n; i++) {

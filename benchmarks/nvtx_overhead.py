@@ -57,6 +57,31 @@ print(json.dumps({"ns_per_pushpop": (t1 - t0) / n, "cpu_ns_per_pushpop": (c1 - c
       flush=True)
 """
 
+# One mark per iteration with a 256 x int32 numpy payload (the nvtx package sends it through the
+# payload extension); reported in the same keys as push+pop, per mark.
+PY_EXT_PRODUCER = """\
+import json, sys, time
+import numpy as np
+import nvtx
+n = int(sys.argv[1])
+d = nvtx.get_domain("bench")
+attrs = d.get_event_attributes(message="bench.ext", payload=np.arange(256, dtype=np.int32))
+mark = d.mark
+print("ready", flush=True)
+sys.stdin.readline()
+for _ in range(2000):
+    mark(attrs)
+c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+for _ in range(n):
+    mark(attrs)
+t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+print(json.dumps({"ns_per_pushpop": (t1 - t0) / n, "cpu_ns_per_pushpop": (c1 - c0) / n, "iterations": n}),
+      flush=True)
+"""
+# A blob region that holds a whole EXT run (1048 bytes per event), so "attached" measures the copy
+# path, not the blob-full drop path.
+EXT_BLOB_BYTES = 1 << 27
+
 CONFIGS: tuple[str, ...] = ("none", "idle", "attached")
 # The push+pop loops emit faster than any agent drains (10M+ events/s from C); a ring that holds a
 # whole run makes "attached" measure the producer's write path with zero drops while the agent
@@ -103,7 +128,8 @@ class Drainer:
         return stats
 
 
-def run_producer(cmd: Sequence[str], *, config: str, ring_dir: Path, ring_records: int = 0) -> dict[str, Any]:
+def run_producer(cmd: Sequence[str], *, config: str, ring_dir: Path, ring_records: int = 0,
+                 blob_bytes: int = 0) -> dict[str, Any]:
     env = dict(os.environ)
     env.pop("NVTX_INJECTION64_PATH", None)
     env["MOESCOPE_NVTX_DIR"] = str(ring_dir)
@@ -111,6 +137,8 @@ def run_producer(cmd: Sequence[str], *, config: str, ring_dir: Path, ring_record
         env.update(injection_env())
     if config == "attached" and ring_records:
         env["MOESCOPE_NVTX_RING_RECORDS"] = str(ring_records)
+    if config == "attached" and blob_bytes:
+        env["MOESCOPE_NVTX_BLOB_BYTES"] = str(blob_bytes)
     proc = subprocess.Popen(list(cmd), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             start_new_session=True)
     drainer: Drainer | None = None
@@ -126,7 +154,8 @@ def run_producer(cmd: Sequence[str], *, config: str, ring_dir: Path, ring_record
         proc.wait(timeout=WAIT_S)
         if drainer is not None:
             stats = drainer.finish()
-            result.update({k: stats[k] for k in ("records_received", "dropped_ring_full", "poll_ns")})
+            result.update({k: stats[k] for k in ("records_received", "dropped_ring_full", "poll_ns",
+                                                 "ext_payloads_recorded", "ext_payload_blob_full_dropped")})
         return result
     finally:
         if proc.poll() is None:
@@ -151,7 +180,8 @@ def median(values: list[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
 
-def pushpop_series(name: str, cmd: Sequence[str], *, rounds: int, ring_dir: Path) -> dict[str, Any]:
+def pushpop_series(name: str, cmd: Sequence[str], *, rounds: int, ring_dir: Path,
+                   blob_bytes: int = 0) -> dict[str, Any]:
     samples: dict[str, list[float]] = {c: [] for c in CONFIGS}
     cpu_samples: dict[str, list[float]] = {c: [] for c in CONFIGS}
     drops: list[int] = []
@@ -159,11 +189,12 @@ def pushpop_series(name: str, cmd: Sequence[str], *, rounds: int, ring_dir: Path
     for r in range(rounds):
         order = CONFIGS[r % 3:] + CONFIGS[: r % 3]  # rotate so no config always runs first
         for config in order:
-            result = run_producer(cmd, config=config, ring_dir=ring_dir, ring_records=ATTACHED_RING_RECORDS)
+            result = run_producer(cmd, config=config, ring_dir=ring_dir, ring_records=ATTACHED_RING_RECORDS,
+                                  blob_bytes=blob_bytes)
             samples[config].append(result["ns_per_pushpop"])
             cpu_samples[config].append(result["cpu_ns_per_pushpop"])
             if config == "attached":
-                drops.append(int(result["dropped_ring_full"]))
+                drops.append(int(result["dropped_ring_full"]) + int(result["ext_payload_blob_full_dropped"]))
                 received.append(int(result["records_received"]))
         print(f"  {name} round {r + 1}/{rounds}: " + ", ".join(
             f"{c} {cpu_samples[c][-1]:.1f} ns cpu ({samples[c][-1]:.1f} wall)" for c in CONFIGS), flush=True)
@@ -212,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", default="250000,500000,1000000,2000000,4000000",
                         help="drain-rate ladder, events per second")
     parser.add_argument("--rate-seconds", type=float, default=1.0)
+    parser.add_argument("--ext-iterations", type=int, default=50_000,
+                        help="marks with a 256 x int32 extension payload per run (0: skip)")
     parser.add_argument("--out", default=str(REPO / "bench-results" / "nvtx_overhead.json"))
     args = parser.parse_args(argv)
 
@@ -225,6 +258,14 @@ def main(argv: list[str] | None = None) -> int:
                             rounds=args.rounds, ring_dir=ring_dir)
         print("C (NVTX function-pointer call) push+pop:", flush=True)
         c = pushpop_series("c", [str(exe), "pushpop", str(args.c_iterations)], rounds=args.rounds, ring_dir=ring_dir)
+        py_ext = c_ext = None
+        if args.ext_iterations:
+            print("Python mark with a 256 x int32 numpy payload (payload extension):", flush=True)
+            py_ext = pushpop_series("python-ext", [sys.executable, "-c", PY_EXT_PRODUCER, str(args.ext_iterations)],
+                                    rounds=args.rounds, ring_dir=ring_dir, blob_bytes=EXT_BLOB_BYTES)
+            print("C mark with a 256 x int32 extension payload:", flush=True)
+            c_ext = pushpop_series("c-ext", [str(exe), "extmark", str(2 * args.ext_iterations)],
+                                   rounds=args.rounds, ring_dir=ring_dir, blob_bytes=EXT_BLOB_BYTES)
         print("Drain rate (C producer, paced, default ring):", flush=True)
         drain = drain_ladder(exe, rates=[float(r) for r in args.rates.split(",")], seconds=args.rate_seconds,
                              ring_dir=ring_dir)
@@ -242,13 +283,18 @@ def main(argv: list[str] | None = None) -> int:
         "python_pushpop": py,
         "c_pushpop": c,
         "drain": drain,
+        # per mark (keys say pushpop for the series' shared shape); drops = blob full + ring full
+        "python_ext_mark_256xint32": py_ext,
+        "c_ext_mark_256xint32": c_ext,
         "bars": bars,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print()
-    for name, series in (("python", py), ("c", c)):
+    for name, series in (("python", py), ("c", c), ("py-ext", py_ext), ("c-ext", c_ext)):
+        if series is None:
+            continue
         m = series["median_cpu_ns"]
         w = series["median_wall_ns"]
         print(f"{name:6s} push+pop median CPU: none {m['none']:.1f} ns, idle {m['idle']:.1f} ns "

@@ -5,7 +5,9 @@ creates a shared-memory file `<dir>/moescope-nvtx.<pid>` on its first NVTX call.
 attaches to it, drains the event ring in batches (numpy views over the mapping: no per-event
 Python callback), rebuilds per-thread range trees (push/pop nesting per thread and domain,
 start/end by range id), reads the string region, and hands completed ranges and marks to a sink
-in batches. Every anomaly is counted in stats(). The wire format is docs/nvtx-transport.md;
+in batches. Payload-extension (schema) payloads arrive as bytes in a per-batch blob with the
+registered schemas (NvtxBatch.payload_array decodes the 1-D numeric arrays the `nvtx` package
+sends). Every anomaly is counted in stats(). The wire format is docs/nvtx-transport.md;
 collectors/nvtx_inject/ring_format.h is its C definition and this module mirrors it.
 """
 
@@ -37,13 +39,19 @@ RING_FILE_PREFIX = "moescope-nvtx."
 LIBRARY_NAME = "libmoescope_nvtx.so"
 
 # --- layout mirror of ring_format.h (tests/nvtx/test_layout.py checks it against the C) --------
-MAGIC = 0x31305854564E534D
-VERSION = 1
+MAGIC = 0x32305854564E534D  # "MSNVTX02"
+MAGIC_V1 = 0x31305854564E534D  # "MSNVTX01": a library from before the payload extension
+VERSION = 2
 HEADER_BYTES = 4096
 RECORD_BYTES = 64
 STRING_ENTRY_BYTES = 24
 MAX_STRING_BYTES = 4096
-COUNTERS = 16
+COUNTERS = 32
+BLOB_ENTRY_BYTES = 16
+SCHEMA_HEADER_BYTES = 40
+SCHEMA_FIELD_BYTES = 40
+MAX_SCHEMAS = 4096  # the library records at most this many (MSRING_MAX_SCHEMAS)
+MAX_SCHEMA_FIELDS = 32
 
 OFF_MAGIC = 0
 OFF_VERSION = 8
@@ -65,6 +73,12 @@ OFF_TAIL = 192
 OFF_STRINGS_USED = 256
 OFF_STRINGS_COUNT = 264
 OFF_COUNTERS = 320
+OFF_BLOB_OFFSET = 576
+OFF_BLOB_BYTES = 584
+OFF_PAYLOAD_MAX_BYTES = 592
+OFF_BLOB_HEAD = 640
+OFF_BLOB_TAIL = 704
+MAX_BLOB_BYTES = 1 << 30  # the library's largest blob region (MOESCOPE_NVTX_BLOB_BYTES)
 
 # header.counters[...] names, in ring_format.h's order (enum msring_counter).
 PRODUCER_COUNTERS: tuple[str, ...] = (
@@ -78,6 +92,17 @@ PRODUCER_COUNTERS: tuple[str, ...] = (
     "init_calls",
     "bad_unicode",
     "depth_shared",
+    "ext_payload_oversize_dropped",
+    "ext_payload_blob_full_dropped",
+    "ext_payload_unknown_schema_dropped",
+    "ext_payload_malformed_dropped",
+    "ext_payload_entries_dropped",
+    "schemas_registered",
+    "schemas_dropped",
+    "schemas_malformed_dropped",
+    "ext_payloads_recorded",
+    "ext_init_calls",
+    "ext_unknown_modules",
 )
 
 KIND_PUSH = 1
@@ -95,6 +120,7 @@ PAYLOAD_I32 = 5
 PAYLOAD_FLOAT = 6
 PAYLOAD_EXT = 7
 PAYLOAD_UNKNOWN = 8
+PAYLOAD_EXT_LOST = 9  # an extension payload whose bytes were not recorded (reason: a counter)
 
 MSG_SOURCE_MASK = 3
 MSG_LOST = 4
@@ -105,6 +131,7 @@ STR_STRING = 1
 STR_DOMAIN = 2
 STR_CATEGORY = 3
 STR_THREAD = 4
+STR_SCHEMA = 5
 STRF_TRUNCATED = 1
 STRF_BAD_UNICODE = 2
 
@@ -178,6 +205,9 @@ MAX_STRING_TABLE_BYTES = 16 << 20  # all texts together (16x the library's defau
 # this the oldest are given up as lost and counted (`ranges_open_overflow`).
 MAX_OPEN_RANGES = 1 << 18
 _MAX_LEVEL = (1 << 12) - 1  # nesting deeper than this loses its parent link (packed sort key)
+# Extension-payload bytes of still-open ranges kept between batches; past this the payloads of the
+# newest are given up (the ranges still complete) and counted (`ext_payload_carry_dropped`).
+MAX_CARRY_BLOB_BYTES = 64 << 20
 
 
 # --- where things are ---------------------------------------------------------------------------
@@ -265,6 +295,143 @@ def cleanup_stale_rings(*, directory: Path | None = None) -> int:
     return removed
 
 
+# --- payload-extension schemas ------------------------------------------------------------------
+
+SCHEMA_ID_STATIC_START = 1 << 24  # below: a predefined entry type used directly as the schema id
+SCHEMA_TYPE_STATIC = 1
+SCHEMA_TYPE_DYNAMIC = 2
+ENTRY_FLAG_ARRAY_MASK = 0x70
+ENTRY_FLAG_ARRAY_LENGTH_INDEX = 0x30
+# Predefined entry types that decode to a numpy number (LP64 sizes for the C types 1-10, 22).
+ENTRY_TYPE_DTYPES: dict[int, np.dtype] = {
+    t: np.dtype(code)
+    for t, code in {
+        1: "i1", 2: "u1", 3: "<i2", 4: "<u2", 5: "<i4", 6: "<u4", 7: "<i8", 8: "<u8", 9: "<i8", 10: "<u8",
+        11: "i1", 12: "u1", 13: "<i2", 14: "<u2", 15: "<i4", 16: "<u4", 17: "<i8", 18: "<u8",
+        19: "<f4", 20: "<f8", 22: "<u8", 42: "<f2", 43: "<f4", 44: "<f8",
+    }.items()
+}
+_INTEGER_ENTRY_TYPES = frozenset(t for t, d in ENTRY_TYPE_DTYPES.items() if d.kind in "iu")
+
+
+@dataclass(frozen=True)
+class SchemaField:
+    flags: int
+    type: int  # predefined entry type, or the id of another schema
+    array_detail: int
+    offset: int
+    name: str
+
+
+@dataclass(frozen=True)
+class Schema:
+    schema_id: int
+    type: int  # 1 static, 2 dynamic, 3/4 unions
+    flags: int
+    static_size: int
+    name: str
+    domain_id: int
+    fields: tuple[SchemaField, ...]
+
+
+def _parse_schema(raw: bytes, domain_id: int) -> Schema | None:
+    """A schema string-region entry -> Schema; None if it is malformed."""
+    if len(raw) < SCHEMA_HEADER_BYTES:
+        return None
+    schema_id, flags, static_size, stype, n, name_bytes = struct.unpack_from("<QQQIII", raw, 0)
+    at = SCHEMA_HEADER_BYTES + n * SCHEMA_FIELD_BYTES
+    if not 0 < n <= MAX_SCHEMA_FIELDS or at + name_bytes > len(raw):
+        return None
+    name = raw[at : at + name_bytes].decode("utf-8", errors="replace")
+    at += name_bytes
+    fields = []
+    for i in range(n):
+        fflags, ftype, detail, offset, fname_bytes = struct.unpack_from(
+            "<QQQQI", raw, SCHEMA_HEADER_BYTES + i * SCHEMA_FIELD_BYTES
+        )
+        if at + fname_bytes > len(raw):
+            return None
+        fname = raw[at : at + fname_bytes].decode("utf-8", errors="replace")
+        fields.append(SchemaField(fflags, ftype, detail, offset, fname))
+        at += fname_bytes
+    return Schema(schema_id, stype, flags, static_size, name, domain_id, tuple(fields))
+
+
+@dataclass
+class SchemaTable:
+    """Payload schemas the producer registered (keyed by schema id), and array decoding."""
+
+    schemas: dict[int, Schema] = field(default_factory=dict)
+
+    def get(self, schema_id: int) -> Schema | None:
+        return self.schemas.get(schema_id)
+
+    def __len__(self) -> int:
+        return len(self.schemas)
+
+    def element_dtype(self, entry_type: int) -> np.dtype | None:
+        """dtype of a numeric field type: a predefined type, or a 1-field static scalar schema."""
+        dtype = ENTRY_TYPE_DTYPES.get(entry_type)
+        if dtype is not None or entry_type < SCHEMA_ID_STATIC_START:
+            return dtype
+        inner = self.schemas.get(entry_type)
+        if inner is None or inner.type != SCHEMA_TYPE_STATIC or len(inner.fields) != 1:
+            return None
+        only = inner.fields[0]
+        if only.flags & ENTRY_FLAG_ARRAY_MASK or only.offset != 0 or only.type >= SCHEMA_ID_STATIC_START:
+            return None
+        dtype = ENTRY_TYPE_DTYPES.get(only.type)
+        if dtype is None or (inner.static_size and inner.static_size != dtype.itemsize):
+            return None
+        return dtype
+
+    def decode_array(self, schema_id: int, raw: bytes | memoryview | np.ndarray) -> np.ndarray | None:
+        """Payload bytes -> 1-D numpy array (a copy), for the layouts the `nvtx` package sends: a
+        predefined numeric type as the schema id (elements = size // itemsize), a static scalar
+        schema (one element), or an array schema (`size` integer, then `data` with the
+        length-index flag typed by a numeric scalar). None for anything else, unknown schemas and
+        truncated bytes (the caller counts)."""
+        buf = raw if isinstance(raw, np.ndarray) else np.frombuffer(raw, dtype=np.uint8)
+        nbytes = len(buf)
+        if schema_id < SCHEMA_ID_STATIC_START:
+            dtype = ENTRY_TYPE_DTYPES.get(schema_id)
+            if dtype is None:
+                return None
+            return buf[: nbytes - nbytes % dtype.itemsize].view(dtype).copy()
+        schema = self.schemas.get(schema_id)
+        if schema is None:
+            return None
+        if len(schema.fields) == 1 and schema.type == SCHEMA_TYPE_STATIC:
+            dtype = self.element_dtype(schema_id)
+            if dtype is None or nbytes < dtype.itemsize:
+                return None
+            return buf[: dtype.itemsize].view(dtype).copy()
+        if len(schema.fields) != 2:
+            return None
+        size_field, data_field = schema.fields
+        length_dtype = ENTRY_TYPE_DTYPES.get(size_field.type)
+        if (
+            size_field.type not in _INTEGER_ENTRY_TYPES
+            or length_dtype is None
+            or size_field.flags & ENTRY_FLAG_ARRAY_MASK
+            or size_field.offset != 0
+            or data_field.flags & ENTRY_FLAG_ARRAY_MASK != ENTRY_FLAG_ARRAY_LENGTH_INDEX
+            or data_field.array_detail != 0
+        ):
+            return None
+        dtype = self.element_dtype(data_field.type)
+        if dtype is None or nbytes < length_dtype.itemsize:
+            return None
+        length = int(buf[: length_dtype.itemsize].view(length_dtype)[0])
+        align = dtype.itemsize  # natural alignment of a numeric element
+        start = data_field.offset or -(-length_dtype.itemsize // align) * align
+        if length < 0:  # a signed length below zero means an empty array
+            length = 0
+        if start + length * dtype.itemsize > nbytes:
+            return None  # truncated: fewer bytes than the length claims
+        return buf[start : start + length * dtype.itemsize].view(dtype).copy()
+
+
 # --- string tables ------------------------------------------------------------------------------
 
 
@@ -280,6 +447,7 @@ class StringTable:
     known: np.ndarray = field(default_factory=lambda: np.zeros(1024, dtype=bool))
     entries: int = 0  # texts recorded, all kinds (capped at MAX_STRING_ENTRIES by the collector)
     text_bytes: int = 0  # their UTF-8 bytes as received (capped at MAX_STRING_TABLE_BYTES)
+    schemas: SchemaTable = field(default_factory=SchemaTable)
 
     def add_string(self, string_id: int, text: str) -> None:
         self.strings[string_id] = text
@@ -343,6 +511,54 @@ class NvtxBatch:
     # uids of ranges that began but whose end is lost (dropped pop, thread or process exit): they
     # will never be in `ranges`, though they may be the parent_uid of ranges and marks
     lost_uids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint64))
+    # Extension payloads: a row with payload_type PAYLOAD_EXT has, in `payload`, the offset in
+    # `blob` of a 16-byte entry header (schema id u64, size u32, 0 u32) followed by its bytes.
+    blob: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint8))
+
+    @property
+    def schemas(self) -> SchemaTable:
+        return self.strings.schemas
+
+    def ext_entries(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For rows of `ranges` or `marks` (vectorised): (schema id, offset of the bytes in `blob`,
+        size); schema id 0 and size 0 where a row has no recorded extension payload."""
+        ext = rows["payload_type"] == PAYLOAD_EXT
+        schema_ids = np.zeros(len(rows), dtype=np.uint64)
+        offsets = np.zeros(len(rows), dtype=np.int64)
+        sizes = np.zeros(len(rows), dtype=np.int64)
+        if ext.any():
+            at = rows["payload"][ext].astype(np.int64)
+            schema_ids[ext], sizes[ext] = _entry_headers(self.blob, at)
+            offsets[ext] = at + BLOB_ENTRY_BYTES
+        return schema_ids, offsets, sizes
+
+    def ext_payload(self, row: np.void) -> tuple[int, np.ndarray] | None:
+        """(schema id, bytes as a uint8 view of `blob`) of one row, or None if it has none."""
+        if int(row["payload_type"]) != PAYLOAD_EXT:
+            return None
+        at = int(row["payload"])
+        schema_id, size = struct.unpack_from("<QI", self.blob[at : at + 12].tobytes())
+        start = at + BLOB_ENTRY_BYTES
+        return int(schema_id), self.blob[start : start + size]
+
+    def payload_array(self, row: np.void) -> np.ndarray | None:
+        """One row's extension payload decoded as a 1-D numeric array (see SchemaTable.decode_array);
+        None when the row has none, or it cannot be decoded."""
+        found = self.ext_payload(row)
+        if found is None:
+            return None
+        return self.strings.schemas.decode_array(*found)
+
+    def mark_array(self, index: int) -> np.ndarray | None:
+        """payload_array of marks[index]."""
+        return self.payload_array(self.marks[index])
+
+    def range_array(self, index: int) -> np.ndarray | None:
+        """payload_array of ranges[index]."""
+        return self.payload_array(self.ranges[index])
+
+    def decode_array(self, schema_id: int, raw: bytes | memoryview | np.ndarray) -> np.ndarray | None:
+        return self.strings.schemas.decode_array(schema_id, raw)
 
     def range_names(self) -> np.ndarray:
         return self.strings.names(self.ranges["string_id"])
@@ -352,6 +568,26 @@ class NvtxBatch:
 
 
 NvtxSink = Callable[[NvtxBatch], None]
+
+
+def _entry_headers(blob: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(schema ids, sizes) of the blob entries at offsets (each within blob, checked by caller)."""
+    if len(offsets) == 0:
+        return np.empty(0, dtype=np.uint64), np.empty(0, dtype=np.int64)
+    heads = blob[offsets[:, None] + np.arange(BLOB_ENTRY_BYTES)].view("<u8")
+    return heads[:, 0].copy(), (heads[:, 1] & np.uint64(0xFFFFFFFF)).astype(np.int64)
+
+
+def _gather_segments(blob: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Copies the byte segments blob[offsets[i] : offsets[i] + sizes[i]] back to back; returns the
+    new blob and each segment's new offset. One gather, no Python loop."""
+    if len(offsets) == 0:
+        return np.empty(0, dtype=np.uint8), np.empty(0, dtype=np.int64)
+    new_offsets = np.zeros(len(sizes), dtype=np.int64)
+    np.cumsum(sizes[:-1], out=new_offsets[1:])
+    total = int(new_offsets[-1] + sizes[-1])
+    index = np.repeat(offsets - new_offsets, sizes) + np.arange(total, dtype=np.int64)
+    return blob[index], new_offsets
 
 
 # --- the shared-memory file ---------------------------------------------------------------------
@@ -383,13 +619,29 @@ class NvtxRing:
         self._fd = fd
         magic, version, header_bytes, record_bytes, capacity = struct.unpack_from("<QIIII", self._map, 0)
         ring_offset, strings_offset, strings_bytes, pid = struct.unpack_from("<QQQI", self._map, OFF_RING_OFFSET)
+        if magic == MAGIC_V1:
+            self.close()
+            raise NvtxUnavailable(
+                f"{path}: written by an older moescope injection library (ring format 1, no payload "
+                "extension); restart the process with this agent's library (`agent nvtx-env`)"
+            )
         if magic != MAGIC or version != VERSION or record_bytes != RECORD_BYTES or header_bytes != HEADER_BYTES:
             self.close()
             raise NvtxUnavailable(
                 f"{path}: unsupported ring (magic {magic:#x}, version {version}); "
                 "agent and injection library versions differ"
             )
-        if not 0 < capacity <= MAX_RING_RECORDS or capacity & (capacity - 1) or ring_offset + capacity * RECORD_BYTES > size or strings_offset + strings_bytes > size:
+        blob_offset, blob_bytes, payload_max = struct.unpack_from("<QQQ", self._map, OFF_BLOB_OFFSET)
+        if (
+            not 0 < capacity <= MAX_RING_RECORDS
+            or capacity & (capacity - 1)
+            or ring_offset + capacity * RECORD_BYTES > size
+            or strings_offset + strings_bytes > size
+            or not 0 < blob_bytes <= MAX_BLOB_BYTES
+            or blob_bytes & (blob_bytes - 1)
+            or blob_offset + blob_bytes > size
+            or payload_max > blob_bytes
+        ):
             self.close()
             raise NvtxUnavailable(f"{path}: corrupt ring header")
         self.pid = pid
@@ -397,7 +649,14 @@ class NvtxRing:
         self.mask = capacity - 1
         self.strings_offset = strings_offset
         self.strings_bytes = strings_bytes
+        self.blob_bytes = blob_bytes
+        self.payload_max_bytes = payload_max
         self.records = np.frombuffer(self._map, dtype=RECORD_DTYPE, count=capacity, offset=ring_offset)
+        self._blob = np.frombuffer(self._map, dtype=np.uint8, count=blob_bytes, offset=blob_offset)
+        self._blob_head = ctypes.c_uint64.from_buffer(self._map, OFF_BLOB_HEAD)
+        self._blob_tail = ctypes.c_uint64.from_buffer(self._map, OFF_BLOB_TAIL)
+        # blob bytes below _epoch_blob are free once every record below _epoch_records is read
+        self._epoch: tuple[int, int] | None = None
         self._seq = self.records["seq"]
         # 8-byte aligned scalars: single loads/stores on x86-64 (see docs/nvtx-transport.md)
         self._head = ctypes.c_uint64.from_buffer(self._map, OFF_HEAD)
@@ -440,6 +699,8 @@ class NvtxRing:
         head = self.head
         skipped = head - self.tail
         self._tail.value = head
+        self._epoch = None
+        self.release_blob()  # what the skipped records reserved is freed once they are behind us
         self._consumer_pid.value = os.getpid()
         self._attach_count.value += 1
         self._attached.value = 1
@@ -486,6 +747,50 @@ class NvtxRing:
     def skip(self, n: int) -> None:
         self._tail.value = self.tail + n
 
+    def copy_ext(self, records: np.ndarray) -> tuple[np.ndarray, int]:
+        """Copies the blob bytes the EXT records of a batch (just read, tail not yet released past
+        their bytes) refer to, as one span; rewrites their payload to the entry's offset in that
+        span. Entries outside what producers reserved, or malformed, become PAYLOAD_EXT_LOST.
+        Returns (span, entries found corrupt)."""
+        ptype = records["payload_type"]
+        ext = np.flatnonzero(ptype == PAYLOAD_EXT)
+        if len(ext) == 0:
+            return np.empty(0, dtype=np.uint8), 0
+        tail = int(self._blob_tail.value)
+        head = int(self._blob_head.value)  # after the records: covers every committed entry
+        pos = records["payload"][ext]
+        inside = (pos >= np.uint64(tail)) & (pos + np.uint64(BLOB_ENTRY_BYTES) <= np.uint64(head))
+        if head - tail > self.blob_bytes or not inside.any():
+            inside[:] = False
+            span = np.empty(0, dtype=np.uint8)
+        else:
+            lo = int(pos[inside].min())
+            start, n = lo & (self.blob_bytes - 1), head - lo
+            first = min(n, self.blob_bytes - start)
+            span = np.empty(n, dtype=np.uint8)
+            span[:first] = self._blob[start : start + first]
+            span[first:] = self._blob[: n - first]
+            rel = (pos.astype(np.int64) - lo) * inside
+            _, sizes = _entry_headers(span, rel)
+            inside &= (sizes > 0) & (sizes <= self.payload_max_bytes) & (rel + BLOB_ENTRY_BYTES + sizes <= n)
+            records["payload"][ext[inside]] = rel[inside].astype(np.uint64)
+        bad = ext[~inside]
+        records["payload_type"][bad] = PAYLOAD_EXT_LOST
+        records["payload"][bad] = 0
+        return span, len(bad)
+
+    def release_blob(self) -> None:
+        """Frees blob bytes no unread record can refer to. A producer reserves its record slot
+        before its blob bytes, so every blob reservation below a blob_head read now belongs to a
+        record below the head read just after it: once tail passes that head, they are free."""
+        epoch = self._epoch
+        if epoch is not None and self.tail >= epoch[1]:
+            self._blob_tail.value = max(int(self._blob_tail.value), epoch[0])
+            epoch = None
+        if epoch is None:
+            blob_head = int(self._blob_head.value)
+            self._epoch = (blob_head, self.head)
+
     def read_strings(self) -> list[tuple[int, int, int, int, bytes]]:
         """New string-region entries since the last call: (kind, flags, id, domain_id, text)."""
         used = min(int(self._strings_used.value), self.strings_bytes)
@@ -493,8 +798,14 @@ class NvtxRing:
         offset = self._strings_read
         base = self.strings_offset
         while offset + STRING_ENTRY_BYTES <= used:
-            entry_bytes, kind, flags, sid, domain_id, text_bytes = struct.unpack_from("<IHHIII", self._map, base + offset)
-            if entry_bytes < STRING_ENTRY_BYTES or offset + entry_bytes > used or text_bytes > entry_bytes - STRING_ENTRY_BYTES:
+            entry_bytes, kind, flags, sid, domain_id, text_bytes = struct.unpack_from(
+                "<IHHIII", self._map, base + offset
+            )
+            if (
+                entry_bytes < STRING_ENTRY_BYTES
+                or offset + entry_bytes > used
+                or text_bytes > entry_bytes - STRING_ENTRY_BYTES
+            ):
                 # entries below strings_used are complete (published after the write): corrupt;
                 # stop here, never read past what was published
                 self.strings_corrupt_at = offset
@@ -514,7 +825,8 @@ class NvtxRing:
 
     def close(self) -> None:
         for name in ("_head", "_tail", "_strings_used", "_attached", "_consumer_pid", "_heartbeat",
-                     "_attach_count", "_exited", "_counters", "records", "_seq"):
+                     "_attach_count", "_exited", "_counters", "records", "_seq", "_blob", "_blob_head",
+                     "_blob_tail"):
             if hasattr(self, name):
                 delattr(self, name)
         if hasattr(self, "_map") and not self._map.closed:
@@ -535,6 +847,8 @@ _STAT_NAMES: tuple[str, ...] = (
     "lost_uncommitted", "skipped_at_attach", "detached_by_producer", "attaches",
     "sink_errors", "deep_nesting", "stale_rings_removed", "ranges_lost_end", "parent_unknown",
     "string_entries_dropped", "string_region_corrupt", "ranges_open_overflow",
+    "ext_payloads_lost", "ext_payload_corrupt_dropped", "ext_payload_carry_dropped",
+    "schema_entries_dropped",
 )
 
 
@@ -574,6 +888,8 @@ class NvtxCollector:
         self._open_parent = np.empty(0, dtype=np.uint64)
         self._open_tainted = np.empty(0, dtype=bool)  # a drop hit its thread+domain since its push
         self._open_starts = np.empty(0, dtype=_OPEN_DTYPE)
+        # blob entries of open ranges with extension payloads (their payload is an offset here)
+        self._carry_blob = np.empty(0, dtype=np.uint8)
         self._next_uid = 1
         self._ring: NvtxRing | None = None
         self._finished = False
@@ -610,7 +926,9 @@ class NvtxCollector:
                     "only one tool can be injected: restart it with `env $(agent nvtx-env) CMD`"
                 )
         directory = ring_dir(env or {})
-        seen_through_root = Path(f"/proc/{pid}/root") / directory.relative_to("/") if directory.is_absolute() else directory
+        seen_through_root = (
+            Path(f"/proc/{pid}/root") / directory.relative_to("/") if directory.is_absolute() else directory
+        )
         if not (directory / f"{RING_FILE_PREFIX}{_namespace_pid(pid)}").exists() and seen_through_root.exists():
             try:
                 if not os.path.samefile(seen_through_root, directory):
@@ -708,12 +1026,16 @@ class NvtxCollector:
                     self._handle_stall(ring, now_ns, exited)
                 break
             records = ring.read(ready)
+            span, corrupt = ring.copy_ext(records)
+            ring.release_blob()  # after the copy: producers may reuse what it frees
+            self._stats["ext_payload_corrupt_dropped"] += corrupt
             drained += ready
-            self._process(records)
+            self._process(records, span)
             if ready < self._batch_records:
                 if pending:
                     self._handle_stall(ring, now_ns, exited)
                 break
+        ring.release_blob()
         self._sync_producer_counters()
         if now_ns - self._last_thread_check_ns >= THREAD_CHECK_PERIOD_NS:
             self._last_thread_check_ns = now_ns
@@ -787,7 +1109,7 @@ class NvtxCollector:
                 table.entries >= MAX_STRING_ENTRIES
                 or len(raw) > MAX_STRING_BYTES
                 or table.text_bytes + len(raw) > MAX_STRING_TABLE_BYTES
-                or kind not in (STR_STRING, STR_DOMAIN, STR_CATEGORY, STR_THREAD)
+                or kind not in (STR_STRING, STR_DOMAIN, STR_CATEGORY, STR_THREAD, STR_SCHEMA)
                 or (kind in (STR_STRING, STR_DOMAIN) and not 0 < sid <= MAX_STRING_ID)
             ):
                 # the library never writes these: a corrupt or hostile region; nothing grows
@@ -795,6 +1117,14 @@ class NvtxCollector:
                 continue
             table.entries += 1
             table.text_bytes += len(raw)
+            if kind == STR_SCHEMA:
+                schema = _parse_schema(raw, domain_id)
+                full = len(table.schemas) >= MAX_SCHEMAS
+                if schema is None or (full and schema.schema_id not in table.schemas.schemas):
+                    self._stats["schema_entries_dropped"] += 1
+                else:
+                    table.schemas.schemas[schema.schema_id] = schema  # a later registration of an id wins
+                continue
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError:
@@ -811,14 +1141,24 @@ class NvtxCollector:
             elif kind == STR_THREAD:
                 table.thread_names[sid] = text
 
-    def _process(self, records: np.ndarray) -> None:
+    def _process(self, records: np.ndarray, span: np.ndarray | None = None) -> None:
         self._stats["records_received"] += len(records)
+        ptype_all = records["payload_type"]
+        carry = self._carry_blob
+        blob = span if span is not None else np.empty(0, dtype=np.uint8)
+        if len(carry):
+            # one blob for the batch: the open ranges' entries first, then this batch's
+            ext_rows = ptype_all == PAYLOAD_EXT
+            records["payload"][ext_rows] += np.uint64(len(carry))
+            blob = np.concatenate([carry, blob]) if len(blob) else carry
         self._stats["batches"] += 1
         kind = records["kind"]
         flags = records["flags"]
         self._stats["messages_lost"] += int(np.count_nonzero(flags & MSG_LOST))
         ptype = records["payload_type"]
-        self._stats["ext_payload_records"] += int(np.count_nonzero(ptype == PAYLOAD_EXT))
+        lost_ext = int(np.count_nonzero(ptype == PAYLOAD_EXT_LOST))
+        self._stats["ext_payload_records"] += int(np.count_nonzero(ptype == PAYLOAD_EXT)) + lost_ext
+        self._stats["ext_payloads_lost"] += lost_ext
         self._stats["unknown_payload_records"] += int(np.count_nonzero(ptype == PAYLOAD_UNKNOWN))
         sids = records["string_id"]
         named = sids != 0
@@ -847,16 +1187,41 @@ class NvtxCollector:
                 ranges_se, lost_se = self._pair_start_end(_records_at(records, se))
                 ranges = np.concatenate([ranges, ranges_se]) if len(ranges) else ranges_se
                 lost = np.concatenate([lost, lost_se])
-        self._emit(ranges, marks, lost)
+        self._carry_ext(blob)
+        self._emit(ranges, marks, lost, blob)
 
-    def _emit(self, ranges: np.ndarray, marks: np.ndarray, lost: np.ndarray | None = None) -> None:
+    def _carry_ext(self, blob: np.ndarray) -> None:
+        """Keeps (compacted) the blob entries of ranges still open, for the batch that closes them."""
+        push_at = np.flatnonzero(self._open_pushes["payload_type"] == PAYLOAD_EXT)
+        start_at = np.flatnonzero(self._open_starts["payload_type"] == PAYLOAD_EXT)
+        if len(push_at) == 0 and len(start_at) == 0:
+            self._carry_blob = np.empty(0, dtype=np.uint8)
+            return
+        offsets = np.concatenate([self._open_pushes["payload"][push_at], self._open_starts["payload"][start_at]])
+        offsets = offsets.astype(np.int64)
+        _, sizes = _entry_headers(blob, offsets)
+        segments = sizes + BLOB_ENTRY_BYTES
+        keep = np.cumsum(segments) <= MAX_CARRY_BLOB_BYTES
+        if not keep.all():  # bounded memory: payloads past the cap are given up, the ranges kept
+            self._stats["ext_payload_carry_dropped"] += int(np.count_nonzero(~keep))
+        self._carry_blob, new_offsets = _gather_segments(blob, offsets[keep], segments[keep])
+        moved = np.full(len(offsets), -1, dtype=np.int64)
+        moved[keep] = new_offsets
+        for table, at, part in ((self._open_pushes, push_at, moved[: len(push_at)]),
+                                (self._open_starts, start_at, moved[len(push_at):])):
+            table["payload"][at] = np.where(part >= 0, part, 0).astype(np.uint64)
+            table["payload_type"][at[part < 0]] = PAYLOAD_EXT_LOST
+
+    def _emit(self, ranges: np.ndarray, marks: np.ndarray, lost: np.ndarray | None = None,
+              blob: np.ndarray | None = None) -> None:
         lost = np.empty(0, dtype=np.uint64) if lost is None else lost
         if len(ranges) == 0 and len(marks) == 0 and len(lost) == 0:
             return
         self._stats["ranges_completed"] += len(ranges)
         self._stats["marks"] += len(marks)
         try:
-            self._sink(NvtxBatch(pid=self.pid, ranges=ranges, marks=marks, strings=self.strings, lost_uids=lost))
+            self._sink(NvtxBatch(pid=self.pid, ranges=ranges, marks=marks, strings=self.strings, lost_uids=lost,
+                                 blob=blob if blob is not None else np.empty(0, dtype=np.uint8)))
         except Exception:  # the sink is the pipeline's code: count and log, keep draining
             self._stats["sink_errors"] += 1
             log.exception("nvtx sink failed")
@@ -964,10 +1329,18 @@ class NvtxCollector:
         need = np.flatnonzero((is_push | is_mark) & levels_ok & (carried_parent == 0))
         pushes = np.flatnonzero(is_push & (lv >= 0) & (lv <= _MAX_LEVEL))
         if len(need) and len(pushes):
-            packed = (gi[pushes].astype(np.uint64) << np.uint64(44)) | (lv[pushes].astype(np.uint64) << np.uint64(32)) | pos[pushes].astype(np.uint64)
+            packed = (
+                (gi[pushes].astype(np.uint64) << np.uint64(44))
+                | (lv[pushes].astype(np.uint64) << np.uint64(32))
+                | pos[pushes].astype(np.uint64)
+            )
             push_keys = np.sort(packed)  # pos ascending within (group, level) already; sort by group, level
             push_of_key = pushes[np.argsort(packed)]
-            q = (gi[need].astype(np.uint64) << np.uint64(44)) | ((lv[need] - 1).astype(np.uint64) << np.uint64(32)) | pos[need].astype(np.uint64)
+            q = (
+                (gi[need].astype(np.uint64) << np.uint64(44))
+                | ((lv[need] - 1).astype(np.uint64) << np.uint64(32))
+                | pos[need].astype(np.uint64)
+            )
             h = np.searchsorted(push_keys, q) - 1
             cand = push_of_key[np.maximum(h, 0)]
             ok = (h >= 0) & (gi[cand] == gi[need]) & (lv[cand] == lv[need] - 1)

@@ -5,7 +5,9 @@
  * with no agent attached every event callback is one relaxed load and a return; attached, it is a
  * clock read, a lock-free slot reservation and a 64-byte write. It never blocks on the agent: a full
  * ring drops the event and counts it. Registered strings, domain and category names go once into
- * an append-only string region of the same file, so an agent attaching late still learns them. */
+ * an append-only string region of the same file, so an agent attaching late still learns them.
+ * Payload-extension (schema) payloads: schemas go into the string region when registered; each
+ * event's bytes are copied (bounded) into a lock-free byte ring, the blob region, of the file. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -34,12 +36,22 @@ _Static_assert(sizeof(struct msring_record) == 64, "record must be one cache lin
 _Static_assert(sizeof(struct msring_header) <= MSRING_HEADER_BYTES, "header must fit its page");
 _Static_assert(sizeof(struct msring_string_entry) == 24, "string entry header is 24 bytes");
 _Static_assert(sizeof(msnvtx_event_attributes) == 48, "nvtxEventAttributes_v2 is 48 bytes");
+_Static_assert(sizeof(msnvtx_ext_module_info) == 40, "nvtxExtModuleInfo_t is 40 bytes");
+_Static_assert(sizeof(msnvtx_schema_entry) == 64, "nvtxPayloadSchemaEntry_t is 64 bytes");
+_Static_assert(sizeof(msnvtx_schema_attr) == 80, "nvtxPayloadSchemaAttr_t is 80 bytes");
+_Static_assert(sizeof(msnvtx_payload_data) == 24, "nvtxPayloadData_t is 24 bytes");
+_Static_assert(sizeof(struct msring_blob_entry) == 16, "blob entry header is 16 bytes");
+_Static_assert(sizeof(struct msring_schema) == 40, "schema header is 40 bytes");
+_Static_assert(sizeof(struct msring_schema_field) == 40, "schema field is 40 bytes");
 
 /* ---- process state ------------------------------------------------------------------------- */
 
 static struct msring_header *g_hdr;  /* NULL: no ring (creation failed): events are ignored */
 static struct msring_record *g_ring;
 static char *g_strings;
+static char *g_blob;
+static uint64_t g_blob_mask;
+static uint64_t g_payload_max;
 static size_t g_map_bytes;
 static uint64_t g_mask;
 static char g_path[PATH_MAX];
@@ -54,6 +66,10 @@ static inline _Atomic uint64_t *counter(int which) {
 
 static inline void count(int which) {
     if (g_hdr) atomic_fetch_add_explicit(counter(which), 1, memory_order_relaxed);
+}
+
+static inline void count_n(int which, uint64_t n) {
+    if (g_hdr) atomic_fetch_add_explicit(counter(which), n, memory_order_relaxed);
 }
 
 static inline uint64_t now_ns(void) {
@@ -84,13 +100,21 @@ static int ring_create(pid_t pid) {
     uint64_t string_bytes = env_u64("MOESCOPE_NVTX_STRING_BYTES", MSRING_DEFAULT_STRING_BYTES,
                                     1u << 16, 1u << 28);
     string_bytes = (string_bytes + 7) & ~7ull;
+    uint64_t blob_bytes = env_u64("MOESCOPE_NVTX_BLOB_BYTES", MSRING_DEFAULT_BLOB_BYTES, 1u << 16, 1u << 30);
+    if (blob_bytes & (blob_bytes - 1)) blob_bytes = MSRING_DEFAULT_BLOB_BYTES; /* a power of two */
+    /* one payload may take at most a quarter of the region, so a few always fit */
+    uint64_t payload_max = env_u64("MOESCOPE_NVTX_PAYLOAD_MAX_BYTES", MSRING_DEFAULT_PAYLOAD_MAX_BYTES,
+                                   16, 1u << 28);
+    if (payload_max > blob_bytes / 4) payload_max = blob_bytes / 4;
 
     char path[PATH_MAX], tmp[PATH_MAX];
     if (snprintf(path, sizeof path, "%s/%s%d", dir, MSRING_FILE_PREFIX, (int)pid) >= (int)sizeof path)
         return -ENAMETOOLONG;
     if (snprintf(tmp, sizeof tmp, "%s.tmp", path) >= (int)sizeof tmp) return -ENAMETOOLONG;
 
-    size_t bytes = MSRING_HEADER_BYTES + records * sizeof(struct msring_record) + string_bytes;
+    uint64_t strings_offset = MSRING_HEADER_BYTES + records * sizeof(struct msring_record);
+    uint64_t blob_offset = (strings_offset + string_bytes + 63) & ~63ull;
+    size_t bytes = blob_offset + blob_bytes;
     int fd = open(tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
     if (fd < 0) return -errno;
     int err = 0;
@@ -113,8 +137,11 @@ static int ring_create(pid_t pid) {
     h->record_bytes = sizeof(struct msring_record);
     h->capacity = (uint32_t)records;
     h->ring_offset = MSRING_HEADER_BYTES;
-    h->strings_offset = MSRING_HEADER_BYTES + records * sizeof(struct msring_record);
+    h->strings_offset = strings_offset;
     h->strings_bytes = string_bytes;
+    h->blob_offset = blob_offset;
+    h->blob_bytes = blob_bytes;
+    h->payload_max_bytes = payload_max;
     h->pid = (uint32_t)pid;
     h->created_ns = now_ns();
     atomic_store_explicit((_Atomic uint64_t *)&h->magic, MSRING_MAGIC, memory_order_release);
@@ -127,6 +154,9 @@ static int ring_create(pid_t pid) {
     g_hdr = h;
     g_ring = (struct msring_record *)((char *)map + h->ring_offset);
     g_strings = (char *)map + h->strings_offset;
+    g_blob = (char *)map + blob_offset;
+    g_blob_mask = blob_bytes - 1;
+    g_payload_max = payload_max;
     g_map_bytes = bytes;
     g_mask = records - 1;
     memcpy(g_path, path, sizeof g_path);
@@ -318,6 +348,8 @@ struct event {
     uint32_t color;
     uint16_t payload_type;
     uint32_t flags;
+    const msnvtx_payload_data *ext; /* payload_type EXT: the caller's payload-data entries */
+    int32_t ext_count;              /* ... and how many (the attributes' reserved0) */
 };
 
 #define ATTR_HAS(a, field) \
@@ -342,9 +374,10 @@ static void parse_attributes(const msnvtx_event_attributes *a, uint32_t domain_i
             break;
         }
         case MSNVTX_PAYLOAD_EXT:
-            /* schema payloads point into host memory; recorded as a type only, counted */
+            /* schema payloads: copied once the record has its slot (ext_record) */
             e->payload_type = MSRING_PAYLOAD_EXT;
-            count(MSRING_EXT_PAYLOADS);
+            e->ext = (const msnvtx_payload_data *)(uintptr_t)a->payload.u64;
+            e->ext_count = a->reserved0;
             break;
         default:
             e->payload_type = MSRING_PAYLOAD_UNKNOWN;
@@ -380,6 +413,112 @@ static void parse_attributes(const msnvtx_event_attributes *a, uint32_t domain_i
         count(MSRING_UNKNOWN_MESSAGES);
         break;
     }
+}
+
+/* ---- payload extension: schemas and blob bytes ------------------------------------------- */
+
+/* Ids of the recorded schemas, for the event path's lock-free "is it known" test: open
+ * addressing, written under g_lock (an id is stored, release, only after its schema entry is
+ * published in the string region), read without a lock. 0 marks an empty slot. Schemas are keyed
+ * by id alone: the nvtx package registers with a NULL domain and uses the ids in other domains. */
+#define SCHEMA_TABLE_SLOTS (2u * MSRING_MAX_SCHEMAS)
+static _Atomic uint64_t g_schema_ids[SCHEMA_TABLE_SLOTS];
+static uint32_t g_schemas;                                    /* recorded (under g_lock) */
+static uint64_t g_next_schema_id = MSNVTX_SCHEMA_ID_DYNAMIC_START; /* under g_lock */
+
+static inline uint32_t schema_hash(uint64_t id) {
+    id ^= id >> 33;
+    id *= 0xff51afd7ed558ccdull;
+    id ^= id >> 33;
+    return (uint32_t)id & (SCHEMA_TABLE_SLOTS - 1);
+}
+
+static int schema_known(uint64_t id) {
+    if (id < MSNVTX_SCHEMA_ID_STATIC_START) return 1; /* a predefined entry type: no registration */
+    for (uint32_t i = schema_hash(id), n = 0; n < SCHEMA_TABLE_SLOTS; i = (i + 1) & (SCHEMA_TABLE_SLOTS - 1), n++) {
+        uint64_t v = atomic_load_explicit(&g_schema_ids[i], memory_order_acquire);
+        if (v == id) return 1;
+        if (v == 0) return 0;
+    }
+    return 0;
+}
+
+/* Caller holds g_lock. The table holds at most MSRING_MAX_SCHEMAS ids: never full. */
+static void schema_remember(uint64_t id) {
+    for (uint32_t i = schema_hash(id);; i = (i + 1) & (SCHEMA_TABLE_SLOTS - 1)) {
+        uint64_t v = atomic_load_explicit(&g_schema_ids[i], memory_order_relaxed);
+        if (v == id) return;
+        if (v == 0) {
+            atomic_store_explicit(&g_schema_ids[i], id, memory_order_release);
+            return;
+        }
+    }
+}
+
+/* Copies n bytes to blob position pos (modulo the region size). */
+static void blob_write(uint64_t pos, const void *src, size_t n) {
+    uint64_t at = pos & g_blob_mask;
+    size_t first = (size_t)(g_blob_mask + 1 - at);
+    if (first > n) first = n;
+    memcpy(g_blob + at, src, first);
+    if (n > first) memcpy(g_blob, (const char *)src + first, n - first);
+}
+
+/* An EXT event with a slot: copies the first payload-data entry's bytes into the blob region and
+ * sets the record's payload to their position, or marks the payload lost (payload = its schema id)
+ * and counts why. Lock-free; never waits: a full blob region loses the payload, not the event.
+ * Detectable bad input (NULL data or bytes, size 0, a count <= 0, schema id 0) is counted; a wild
+ * non-NULL pointer from the process itself cannot be detected and is its own bug. */
+__attribute__((noinline)) static void ext_record(const struct event *e, uint64_t *payload,
+                                                 uint16_t *payload_type) {
+    count(MSRING_EXT_PAYLOADS);
+    *payload = 0;
+    *payload_type = MSRING_PAYLOAD_EXT_LOST;
+    const msnvtx_payload_data *d = e->ext;
+    if (e->ext_count <= 0 || !d) {
+        count(MSRING_EXT_MALFORMED_DROPPED);
+        return;
+    }
+    if (e->ext_count > 1) count_n(MSRING_EXT_ENTRIES_DROPPED, (uint64_t)(e->ext_count - 1));
+    uint64_t schema_id = d->schema_id;
+    size_t size = d->size;
+    const void *src = d->payload;
+    *payload = schema_id;
+    if (schema_id == 0 || size == 0 || !src) {
+        count(MSRING_EXT_MALFORMED_DROPPED);
+        return;
+    }
+    if (!schema_known(schema_id)) {
+        count(MSRING_EXT_UNKNOWN_SCHEMA_DROPPED);
+        return;
+    }
+    if (size > g_payload_max) {
+        count(MSRING_EXT_OVERSIZE_DROPPED);
+        return;
+    }
+    struct msring_header *h = g_hdr;
+    _Atomic uint64_t *head_p = (_Atomic uint64_t *)&h->blob_head;
+    _Atomic uint64_t *tail_p = (_Atomic uint64_t *)&h->blob_tail;
+    uint64_t need = (sizeof(struct msring_blob_entry) + size + 7) & ~7ull;
+    uint64_t head = atomic_load_explicit(head_p, memory_order_relaxed);
+    for (;;) {
+        /* acquire: the agent's copy of the bytes we are about to reuse happened before */
+        uint64_t tail = atomic_load_explicit(tail_p, memory_order_acquire);
+        if (head + need - tail > g_blob_mask + 1) {
+            count(MSRING_EXT_BLOB_FULL_DROPPED);
+            return;
+        }
+        /* release: an agent that sees this reservation also sees our earlier slot reservation */
+        if (atomic_compare_exchange_weak_explicit(head_p, &head, head + need, memory_order_acq_rel,
+                                                  memory_order_relaxed))
+            break;
+    }
+    struct msring_blob_entry entry = {schema_id, (uint32_t)size, 0};
+    blob_write(head, &entry, sizeof entry);
+    blob_write(head + sizeof entry, src, size);
+    count(MSRING_EXT_RECORDED);
+    *payload = head;
+    *payload_type = MSRING_PAYLOAD_EXT;
 }
 
 /* On the (rare) drop path: an agent that stopped heartbeating long ago (killed) is detached here,
@@ -419,7 +558,11 @@ static void publish(uint16_t kind, uint32_t domain_id, const struct event *e, ui
     __builtin_prefetch(&g_ring[(head + 8) & g_mask], 1, 3);
     /* stamped after the reservation: a dropped event costs no clock read */
     r->ts_ns = now_ns();
-    r->payload = e ? e->payload : 0;
+    uint64_t payload = e ? e->payload : 0;
+    uint16_t payload_type = e ? e->payload_type : 0;
+    /* the blob is reserved after the slot: the agent's blob release relies on that order */
+    if (UNLIKELY(payload_type == MSRING_PAYLOAD_EXT)) ext_record(e, &payload, &payload_type);
+    r->payload = payload;
     r->range_id = range_id;
     r->tid = tid;
     r->domain_id = domain_id;
@@ -427,7 +570,7 @@ static void publish(uint16_t kind, uint32_t domain_id, const struct event *e, ui
     r->category = e ? e->category : 0;
     r->color = e ? e->color : 0;
     r->kind = kind;
-    r->payload_type = e ? e->payload_type : 0;
+    r->payload_type = payload_type;
     uint32_t flags = e ? e->flags : 0;
     if (gap && *gap) {
         flags |= MSRING_GAP;
@@ -707,6 +850,108 @@ static void cb_initialize(const void *reserved) {
     (void)reserved;
 }
 
+/* ---- payload-extension callbacks ----------------------------------------------------------- */
+
+static size_t name_bytes(const char *name) {
+    return name ? strnlen(name, MSRING_MAX_SCHEMA_NAME_BYTES) : 0;
+}
+
+#define SCHEMA_MAX_DECLARED_FIELDS (1u << 16) /* more than this is not a schema: malformed */
+#define SCHEMA_MAX_STATIC_BYTES (1ull << 30)
+
+/* nvtxPayloadSchemaRegister. Records the schema (what the agent needs to decode payloads) in the
+ * string region once, under g_lock, before its id is returned, so no event can use it unseen.
+ * Always returns an id; one whose schema was malformed or dropped is unknown to events using it. */
+static uint64_t cb_payload_schema_register(msnvtx_domain_handle d, const msnvtx_schema_attr *a) {
+    const uint64_t mandatory = MSNVTX_SCHEMA_FIELD_TYPE | MSNVTX_SCHEMA_FIELD_ENTRIES |
+                               MSNVTX_SCHEMA_FIELD_NUM_ENTRIES;
+    int malformed = !a || (a->field_mask & mandatory) != mandatory || !a->entries ||
+                    a->entry_count == 0 || a->entry_count > SCHEMA_MAX_DECLARED_FIELDS ||
+                    a->type < 1 || a->type > 4 ||
+                    ((a->field_mask & MSNVTX_SCHEMA_FIELD_STATIC_SIZE) && a->static_size > SCHEMA_MAX_STATIC_BYTES);
+    int given_id = !malformed && (a->field_mask & MSNVTX_SCHEMA_FIELD_SCHEMA_ID);
+    if (given_id && (a->schema_id < MSNVTX_SCHEMA_ID_STATIC_START ||
+                     a->schema_id >= MSNVTX_SCHEMA_ID_DYNAMIC_START))
+        malformed = 1; /* an application-chosen id must lie in the static range */
+    pthread_mutex_lock(&g_lock);
+    uint64_t id = given_id && !malformed ? a->schema_id : g_next_schema_id++;
+    if (malformed) {
+        count(MSRING_SCHEMAS_MALFORMED_DROPPED);
+        goto out;
+    }
+    if (!g_hdr || g_schemas >= MSRING_MAX_SCHEMAS || a->entry_count > MSRING_MAX_SCHEMA_FIELDS) {
+        count(MSRING_SCHEMAS_DROPPED);
+        goto out;
+    }
+    /* header + fields + names: at most 40 + 32 * 40 + 33 * 47 bytes, under MSRING_MAX_STRING_BYTES */
+    char buf[sizeof(struct msring_schema) +
+             MSRING_MAX_SCHEMA_FIELDS * (sizeof(struct msring_schema_field) + MSRING_MAX_SCHEMA_NAME_BYTES) +
+             MSRING_MAX_SCHEMA_NAME_BYTES];
+    _Static_assert(sizeof buf <= MSRING_MAX_STRING_BYTES, "a schema entry fits a string entry");
+    uint32_t n = (uint32_t)a->entry_count;
+    const char *name = (a->field_mask & MSNVTX_SCHEMA_FIELD_NAME) ? a->name : NULL;
+    struct msring_schema hdr = {
+        .schema_id = id,
+        .flags = (a->field_mask & MSNVTX_SCHEMA_FIELD_FLAGS) ? a->flags : 0,
+        .static_size = (a->field_mask & MSNVTX_SCHEMA_FIELD_STATIC_SIZE) ? a->static_size : 0,
+        .type = (uint32_t)a->type,
+        .field_count = n,
+        .name_bytes = (uint32_t)name_bytes(name),
+    };
+    size_t at = sizeof hdr + n * sizeof(struct msring_schema_field);
+    if (hdr.name_bytes) memcpy(buf + at, name, hdr.name_bytes);
+    at += hdr.name_bytes;
+    for (uint32_t i = 0; i < n; i++) {
+        const msnvtx_schema_entry *src = &a->entries[i];
+        struct msring_schema_field f = {src->flags, src->type, src->array_or_union_detail, src->offset,
+                                        (uint32_t)name_bytes(src->name), 0};
+        memcpy(buf + sizeof hdr + i * sizeof f, &f, sizeof f);
+        if (f.name_bytes) memcpy(buf + at, src->name, f.name_bytes);
+        at += f.name_bytes;
+    }
+    memcpy(buf, &hdr, sizeof hdr);
+    if (region_append(MSRING_STR_SCHEMA, 0, g_schemas + 1, domain_of(d), buf, (uint32_t)at) < 0) {
+        count(MSRING_SCHEMAS_DROPPED); /* region full (also counted as dropped_string_full) */
+        goto out;
+    }
+    g_schemas++;
+    schema_remember(id); /* after the entry is published: events may use it from now on */
+    count(MSRING_SCHEMAS_REGISTERED);
+out:
+    pthread_mutex_unlock(&g_lock);
+    return id;
+}
+
+/* nvtxPayloadEnumRegister: not recorded (fields of an enum type stay undecoded); counted. The id
+ * returned is never a known schema. */
+static uint64_t cb_payload_enum_register(msnvtx_domain_handle d, const void *attr) {
+    (void)d;
+    (void)attr;
+    count(MSRING_UNSUPPORTED_CALLS);
+    pthread_mutex_lock(&g_lock);
+    uint64_t id = g_next_schema_id++;
+    pthread_mutex_unlock(&g_lock);
+    return id;
+}
+
+static uint64_t cb_scope_register(msnvtx_domain_handle d, const void *attr) {
+    (void)d;
+    (void)attr;
+    count(MSRING_UNSUPPORTED_CALLS);
+    return 0; /* NVTX_SCOPE_NONE */
+}
+
+/* Every domain is enabled: the nvtx package turns a disabled domain into no-op Python stubs. */
+static uint8_t cb_domain_is_enabled(msnvtx_domain_handle d) {
+    (void)d;
+    return 1;
+}
+
+/* Tool-provided timestamps: the clock of the records (CLOCK_MONOTONIC). */
+static int64_t cb_timestamp_get(void) {
+    return (int64_t)now_ns();
+}
+
 /* ---- initialisation ------------------------------------------------------------------------ */
 
 static void atfork_prepare(void) {
@@ -740,6 +985,7 @@ static void atfork_child(void) {
         g_hdr = NULL;
         g_ring = NULL;
         g_strings = NULL;
+        g_blob = NULL;
         free(g_intern);
         g_intern = NULL;
         g_intern_entries = 0;
@@ -822,6 +1068,36 @@ EXPORT int InitializeInjectionNvtx2(msnvtx_get_export_table_fn get_export_table)
     return 1;
 }
 
+/* Called by NVTX once per extension module per instrumented object (the payload module for
+ * schemas and nvtxDomainIsEnabled). Fills the slots it implements, within slot_count; slots it
+ * leaves empty NVTX turns into no-ops. Modules it does not know are counted and left empty. */
+EXPORT int InitializeInjectionNvtxExtension(msnvtx_ext_module_info *info) {
+    pthread_once(&g_once, init_once);
+    if (!g_init_ok || !info) return 0;
+    count(MSRING_EXT_INIT_CALLS);
+    if (info->struct_size < offsetof(msnvtx_ext_module_info, get_export_function) ||
+        info->module_id != MSNVTX_EXT_MODULE_PAYLOAD) {
+        count(MSRING_EXT_UNKNOWN_MODULES);
+        return 1;
+    }
+    if (info->segment_count < 1 || !info->segments) return 1;
+    msnvtx_ext_segment *seg = &info->segments[0];
+    if (!seg->slots) return 1;
+    struct {
+        size_t slot;
+        intptr_t fn;
+    } const fill[] = {
+        {MSNVTX_PAYLOAD_SLOT_SchemaRegister, (intptr_t)cb_payload_schema_register},
+        {MSNVTX_PAYLOAD_SLOT_EnumRegister, (intptr_t)cb_payload_enum_register},
+        {MSNVTX_PAYLOAD_SLOT_DomainIsEnabled, (intptr_t)cb_domain_is_enabled},
+        {MSNVTX_PAYLOAD_SLOT_TimestampGet, (intptr_t)cb_timestamp_get},
+        {MSNVTX_PAYLOAD_SLOT_ScopeRegister, (intptr_t)cb_scope_register},
+    };
+    for (size_t i = 0; i < sizeof fill / sizeof fill[0]; i++)
+        if (fill[i].slot < seg->slot_count) seg->slots[fill[i].slot] = fill[i].fn;
+    return 1;
+}
+
 /* Layout facts for the Python mirror's test: sizes and offsets, in a fixed order. */
 #define OFF(type, field) ((uint64_t)offsetof(struct type, field))
 EXPORT uint32_t moescope_nvtx_layout(uint64_t *out, uint32_t n) {
@@ -846,6 +1122,15 @@ EXPORT uint32_t moescope_nvtx_layout(uint64_t *out, uint32_t n) {
         OFF(msring_string_entry, flags), OFF(msring_string_entry, id),
         OFF(msring_string_entry, domain_id), OFF(msring_string_entry, text_bytes),
         MSRING_MAX_STRING_BYTES,
+        OFF(msring_header, blob_offset), OFF(msring_header, blob_bytes),
+        OFF(msring_header, payload_max_bytes), OFF(msring_header, blob_head),
+        OFF(msring_header, blob_tail), sizeof(struct msring_blob_entry),
+        sizeof(struct msring_schema), sizeof(struct msring_schema_field),
+        OFF(msring_schema, schema_id), OFF(msring_schema, flags), OFF(msring_schema, static_size),
+        OFF(msring_schema, type), OFF(msring_schema, field_count), OFF(msring_schema, name_bytes),
+        OFF(msring_schema_field, flags), OFF(msring_schema_field, type),
+        OFF(msring_schema_field, array_detail), OFF(msring_schema_field, offset),
+        OFF(msring_schema_field, name_bytes), MSRING_MAX_SCHEMAS, MSRING_MAX_SCHEMA_FIELDS,
     };
     uint32_t total = (uint32_t)(sizeof v / sizeof v[0]);
     for (uint32_t i = 0; i < n && i < total; i++) out[i] = v[i];

@@ -136,4 +136,94 @@ typedef struct msnvtx_export_table_version_info {
     void (*set_injection_nvtx_version)(uint32_t version);
 } msnvtx_export_table_version_info;
 
+/* ---- The payload extension (NVTX "extension modules"), declared from NVIDIA's documentation of
+ * nvToolsExtPayload.h and the extension-module mechanism. An instrumented object that uses an
+ * extension calls the tool's exported `InitializeInjectionNvtxExtension(module_info)` once per
+ * module; the module info lists segments of function slots (plain function addresses, not
+ * pointers to slots as in the core ABI) for the tool to fill. Slots left empty become no-ops. */
+
+/* Extension module ids. */
+enum msnvtx_ext_module {
+    MSNVTX_EXT_MODULE_PAYLOAD = 2,
+};
+
+/* Slot indexes in the payload module's (only) segment. */
+enum msnvtx_payload_slot {
+    MSNVTX_PAYLOAD_SLOT_SchemaRegister = 0,
+    MSNVTX_PAYLOAD_SLOT_EnumRegister = 1,
+    MSNVTX_PAYLOAD_SLOT_DomainIsEnabled = 7,
+    MSNVTX_PAYLOAD_SLOT_TimestampGet = 8,
+    MSNVTX_PAYLOAD_SLOT_ScopeRegister = 12,
+};
+
+typedef struct msnvtx_ext_segment {
+    size_t segment_id;
+    size_t slot_count;
+    intptr_t *slots; /* slot_count function addresses */
+} msnvtx_ext_segment;
+
+/* What NVTX hands InitializeInjectionNvtxExtension (40 bytes on LP64; struct_size says so). */
+typedef struct msnvtx_ext_module_info {
+    uint16_t nvtx_version;
+    uint16_t struct_size;
+    uint16_t module_id;
+    uint16_t compat_id; /* the module's version (0x0104 for the pinned nvtx 0.2.17) */
+    size_t segment_count;
+    msnvtx_ext_segment *segments;
+    void *get_export_function;
+    const void *ext_info; /* payload module: size/alignment of the predefined entry types */
+} msnvtx_ext_module_info;
+
+/* nvtxPayloadSchemaAttr_t::fieldMask bits: a field whose bit is clear must not be read. */
+enum msnvtx_schema_field {
+    MSNVTX_SCHEMA_FIELD_NAME = 1 << 1,
+    MSNVTX_SCHEMA_FIELD_TYPE = 1 << 2,
+    MSNVTX_SCHEMA_FIELD_FLAGS = 1 << 3,
+    MSNVTX_SCHEMA_FIELD_ENTRIES = 1 << 4,
+    MSNVTX_SCHEMA_FIELD_NUM_ENTRIES = 1 << 5,
+    MSNVTX_SCHEMA_FIELD_STATIC_SIZE = 1 << 6,
+    MSNVTX_SCHEMA_FIELD_SCHEMA_ID = 1 << 8,
+};
+
+/* Schema ids: below STATIC_START an id is a predefined entry type (decoded as that type, no
+ * registration); [STATIC_START, DYNAMIC_START) are chosen by the application; from DYNAMIC_START
+ * on they are assigned by the tool. */
+#define MSNVTX_SCHEMA_ID_STATIC_START (1ull << 24)
+#define MSNVTX_SCHEMA_ID_DYNAMIC_START (1ull << 32)
+
+/* One field of a schema (nvtxPayloadSchemaEntry_t, 64 bytes). `type` is a predefined entry type
+ * (NVTX_PAYLOAD_ENTRY_TYPE_*: INT8 11 .. UINT64 18, FLOAT 19, DOUBLE 20, FLOAT32 43, FLOAT64 44,
+ * ...) or the id of another registered schema. */
+typedef struct msnvtx_schema_entry {
+    uint64_t flags; /* bits 4-6 array kind: 1 fixed size, 2 zero-terminated, 3 length-index, ... */
+    uint64_t type;
+    const char *name;
+    const char *description;
+    uint64_t array_or_union_detail;
+    uint64_t offset;
+    const void *semantics;
+    const void *reserved;
+} msnvtx_schema_entry;
+
+/* nvtxPayloadSchemaAttr_t (88 bytes). */
+typedef struct msnvtx_schema_attr {
+    uint64_t field_mask;
+    const char *name;
+    uint64_t type; /* 1 static, 2 dynamic, 3 union, 4 union with internal selector */
+    uint64_t flags;
+    const msnvtx_schema_entry *entries;
+    size_t entry_count;
+    size_t static_size;
+    size_t pack_align;
+    uint64_t schema_id;
+    void *extension;
+} msnvtx_schema_attr;
+
+/* nvtxPayloadData_t: with payload_type EXT, payload.u64 points at `reserved0` of these. */
+typedef struct msnvtx_payload_data {
+    uint64_t schema_id;
+    size_t size;
+    const void *payload;
+} msnvtx_payload_data;
+
 #endif /* MOESCOPE_NVTX_ABI_H */

@@ -44,13 +44,20 @@ def string_entry(*, kind: int, sid: int, text: bytes, domain_id: int = 0, flags:
     return (body + text + b"\0").ljust(honest, b"\0")
 
 
+BLOB_BYTES = 4096  # the payload-extension byte region (ring format 2); these files carry no payloads
+PAYLOAD_MAX_BYTES = 1024
+
+
 def header_bytes(*, pid: int, capacity: int, strings_bytes: int) -> bytearray:
-    """A valid header (4096 bytes) for a file of capacity records and a strings_bytes region."""
+    """A valid header (4096 bytes) for a file of capacity records, a strings_bytes region and the
+    blob region after it."""
     header = bytearray(nvtx.HEADER_BYTES)
     ring_offset = nvtx.HEADER_BYTES
     strings_offset = ring_offset + capacity * nvtx.RECORD_BYTES
     struct.pack_into("<QIIII", header, 0, nvtx.MAGIC, nvtx.VERSION, nvtx.HEADER_BYTES, nvtx.RECORD_BYTES, capacity)
     struct.pack_into("<QQQI", header, nvtx.OFF_RING_OFFSET, ring_offset, strings_offset, strings_bytes, pid)
+    blob_offset = strings_offset + strings_bytes
+    struct.pack_into("<QQQ", header, nvtx.OFF_BLOB_OFFSET, blob_offset, BLOB_BYTES, PAYLOAD_MAX_BYTES)
     return header
 
 
@@ -63,7 +70,7 @@ class RingFile:
         self.capacity = capacity
         self.strings_offset = nvtx.HEADER_BYTES + capacity * nvtx.RECORD_BYTES
         self.strings_bytes = strings_bytes
-        size = self.strings_offset + strings_bytes if file_bytes is None else file_bytes
+        size = self.strings_offset + strings_bytes + BLOB_BYTES if file_bytes is None else file_bytes
         head = bytes(
             header_bytes(pid=pid, capacity=capacity, strings_bytes=strings_bytes) if header is None else header
         )

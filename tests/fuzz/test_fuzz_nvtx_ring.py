@@ -156,7 +156,7 @@ MOE_TEXTS = [b"moe", b"moe.step", b"moe.layer", b"moe.router", b"moe.expert.load
 def string_entries(draw: st.DrawFn) -> tuple[bytes, dict[str, int]]:
     """A region of entries, mostly well-formed; returns it and the counts the collector must report."""
     blob = b""
-    expect = {"dropped": 0, "invalid_utf8": 0, "corrupt": 0}
+    expect = {"dropped": 0, "invalid_utf8": 0, "corrupt": 0, "schemas": 0}
     for _ in range(draw(st.integers(0, 12))):
         kind = draw(st.integers(0, 6))
         sid = draw(st.one_of(st.integers(0, 9), st.integers(nvtx.MAX_STRING_ID - 1, nvtx.MAX_STRING_ID + 1), U32))
@@ -170,10 +170,12 @@ def string_entries(draw: st.DrawFn) -> tuple[bytes, dict[str, int]]:
         blob += string_entry(
             kind=kind, sid=sid, text=text, domain_id=draw(st.integers(0, 3)), flags=draw(st.integers(0, 3))
         )
-        bad = (len(text) > nvtx.MAX_STRING_BYTES or kind not in (1, 2, 3, 4)
+        bad = (len(text) > nvtx.MAX_STRING_BYTES or kind not in (1, 2, 3, 4, 5)
                or (kind in (1, 2) and not 0 < sid <= nvtx.MAX_STRING_ID))
         if bad:
             expect["dropped"] += 1
+        elif kind == nvtx.STR_SCHEMA:
+            expect["schemas"] += 1  # a schema entry (ring format 2): kept if it parses, else counted
         else:
             try:
                 text.decode("utf-8")
@@ -249,7 +251,9 @@ def test_wild_records_and_strings_are_counted_never_fatal(
         ptypes = np.array([r.payload_type for r in received], dtype=np.int64)
         flags = np.array([r.flags for r in received], dtype=np.int64)
         assert stats["unknown_kind"] == int(np.count_nonzero((kinds < 1) | (kinds > 5)))
-        assert stats["ext_payload_records"] == int(np.count_nonzero(ptypes == nvtx.PAYLOAD_EXT))
+        # ring format 2: a payload-extension record with its bytes (EXT) or without them (EXT_LOST)
+        ext_types = [nvtx.PAYLOAD_EXT, nvtx.PAYLOAD_EXT_LOST]
+        assert stats["ext_payload_records"] == int(np.count_nonzero(np.isin(ptypes, ext_types)))
         assert stats["unknown_payload_records"] == int(np.count_nonzero(ptypes == nvtx.PAYLOAD_UNKNOWN))
         assert stats["messages_lost"] == int(np.count_nonzero(flags & nvtx.MSG_LOST))
         stacked = int(np.count_nonzero(np.isin(kinds, [nvtx.KIND_PUSH, nvtx.KIND_POP, nvtx.KIND_MARK])))
@@ -263,6 +267,8 @@ def test_wild_records_and_strings_are_counted_never_fatal(
     assert stats["ranges_completed"] == sink.ranges and stats["marks"] == sink.marks
     # the string region: each anomaly counted exactly, nothing kept past the caps
     assert stats["string_entries_dropped"] == expect["dropped"]
+    if not expect["corrupt"]:  # a lying entry stops the reader: what follows it is never seen
+        assert stats["schema_entries_dropped"] + len(table.schemas) == expect["schemas"]
     assert stats["invalid_utf8_strings"] == expect["invalid_utf8"]
     assert stats["string_region_corrupt"] == expect["corrupt"]
     kept = len(table.strings) + len(table.domains) - 1 + len(table.categories) + len(table.thread_names)

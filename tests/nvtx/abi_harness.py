@@ -5,6 +5,9 @@ including malformed input. This is exactly what NVTX's generated code does: a ca
 function pointer the tool wrote into its slot.
 
 stdio protocol: "ready" -> (line) -> runs the calls -> writes --log -> "done" -> (line) -> exit.
+
+`build_c_harness` compiles the C harnesses of this folder (ext_harness.c: the payload extension
+from C, hostile input, 8 threads), which play NVTX's generated code with no Python in between.
 """
 
 from __future__ import annotations
@@ -12,12 +15,29 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import shutil
+import subprocess
 import sys
 import threading
 from ctypes import CFUNCTYPE, POINTER, Structure, c_char_p, c_int, c_size_t, c_uint, c_uint32, c_uint64, c_void_p
+from pathlib import Path
 from typing import Any
 
 from moescope.collectors.nvtx import injection_library_path
+
+HERE = Path(__file__).resolve().parent
+
+
+def build_c_harness(name: str, out_dir: Path) -> Path:
+    """Compiles tests/nvtx/<name>.c (against the library's own ABI header) into out_dir."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc) to build the C NVTX harness")
+    exe = out_dir / name
+    subprocess.run([cc, "-std=c11", "-O1", "-Wall", "-Wextra", "-Werror", "-pthread", "-o", str(exe),
+                    str(HERE / f"{name}.c"), "-ldl"], check=True)
+    return exe
+
 
 GET_MODULE = CFUNCTYPE(c_int, c_int, POINTER(c_void_p), POINTER(c_uint))
 GET_EXPORT_TABLE = CFUNCTYPE(c_void_p, c_uint32)
@@ -155,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     c = EventAttributes(version=3, size=ctypes.sizeof(EventAttributes), payload_type=0x1234, message_type=99)
     mark_ex(domain, ctypes.byref(c))  # unknown payload and message types
     d = EventAttributes(version=3, size=ctypes.sizeof(EventAttributes), payload_type=-0x2042FFF7, message_type=1)
-    d.payload.u64 = 0xDEAD  # an EXT payload: a pointer the tool must never follow
+    d.payload.u64 = 0xDEAD  # an EXT payload with reserved0 = 0 (no entries): never followed
     d.message.ascii = b"ext.mark"
     mark_ex(domain, ctypes.byref(d))
     e = EventAttributes(version=3, size=8, category=9, payload_type=2, message_type=1)

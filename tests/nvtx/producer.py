@@ -201,6 +201,47 @@ def run_hostile(*, count: int) -> dict[str, Any]:
     return {"huge_bytes": len(huge.encode()), "unique": count, "open_thread_tid": thread_open.native_id}
 
 
+EXT_DTYPES: tuple[str, ...] = ("int32", "int64", "float32", "float64")
+EXT_LENGTHS: tuple[int, ...] = (1, 3, 17, 256, 4096)
+
+
+def run_ext(*, threads: int, rounds: int) -> dict[str, Any]:
+    """numpy arrays as payloads (the `nvtx` package sends them through the payload extension): every
+    dtype and length in marks and in nested range pushes, from several threads. The log keeps
+    every payload in emission order per thread, as lists."""
+    import numpy as np
+
+    barrier = threading.Barrier(threads)
+    sent: dict[str, list[dict[str, Any]]] = {}
+    lock = threading.Lock()
+
+    def worker(index: int) -> None:
+        d = _domain("moe")
+        tid = threading.get_native_id()
+        local: list[dict[str, Any]] = []
+        barrier.wait()
+        for r in range(rounds):
+            for k, dtype in enumerate(EXT_DTYPES):
+                for length in EXT_LENGTHS:
+                    base = index * 100_000 + r * 1000 + k * 100
+                    outer = (np.arange(length) + base).astype(dtype)
+                    inner = (np.arange(length) * -0.5 + base).astype(dtype)
+                    d.push_range(message="ext.range", payload=outer)
+                    d.mark(message="ext.mark", payload=inner)
+                    d.pop_range()
+                    local.append({"kind": "range", "dtype": dtype, "values": outer.tolist()})
+                    local.append({"kind": "mark", "dtype": dtype, "values": inner.tolist()})
+        with lock:
+            sent[str(tid)] = local
+
+    workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return {"sent": sent}
+
+
 def run_moe(*, steps: int, layers: int, experts: int) -> dict[str, Any]:
     """The reference runtime's own instrumentation (moe/v1 convention) driven with known values,
     plus deliberate convention violations the parser must count."""
@@ -275,7 +316,10 @@ def run_fork(*, go_file: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mode", choices=("exact", "flood", "nested-flood", "steady", "hostile", "moe", "fork"), required=True)
+    parser.add_argument(
+        "--mode", choices=("exact", "flood", "nested-flood", "steady", "hostile", "moe", "fork", "ext"),
+        required=True,
+    )
     parser.add_argument("--log", required=True)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=50)
@@ -304,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run_nested_flood(threads=args.threads, count=args.count)
         elif args.mode == "fork":
             result = run_fork(go_file=args.log + ".go")
+        elif args.mode == "ext":
+            result = run_ext(threads=args.threads, rounds=args.rounds)
         elif args.mode == "moe":
             result = run_moe(steps=args.rounds, layers=3, experts=6)
         elif args.mode == "flood":

@@ -41,10 +41,16 @@ def test_python_mirror_matches_the_c_layout() -> None:
                                   "category", "color", "kind", "payload_type", "flags", "level")),
         0, 4, 6, 8, 12, 16,  # string entry: entry_bytes, kind, flags, id, domain_id, text_bytes
         nv.MAX_STRING_BYTES,
+        nv.OFF_BLOB_OFFSET, nv.OFF_BLOB_BYTES, nv.OFF_PAYLOAD_MAX_BYTES, nv.OFF_BLOB_HEAD, nv.OFF_BLOB_TAIL,
+        nv.BLOB_ENTRY_BYTES, nv.SCHEMA_HEADER_BYTES, nv.SCHEMA_FIELD_BYTES,
+        0, 8, 16, 24, 28, 32,  # schema: schema_id, flags, static_size, type, field_count, name_bytes
+        0, 8, 16, 24, 32,  # schema field: flags, type, array_detail, offset, name_bytes
+        nv.MAX_SCHEMAS, nv.MAX_SCHEMA_FIELDS,
     ]
     assert c == mirror
     assert nv.RECORD_DTYPE.itemsize == c[4]
-    assert c[3] <= nv.HEADER_BYTES and nv.OFF_COUNTERS + 8 * nv.COUNTERS <= c[3]
+    assert c[3] <= nv.HEADER_BYTES and nv.OFF_COUNTERS + 8 * nv.COUNTERS <= nv.OFF_BLOB_OFFSET
+    assert len(nv.PRODUCER_COUNTERS) <= nv.COUNTERS
 
 
 def test_core_and_core2_callbacks_through_the_abi(tmp_path: Path, ring_dir: Path) -> None:
@@ -106,14 +112,15 @@ def test_core_and_core2_callbacks_through_the_abi(tmp_path: Path, ring_dir: Path
     assert float_mark["payload_type"] == nv.PAYLOAD_FLOAT
     assert nv.payload_as_float(marks["payload"][4:5], marks["payload_type"][4:5])[0] == 0.25
     assert marks["payload_type"][5] == nv.PAYLOAD_UNKNOWN
-    assert marks["payload_type"][6] == nv.PAYLOAD_EXT and marks["payload"][6] == 0  # never followed
+    assert marks["payload_type"][6] == nv.PAYLOAD_EXT_LOST and marks["payload"][6] == 0  # never followed
     assert (marks["category"][7], marks["string_id"][7], marks["payload_type"][7]) == (9, 0, 0)
 
     # push/pop return the nesting level (since the attach), -1 for a pop with nothing open
     assert log["levels"] == [0, 1, 1, 0, -1, 0, -1]
     assert stats["pop_without_push"] == 2
     assert stats["unknown_payloads"] == stats["unknown_payload_records"] == 1
-    assert stats["ext_payloads"] == stats["ext_payload_records"] == 1
+    assert stats["ext_payloads"] == stats["ext_payload_records"] == stats["ext_payloads_lost"] == 1
+    assert stats["ext_payload_malformed_dropped"] == 1
     assert stats["unknown_messages"] == 1 and stats["messages_lost"] == 1
     assert stats["bad_unicode"] == 1
     assert stats["unsupported_calls"] == 1

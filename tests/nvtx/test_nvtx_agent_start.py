@@ -63,7 +63,9 @@ def test_agent_start_captures_every_event_of_a_launched_producer(bpf: None, tmp_
     want = Counter(range_key(r, name="message", kind=r["kind"]) for r in exp_ranges)
     got = Counter(range_key(r, name="name", kind=kinds[r["kind"]]) for r in got_ranges)
     assert got == want
-    want_m = Counter((m["tid"], m["domain"], m["message"], json.dumps(m["payload"]), str(m["category"])) for m in exp_marks)
+    want_m = Counter(
+        (m["tid"], m["domain"], m["message"], json.dumps(m["payload"]), str(m["category"])) for m in exp_marks
+    )
     got_m = Counter((m["tid"], m["domain"], m["name"], json.dumps(m["payload"]), str(m["category"])) for m in got_marks)
     assert got_m == want_m
     assert len({r["tid"] for r in got_ranges}) >= 8

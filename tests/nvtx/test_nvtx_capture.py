@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from nvtx_helpers import Capture, Producer, drain_until_finished
 
 from moescope.collectors.nvtx import (
     KIND_PUSH,
@@ -20,7 +21,6 @@ from moescope.collectors.nvtx import (
     NvtxCollector,
     StringTable,
 )
-from nvtx_helpers import Capture, Producer, drain_until_finished
 
 
 def _payload(value: int, ptype: int) -> int | float | None:
@@ -75,26 +75,46 @@ def captured(capture: Capture, strings: StringTable) -> tuple[list[dict[str, Any
     ranges = []
     for r in all_ranges:
         parent = by_uid.get(int(r["parent_uid"]))
-        ranges.append({
-            "kind": int(r["kind"]), "tid": int(r["tid"]), "domain": _domain(strings, int(r["domain_id"])),
-            "message": strings.name(int(r["string_id"])), "payload": _payload(int(r["payload"]), int(r["payload_type"])),
-            "category": _category(strings, int(r["domain_id"]), int(r["category"])), "depth": int(r["depth"]),
-            "parent": None if parent is None else (strings.name(int(parent["string_id"])),
-                                                   _payload(int(parent["payload"]), int(parent["payload_type"]))),
-            "start_ns": int(r["start_ns"]), "end_ns": int(r["end_ns"]), "range_id": int(r["range_id"]),
-            "parent_uid": int(r["parent_uid"]),
-        })
+        ranges.append(
+            {
+                "kind": int(r["kind"]),
+                "tid": int(r["tid"]),
+                "domain": _domain(strings, int(r["domain_id"])),
+                "message": strings.name(int(r["string_id"])),
+                "payload": _payload(int(r["payload"]), int(r["payload_type"])),
+                "category": _category(strings, int(r["domain_id"]), int(r["category"])),
+                "depth": int(r["depth"]),
+                "parent": None
+                if parent is None
+                else (
+                    strings.name(int(parent["string_id"])),
+                    _payload(int(parent["payload"]), int(parent["payload_type"])),
+                ),
+                "start_ns": int(r["start_ns"]),
+                "end_ns": int(r["end_ns"]),
+                "range_id": int(r["range_id"]),
+                "parent_uid": int(r["parent_uid"]),
+            }
+        )
     marks = []
     for m in capture.marks():
         parent = by_uid.get(int(m["parent_uid"]))
-        marks.append({
-            "tid": int(m["tid"]), "domain": _domain(strings, int(m["domain_id"])),
-            "message": strings.name(int(m["string_id"])), "payload": _payload(int(m["payload"]), int(m["payload_type"])),
-            "category": _category(strings, int(m["domain_id"]), int(m["category"])),
-            "parent": None if parent is None else (strings.name(int(parent["string_id"])),
-                                                   _payload(int(parent["payload"]), int(parent["payload_type"]))),
-            "ts_ns": int(m["ts_ns"]),
-        })
+        marks.append(
+            {
+                "tid": int(m["tid"]),
+                "domain": _domain(strings, int(m["domain_id"])),
+                "message": strings.name(int(m["string_id"])),
+                "payload": _payload(int(m["payload"]), int(m["payload_type"])),
+                "category": _category(strings, int(m["domain_id"]), int(m["category"])),
+                "parent": None
+                if parent is None
+                else (
+                    strings.name(int(parent["string_id"])),
+                    _payload(int(parent["payload"]), int(parent["payload_type"])),
+                ),
+                "ts_ns": int(m["ts_ns"]),
+            }
+        )
     return ranges, marks
 
 

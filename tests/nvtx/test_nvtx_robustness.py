@@ -10,11 +10,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 from nvtx_helpers import WAIT_S, Capture, Producer, drain_until_finished
 
 from moescope.agent.cli import main as agent_main
-from moescope.errors import NoSuchProcess, NvtxUnavailable
 from moescope.collectors.nvtx import (
     MAX_STRING_BYTES,
     PAYLOAD_EXT,
@@ -24,6 +24,7 @@ from moescope.collectors.nvtx import (
     injection_library_path,
     ring_path,
 )
+from moescope.errors import NoSuchProcess, NvtxUnavailable
 
 
 def test_hostile_strings_and_payloads_are_counted_never_fatal(start_producer: Callable[..., Producer]) -> None:
@@ -65,11 +66,17 @@ def test_hostile_strings_and_payloads_are_counted_never_fatal(start_producer: Ca
     bad = strings.name(int(marks["string_id"][1]))
     assert bad is not None and bad.startswith("bad ") and "\ufffd" in bad
     assert stats["invalid_utf8_strings"] == 1
-    # schema (extension) payloads: recorded as such, counted, never dereferenced
-    ext_range = capture.ranges()[0]
+    # schema (extension) payloads: copied into the blob region, decoded, counted
+    ext_batch = next(b for b in capture.batches if len(b.ranges))
+    ext_range = ext_batch.ranges[0]
     assert strings.name(int(ext_range["string_id"])) == "ext"
-    assert ext_range["payload_type"] == PAYLOAD_EXT and ext_range["payload"] == 0
-    assert stats["ext_payload_records"] == stats["ext_payloads"] == 2
+    assert ext_range["payload_type"] == PAYLOAD_EXT
+    decoded = ext_batch.payload_array(ext_range)
+    assert decoded is not None and decoded.dtype == np.int64 and decoded.tolist() == [0, 1, 2, 3]
+    ext_mark = next((b, m) for b in capture.batches for m in b.marks if strings.name(int(m["string_id"])) == "ext.mark")
+    mark_values = ext_mark[0].payload_array(ext_mark[1])
+    assert mark_values is not None and mark_values.tolist() == [1.5, 2.5]
+    assert stats["ext_payload_records"] == stats["ext_payloads"] == stats["ext_payloads_recorded"] == 2
     # 3000 unique strings do not fit a 64 KiB string region: the rest are counted, the events kept
     assert stats["dropped_string_full"] > 0
     assert stats["messages_lost"] == stats["dropped_string_full"]
@@ -189,7 +196,9 @@ def test_forked_child_gets_its_own_ring_with_the_parents_strings(start_producer:
     assert not ring_path(child_pid, directory=producer.ring_dir).exists()  # died without its handler
 
 
-def test_unusable_ring_directory_leaves_the_host_running(start_producer: Callable[..., Producer], tmp_path: Path) -> None:
+def test_unusable_ring_directory_leaves_the_host_running(
+    start_producer: Callable[..., Producer], tmp_path: Path
+) -> None:
     """The library cannot create its file: it says so once and declines the injection (NVTX then
     runs with no tool); the serving process carries on."""
     producer = start_producer("--mode", "flood", "--threads", "2", "--count", "6000",
