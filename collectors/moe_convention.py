@@ -1,4 +1,4 @@
-"""The moe/v1 NVTX convention (docs/nvtx-convention.md) -> typed MoE events.
+"""The moe/v2 and moe/v1 NVTX conventions (docs/nvtx-convention.md) -> typed MoE events.
 
 Input: NvtxBatch from collectors/nvtx.py (completed ranges and marks with parent links). Output:
 one StepEvent per completed `moe.step` range, holding its request keys and its layers; each layer
@@ -21,6 +21,14 @@ stats(), never raised.
 | moe.expert.dropped   | mark inside moe.router  | expert + 1 | int tokens over capacity   |
 | moe.expert.load      | range                   | expert + 1 | int bytes moved            |
 | moe.expert.ffn       | range                   | expert + 1 | int tokens                 |
+| moe.routing (v2)     | mark inside moe.router  | layer + 1  | int vector [2E]: tokens, over capacity |
+| moe.experts (v2)     | range inside moe.layer  | layer + 1  | int assignments computed   |
+| moe.experts.time (v2)| mark inside moe.experts | layer + 1  | float vector [E]: µs per expert |
+| moe.step.device (v2) | mark inside moe.step    | -          | float vector [L]: µs per layer |
+| moe.step.routing (v2)| mark inside moe.step    | -          | int vector [L·2E]: moe.routing of every layer |
+
+v2's routing vector becomes the same RouterEvent a v1 producer's per-expert marks make (the
+experts with a non-zero count), so both conventions give identical numbers downstream.
 """
 
 from __future__ import annotations
@@ -52,8 +60,13 @@ EXPERT_TOKENS = "moe.expert.tokens"
 EXPERT_DROPPED = "moe.expert.dropped"
 EXPERT_LOAD = "moe.expert.load"
 EXPERT_FFN = "moe.expert.ffn"
-RANGE_NAMES = frozenset({STEP, LAYER, ROUTER, EXPERT_LOAD, EXPERT_FFN})
-MARK_NAMES = frozenset({REQUEST, EXPERT_TOKENS, EXPERT_DROPPED})
+ROUTING = "moe.routing"
+EXPERTS = "moe.experts"
+EXPERTS_TIME = "moe.experts.time"
+STEP_DEVICE = "moe.step.device"
+STEP_ROUTING = "moe.step.routing"
+RANGE_NAMES = frozenset({STEP, LAYER, ROUTER, EXPERT_LOAD, EXPERT_FFN, EXPERTS})
+MARK_NAMES = frozenset({REQUEST, EXPERT_TOKENS, EXPERT_DROPPED, ROUTING, EXPERTS_TIME, STEP_DEVICE, STEP_ROUTING})
 
 # Children waiting for a parent that never completes (e.g. the process died mid-step) are bounded.
 MAX_PENDING_PARENTS = 100_000
@@ -64,7 +77,9 @@ _INT_TYPES = frozenset({PAYLOAD_U64, PAYLOAD_I64, PAYLOAD_U32, PAYLOAD_I32})
 _INT_TYPE_LIST = sorted(_INT_TYPES)
 _SIGNED_TYPES = frozenset({PAYLOAD_I64, PAYLOAD_I32})
 # mark names as small codes, for the column-wise mark pass
-_OTHER, _UNKNOWN, _REQUEST, _TOKENS, _DROPPED = 0, 1, 2, 3, 4
+_OTHER, _UNKNOWN, _REQUEST, _TOKENS, _DROPPED, _ROUTING, _EXPERTS_TIME, _STEP_DEVICE, _STEP_ROUTING = range(9)
+_VECTOR_CODES = (_ROUTING, _EXPERTS_TIME, _STEP_DEVICE, _STEP_ROUTING)
+_INT_VECTOR_CODES = (_ROUTING, _STEP_ROUTING)
 _FLOAT_TYPES = frozenset({PAYLOAD_DOUBLE, PAYLOAD_FLOAT})
 _U64_AS_DOUBLE = struct.Struct("<Q"), struct.Struct("<d")  # the payload's 64 bits read as a double
 # Columns read once per batch as Python lists: per-row numpy field access costs ~10x a list index.
@@ -79,6 +94,9 @@ class RouterEvent:
     entropy_bits: float | None
     tokens: dict[int, int] = field(default_factory=dict)  # expert -> tokens routed (before capacity)
     dropped: dict[int, int] = field(default_factory=dict)  # expert -> tokens over capacity
+    # v2: the moe.routing vector as sent ([2E]: tokens, then over capacity); its layer checks the
+    # length against E and turns it into `tokens` / `dropped`
+    vector: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -106,6 +124,20 @@ class ExpertFfnEvent:
 
 
 @dataclass(slots=True)
+class ExpertsEvent:
+    """v2: all experts of a layer (one fused kernel, or the loop over experts)."""
+
+    start_ns: int
+    end_ns: int
+    tokens: int | None  # assignments computed
+    time_us: np.ndarray | None = None  # per expert (moe.experts.time), where the runtime has it
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+@dataclass(slots=True)
 class LayerEvent:
     layer: int
     start_ns: int
@@ -114,6 +146,7 @@ class LayerEvent:
     num_experts: int | None = None  # moe/v1 `moe.layer` payload; None from v0 producers
     loads: list[ExpertLoadEvent] = field(default_factory=list)
     ffns: list[ExpertFfnEvent] = field(default_factory=list)
+    experts: ExpertsEvent | None = None  # v2
 
     @property
     def duration_ns(self) -> int:
@@ -129,6 +162,7 @@ class StepEvent:
     tokens: int | None
     requests: list[int] = field(default_factory=list)  # request keys marked inside the step
     layers: list[LayerEvent] = field(default_factory=list)
+    device_time_us: np.ndarray | None = None  # v2 moe.step.device: per layer, where the runtime has it
 
     @property
     def duration_ns(self) -> int:
@@ -147,7 +181,7 @@ StepSink = Callable[[list[StepEvent]], None]
 _STAT_NAMES = (
     "steps", "layers", "routers", "expert_loads", "expert_ffns", "request_marks", "expert_marks",
     "unknown_names", "malformed_payloads", "malformed_categories", "misplaced", "orphans",
-    "pending_overflow", "sink_errors",
+    "pending_overflow", "sink_errors", "routing_vectors", "experts_ranges", "malformed_vectors",
 )
 
 
@@ -184,9 +218,9 @@ class MoeConventionParser:
             return
         steps: list[StepEvent] = []
         name_of = batch.strings.strings.get  # string id -> text (None: unknown)
-        marks = batch.marks[batch.marks["domain_id"] == domain_id]
-        if len(marks):
-            self._marks(marks, name_of)
+        mark_rows = np.flatnonzero(batch.marks["domain_id"] == domain_id)
+        if len(mark_rows):
+            self._marks(batch, mark_rows, name_of)
         ranges = batch.ranges[batch.ranges["domain_id"] == domain_id]
         if len(ranges):
             # deepest first: within one batch a child is filed before its parent collects it
@@ -260,10 +294,12 @@ class MoeConventionParser:
 
     # -- marks and ranges
 
-    def _marks(self, marks: np.ndarray, name_of: Callable[[int], str | None]) -> None:
-        """Marks, column-wise: a step has a token and a drop mark per expert per layer, so these
-        are most of the convention's events. Expert marks are summed per (parent, kind, expert)
-        and filed as one ("counts", kind, {expert: n}, events) entry per parent and kind."""
+    def _marks(self, batch: NvtxBatch, mark_rows: np.ndarray, name_of: Callable[[int], str | None]) -> None:
+        """Marks, column-wise: a v1 step has a token and a drop mark per expert per layer, so these
+        are most of its events. Expert marks are summed per (parent, kind, expert) and filed as one
+        ("counts", kind, {expert: n}, events) entry per parent and kind; v2 vector marks are filed
+        as ("vector", code, array) — one per layer or step."""
+        marks = batch.marks[mark_rows]
         sids = marks["string_id"]
         uniq, inverse = np.unique(sids, return_inverse=True)
         codes = np.array([_mark_code(name_of(sid)) for sid in uniq.tolist()], dtype=np.int8)[inverse]
@@ -273,11 +309,18 @@ class MoeConventionParser:
         valid_int = np.isin(ptype, _INT_TYPE_LIST)
         ours = (codes == _REQUEST) | (codes == _TOKENS) | (codes == _DROPPED)
         self._stats["malformed_payloads"] += int(np.count_nonzero(ours & ~valid_int))
+        vectors = np.flatnonzero(np.isin(codes, _VECTOR_CODES))
+        if len(vectors):
+            self._vector_marks(batch, mark_rows[vectors], codes[vectors], marks["parent_uid"][vectors])
         requests = np.flatnonzero(codes == _REQUEST)
         if len(requests):
             self._stats["request_marks"] += len(requests)
-            for parent, value, payload_type in zip(marks["parent_uid"][requests].tolist(), marks["payload"][requests].tolist(),
-                                                   ptype[requests].tolist(), strict=True):
+            for parent, value, payload_type in zip(
+                marks["parent_uid"][requests].tolist(),
+                marks["payload"][requests].tolist(),
+                ptype[requests].tolist(),
+                strict=True,
+            ):
                 if payload_type in _INT_TYPES:
                     self._file(parent, ("request", _signed(value, payload_type)))
         expert_rows = (codes == _TOKENS) | (codes == _DROPPED)
@@ -307,9 +350,64 @@ class MoeConventionParser:
             counts: dict[int, int] = {}
             for i in range(start, end):
                 counts[expert[i]] = counts.get(expert[i], 0) + _signed(values[i], types[i])
-            self._file(parent[start], ("counts", "tokens" if kind[start] == _TOKENS else "dropped", counts, end - start),
-                       events=end - start)
+            self._file(
+                parent[start],
+                ("counts", "tokens" if kind[start] == _TOKENS else "dropped", counts, end - start),
+                events=end - start,
+            )
             start = end
+
+    def _vector_marks(self, batch: NvtxBatch, rows: np.ndarray, codes: np.ndarray, parents: np.ndarray) -> None:
+        """v2 vector marks: decoded once each (there are O(layers) of them per step)."""
+        for row, code, parent in zip(rows.tolist(), codes.tolist(), parents.tolist(), strict=True):
+            vector = batch.mark_array(row)
+            want_int = code in _INT_VECTOR_CODES
+            if vector is None or vector.ndim != 1 or (
+                want_int and vector.dtype.kind not in "iu") or (not want_int and vector.dtype.kind not in "fiu"):
+                self._stats["malformed_vectors"] += 1
+                continue
+            if code in _INT_VECTOR_CODES:
+                self._stats["routing_vectors"] += 1
+            self._file(parent, ("vector", code, vector))
+
+    def _routing_from_vector(self, layer: LayerEvent) -> None:
+        """v2: the router's [2E] vector -> the per-expert dicts a v1 producer's marks give."""
+        router = layer.router
+        if router is None or router.vector is None:
+            return
+        vector, router.vector = router.vector, None
+        n = len(vector)
+        experts = layer.num_experts or n // 2
+        if n != 2 * experts or n == 0:
+            self._stats["malformed_vectors"] += 1  # routing left out; the layer's timing still counts
+            return
+        counts = vector.astype(np.int64, copy=False)
+        tokens, dropped = counts[:experts], counts[experts:]
+        nz = np.flatnonzero(tokens)
+        router.tokens = dict(zip(nz.tolist(), tokens[nz].tolist(), strict=True))
+        nz = np.flatnonzero(dropped)
+        router.dropped = dict(zip(nz.tolist(), dropped[nz].tolist(), strict=True))
+
+    def _routing_from_step_vector(self, step: StepEvent, vector: np.ndarray) -> None:
+        """moe.step.routing: one [2E] row per moe.layer of the step, in order, all layers at once
+        (one payload per step instead of one per layer: what a Python producer can afford at scale)."""
+        layers = sorted(step.layers, key=lambda layer: layer.layer)
+        sizes = [2 * (layer.num_experts or 0) for layer in layers]
+        if not layers or 0 in sizes or sum(sizes) != len(vector):
+            self._stats["malformed_vectors"] += 1
+            return
+        counts = vector.astype(np.int64, copy=False)
+        at = 0
+        for layer, size in zip(layers, sizes, strict=True):
+            router = layer.router
+            row, at = counts[at : at + size], at + size
+            if router is None or router.tokens or router.dropped:
+                continue  # a layer with no router has no routing; one with its own keeps it
+            half = size // 2
+            nz = np.flatnonzero(row[:half])
+            router.tokens = dict(zip(nz.tolist(), row[:half][nz].tolist(), strict=True))
+            nz = np.flatnonzero(row[half:])
+            router.dropped = dict(zip(nz.tolist(), row[half:][nz].tolist(), strict=True))
 
     def _range(self, row: Any, name: str | None, pid: int) -> StepEvent | None:
         if name is None or not name.startswith("moe."):
@@ -326,14 +424,21 @@ class MoeConventionParser:
         if name == STEP:
             self._stats["steps"] += 1
             step = StepEvent(pid=pid, tid=row.tid, start_ns=start_ns, end_ns=end_ns, tokens=self._int(row))
+            step_routing: np.ndarray | None = None
             for child in children:
                 if isinstance(child, LayerEvent):
                     step.layers.append(child)
                 elif isinstance(child, tuple) and child[0] == "request":
                     step.requests.append(child[1])
+                elif _is_vector(child, _STEP_DEVICE) and step.device_time_us is None:
+                    step.device_time_us = child[2]
+                elif _is_vector(child, _STEP_ROUTING) and step_routing is None:
+                    step_routing = child[2]
                 else:
                     self._stats["misplaced"] += _events([child])
             step.layers.sort(key=lambda layer: layer.start_ns)
+            if step_routing is not None:
+                self._routing_from_step_vector(step, step_routing)
             return step
         if name == LAYER:
             self._stats["layers"] += 1
@@ -342,7 +447,10 @@ class MoeConventionParser:
                 return None  # a layer that does not say which: counted, left out with its children
             experts = self._int(row) if row.payload_type != PAYLOAD_NONE else None
             layer = LayerEvent(
-                layer=layer_index, start_ns=start_ns, end_ns=end_ns, num_experts=experts if experts and experts > 0 else None
+                layer=layer_index,
+                start_ns=start_ns,
+                end_ns=end_ns,
+                num_experts=experts if experts and experts > 0 else None,
             )
             for child in children:
                 if isinstance(child, RouterEvent) and layer.router is None:
@@ -351,8 +459,18 @@ class MoeConventionParser:
                     layer.loads.append(child)
                 elif isinstance(child, ExpertFfnEvent):
                     layer.ffns.append(child)
+                elif isinstance(child, tuple) and child[0] == "experts" and layer.experts is None:
+                    layer.experts = child[1]
+                    layer.loads.extend(child[2])
+                    layer.ffns.extend(child[3])
                 else:
                     self._stats["misplaced"] += _events([child])
+            self._routing_from_vector(layer)
+            fused_layer = layer.experts
+            if (fused_layer is not None and fused_layer.time_us is not None and layer.num_experts is not None
+                    and len(fused_layer.time_us) != layer.num_experts):
+                self._stats["malformed_vectors"] += 1
+                fused_layer.time_us = None
             layer.loads.sort(key=lambda e: e.start_ns)
             layer.ffns.sort(key=lambda e: e.start_ns)
             self._file(parent, layer)
@@ -365,7 +483,9 @@ class MoeConventionParser:
             router = RouterEvent(layer=router_layer, start_ns=start_ns, end_ns=end_ns,
                                  entropy_bits=self._float(row))
             for child in children:
-                if isinstance(child, tuple) and child[0] == "counts":
+                if _is_vector(child, _ROUTING) and router.vector is None:
+                    router.vector = child[2]
+                elif isinstance(child, tuple) and child[0] == "counts":
                     into = router.tokens if child[1] == "tokens" else router.dropped
                     if into:
                         for expert_id, n in child[2].items():
@@ -374,7 +494,30 @@ class MoeConventionParser:
                         into.update(child[2])
                 else:
                     self._stats["misplaced"] += _events([child])
+            if router.vector is not None and (router.tokens or router.dropped):
+                # both conventions in one router: the vector wins, the marks are counted as misplaced
+                self._stats["misplaced"] += sum(c[3] for c in children if isinstance(c, tuple) and c[0] == "counts")
+                router.tokens, router.dropped = {}, {}
             self._file(parent, router)
+            return None
+        if name == EXPERTS:
+            self._stats["experts_ranges"] += 1
+            if self._index(row) is None:
+                self._stats["misplaced"] += child_events
+                return None
+            fused = ExpertsEvent(start_ns=start_ns, end_ns=end_ns, tokens=self._int(row))
+            loads: list[ExpertLoadEvent] = []
+            ffns: list[ExpertFfnEvent] = []
+            for child in children:
+                if isinstance(child, ExpertLoadEvent):
+                    loads.append(child)
+                elif isinstance(child, ExpertFfnEvent):
+                    ffns.append(child)
+                elif _is_vector(child, _EXPERTS_TIME) and fused.time_us is None:
+                    fused.time_us = child[2]
+                else:
+                    self._stats["misplaced"] += _events([child])
+            self._file(parent, ("experts", fused, loads, ffns), events=1 + len(loads) + len(ffns))
             return None
         expert = self._index(row)
         self._stats["misplaced"] += child_events
@@ -382,14 +525,23 @@ class MoeConventionParser:
             return None
         if name == EXPERT_LOAD:
             self._stats["expert_loads"] += 1
-            self._file(parent, ExpertLoadEvent(expert=expert, start_ns=start_ns, end_ns=end_ns, bytes_moved=self._int(row)))
+            self._file(
+                parent, ExpertLoadEvent(expert=expert, start_ns=start_ns, end_ns=end_ns, bytes_moved=self._int(row))
+            )
         else:
             self._stats["expert_ffns"] += 1
             self._file(parent, ExpertFfnEvent(expert=expert, start_ns=start_ns, end_ns=end_ns, tokens=self._int(row)))
         return None
 
 
-_MARK_CODES = {REQUEST: _REQUEST, EXPERT_TOKENS: _TOKENS, EXPERT_DROPPED: _DROPPED}
+_MARK_CODES = {
+    REQUEST: _REQUEST, EXPERT_TOKENS: _TOKENS, EXPERT_DROPPED: _DROPPED,
+    ROUTING: _ROUTING, EXPERTS_TIME: _EXPERTS_TIME, STEP_DEVICE: _STEP_DEVICE, STEP_ROUTING: _STEP_ROUTING,
+}
+
+
+def _is_vector(child: Any, code: int) -> bool:
+    return isinstance(child, tuple) and child[0] == "vector" and child[1] == code
 
 
 def _mark_code(name: str | None) -> int:
@@ -407,4 +559,12 @@ def _signed(value: int, payload_type: int) -> int:
 
 def _events(children: list[Any]) -> int:
     """How many events a list of pending children stands for (a grouped count entry carries its own)."""
-    return sum(c[3] if isinstance(c, tuple) and c[0] == "counts" else 1 for c in children)
+    total = 0
+    for c in children:
+        if isinstance(c, tuple) and c[0] == "counts":
+            total += c[3]
+        elif isinstance(c, tuple) and c[0] == "experts":
+            total += 1 + len(c[2]) + len(c[3])
+        else:
+            total += 1
+    return total

@@ -14,9 +14,10 @@ the buffer bound is dropped and counted by the join.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
+import numpy as np
 from opentelemetry.trace import SpanContext, SpanKind
+from opentelemetry.util.types import AttributeValue
 
 from moescope.agent.export.spans import SpanEvent, SpanFactory, SpanLink
 from moescope.agent.join import (
@@ -40,7 +41,7 @@ TOP_EXPERTS_ON_SPANS = 16
 SPAN_DETAILS = ("layer", "expert")
 DEFAULT_SPAN_DETAIL = "layer"
 
-Attributes = dict[str, Any]
+Attributes = dict[str, AttributeValue]
 
 
 class TraceOutput:
@@ -262,13 +263,31 @@ class TraceOutput:
                 },
             )
             n += 1
+        if layer.experts is not None:
+            spans.record(
+                "moe.experts",
+                start_ns=layer.experts.start_ns + off,
+                end_ns=layer.experts.end_ns + off,
+                parent=ctx,
+                attributes={
+                    "moe.layer": layer.layer,
+                    "moe.experts.tokens": layer.experts.tokens,
+                    "moe.precision": self._layer_precision.get(layer.layer),
+                    **self._experts_time_attributes(layer),
+                },
+            )
+            n += 1
         for load in layer.loads:
             spans.record(
                 "moe.expert.load",
                 start_ns=load.start_ns + off,
                 end_ns=load.end_ns + off,
                 parent=ctx,
-                attributes={"moe.layer": layer.layer, "moe.expert": load.expert, "moe.expert.load.bytes": load.bytes_moved},
+                attributes={
+                    "moe.layer": layer.layer,
+                    "moe.expert": load.expert,
+                    "moe.expert.load.bytes": load.bytes_moved,
+                },
             )
             n += 1
         for ffn in layer.ffns:
@@ -288,6 +307,20 @@ class TraceOutput:
         spans.end(span, end_ns=layer.end_ns + off)
         return n
 
+    @staticmethod
+    def _experts_time_attributes(layer: LayerEvent) -> Attributes:
+        """moe.experts.time (v2): each expert's compute µs, as an array up to MAX_ARRAY_EXPERTS
+        experts, else the slowest 16 as id/µs lists (as the token arrays)."""
+        experts = layer.experts
+        if experts is None or experts.time_us is None:
+            return {}
+        time_us = experts.time_us
+        if len(time_us) <= MAX_ARRAY_EXPERTS:
+            return {"moe.layer.experts.time_us": [float(x) for x in time_us]}
+        top = np.argsort(-time_us, kind="stable")[:TOP_EXPERTS_ON_SPANS]
+        return {"moe.layer.experts.slowest_ids": [int(i) for i in top],
+                "moe.layer.experts.slowest_time_us": [float(time_us[i]) for i in top]}
+
     def _folded_layer_attributes(self, layer: LayerEvent) -> Attributes:
         """--span-detail layer: what the router, expert-load and FFN child spans would carry, as
         attributes of the layer span (one span per layer instead of 2 + experts run + loads)."""
@@ -298,6 +331,10 @@ class TraceOutput:
             attrs["moe.layer.ffn.experts"] = [f.expert for f in layer.ffns]
             attrs["moe.layer.ffn.tokens"] = [f.tokens for f in layer.ffns]
             attrs["moe.layer.ffn.duration_ms"] = [(f.end_ns - f.start_ns) / 1e6 for f in layer.ffns]
+        if layer.experts is not None:  # moe/v2: all experts of the layer in one range
+            attrs["moe.layer.experts.duration_ms"] = layer.experts.duration_ns / 1e6
+            attrs["moe.layer.experts.tokens"] = layer.experts.tokens
+            attrs.update(self._experts_time_attributes(layer))
         if layer.loads:
             attrs["moe.layer.load.experts"] = [load.expert for load in layer.loads]
             attrs["moe.layer.load.bytes"] = [load.bytes_moved for load in layer.loads]

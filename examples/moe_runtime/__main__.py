@@ -21,6 +21,7 @@ import torch
 from moescope.errors import MoescopeError, UsageError
 from moescope.examples.moe_runtime.config import OVERFLOW_POLICIES, PRECISIONS, ModelConfig
 from moescope.examples.moe_runtime.control import ControlServer, default_socket_path
+from moescope.examples.moe_runtime.instrument import CONVENTIONS, DEFAULT_CONVENTION, ROUTING_PLACES
 from moescope.examples.moe_runtime.runtime import Runtime, RuntimeOptions
 from moescope.examples.moe_runtime.server import MoeHTTPServer
 
@@ -44,6 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="octal file mode of the control socket (default 0600; the peer uid check "
                           "applies whatever the mode)")
     net.add_argument("--no-nvtx", action="store_true", help="disable NVTX instrumentation entirely")
+    net.add_argument("--nvtx-convention", choices=CONVENTIONS, default=DEFAULT_CONVENTION,
+                     help="moe/v2: one routing vector and one fused-experts range per layer (default); "
+                          "v1: one mark per expert with tokens and one range per expert run")
+    net.add_argument("--nvtx-routing", choices=ROUTING_PLACES, default="layer",
+                     help="v2: one routing vector per layer inside its router (default), or one per step "
+                          "(moe.step.routing: cheapest for a Python producer at many layers)")
+    net.add_argument("--nvtx-expert-ranges", action=argparse.BooleanOptionalAction, default=None,
+                     help="also emit a moe.expert.ffn range per expert run (default: with v1 only)")
     net.add_argument("--sync-ranges", action="store_true",
                      help="CUDA with an NVTX tool attached: synchronise the device before closing each "
                           "moe.expert.ffn and moe.step range, so they measure GPU time (costs throughput)")
@@ -111,6 +120,8 @@ def options_from_args(args: argparse.Namespace) -> RuntimeOptions:
         initial_resident_experts=args.initial_resident_experts, device_memory_budget_bytes=budget,
         cache_on_load=args.cache_on_load, max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
         max_waiting=args.max_waiting, max_tokens_limit=args.max_tokens_limit, nvtx=not args.no_nvtx,
+        nvtx_convention=args.nvtx_convention, nvtx_expert_ranges=args.nvtx_expert_ranges,
+        nvtx_routing=args.nvtx_routing,
         sync_ranges=args.sync_ranges,
         torch_threads=args.threads,
     )
@@ -150,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     control.start()
     serve = threading.Thread(target=http.serve_forever, kwargs={"poll_interval": 0.2}, name="moe-http", daemon=True)
     serve.start()
-    nvtx_state = "disabled" if args.no_nvtx else ("active" if runtime.ins.active else "inactive (no NVTX tool attached)")
+    nvtx_state = (
+        "disabled" if args.no_nvtx else ("active" if runtime.ins.active else "inactive (no NVTX tool attached)")
+    )
     print(f"http port: {http.server_address[1]}", flush=True)
     print(f"control socket: {path}", flush=True)
     print(f"nvtx: {nvtx_state}", flush=True)

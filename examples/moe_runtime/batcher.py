@@ -136,7 +136,7 @@ class BatchEngine:
             if self.model.sync_ranges:
                 self.model.synchronize()
         finally:
-            ins.pop()
+            ins.step_pop()
         next_ids = torch.argmax(logits, dim=-1).tolist()  # greedy: deterministic outputs
         self.stats.record_step(requests=len(batch), prefill_tokens=prefill, decode_tokens=len(batch))
         finished = []

@@ -1,4 +1,9 @@
-"""NVTX instrumentation of the MoE forward pass, convention moe/v1 (docs/nvtx-convention.md).
+"""NVTX instrumentation of the MoE forward pass, convention moe/v2 or moe/v1 (docs/nvtx-convention.md).
+
+v2 (the default) emits O(layers) events per step: per layer one `moe.routing` mark whose payload
+is the layer's routing vector (tokens routed per expert, then tokens over capacity per expert) and
+one `moe.experts` range around the expert loop, with the experts' compute times as one vector.
+v1 emits one mark per expert with tokens and one `moe.expert.ffn` range per expert run.
 
 Only the model thread emits. Messages come from the fixed set MESSAGES, registered once at start
 (registered strings are cached by the producer: a unique string per event would leak). With no
@@ -9,10 +14,12 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import numpy as np
 import nvtx
 from nvtx._lib.lib import DummyDomain
 
-CONVENTION_VERSION = "v1"
+CONVENTIONS = ("v2", "v1")
+DEFAULT_CONVENTION = "v2"
 DOMAIN_NAME = "moe"
 
 MSG_STEP = "moe.step"
@@ -23,8 +30,16 @@ MSG_EXPERT_TOKENS = "moe.expert.tokens"
 MSG_EXPERT_DROPPED = "moe.expert.dropped"
 MSG_EXPERT_LOAD = "moe.expert.load"
 MSG_EXPERT_FFN = "moe.expert.ffn"
+MSG_ROUTING = "moe.routing"
+MSG_EXPERTS = "moe.experts"
+MSG_EXPERTS_TIME = "moe.experts.time"
+MSG_STEP_DEVICE = "moe.step.device"
+MSG_STEP_ROUTING = "moe.step.routing"
+ROUTING_PLACES = ("layer", "step")  # v2: a routing vector per layer, or one for the whole step
+# In the order of the convention's table (tests/runtime/test_docs.py checks).
 MESSAGES: tuple[str, ...] = (
-    MSG_STEP, MSG_REQUEST, MSG_LAYER, MSG_ROUTER,
+    MSG_STEP, MSG_REQUEST, MSG_LAYER, MSG_ROUTER, MSG_ROUTING, MSG_EXPERTS, MSG_EXPERTS_TIME, MSG_STEP_DEVICE,
+    MSG_STEP_ROUTING,
     MSG_EXPERT_TOKENS, MSG_EXPERT_DROPPED, MSG_EXPERT_LOAD, MSG_EXPERT_FFN,
 )
 
@@ -44,6 +59,10 @@ class Instrumentation:
     """No-op instrumentation: used when disabled or when no NVTX tool is attached."""
 
     active = False
+    convention = DEFAULT_CONVENTION
+    # What the model loop should do for this convention (the no-op one asks for nothing).
+    expert_ranges = False  # one moe.expert.ffn range per expert run (v1)
+    expert_times = False  # time each expert's compute for moe.experts.time (v2)
 
     def step_push(self, tokens: int) -> None:
         pass
@@ -63,6 +82,18 @@ class Instrumentation:
     def expert_dropped_mark(self, expert: int, tokens: int) -> None:
         pass
 
+    def routing(self, layer: int, demand: np.ndarray, dropped: np.ndarray) -> None:
+        """The router's decision for the layer, inside its moe.router range."""
+
+    def experts_push(self, layer: int, assignments: int) -> None:
+        pass
+
+    def experts_time_mark(self, layer: int, time_us: np.ndarray) -> None:
+        pass
+
+    def experts_pop(self) -> None:
+        pass
+
     def load_push(self, expert: int, bytes_moved: int) -> None:
         pass
 
@@ -72,14 +103,30 @@ class Instrumentation:
     def pop(self) -> None:
         """Ends the innermost open range (NVTX ranges nest per thread)."""
 
+    def step_pop(self) -> None:
+        """Ends the moe.step range (v2 per-step routing: after sending the step's routing vector)."""
+
 
 class NvtxInstrumentation(Instrumentation):
-    """Emits the moe/v1 ranges and marks through an NVTX domain. Not thread-safe: the attribute
-    objects are reused, so only the model thread may call it."""
+    """Emits the moe/v2 (or v1) ranges and marks through an NVTX domain. Not thread-safe: the
+    attribute objects are reused, so only the model thread may call it."""
 
     active = True
 
-    def __init__(self, *, domain: NvtxDomainLike) -> None:
+    def __init__(self, *, domain: NvtxDomainLike, convention: str = DEFAULT_CONVENTION,
+                 expert_ranges: bool | None = None, routing_place: str = "layer") -> None:
+        if convention not in CONVENTIONS:
+            raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
+        if routing_place not in ROUTING_PLACES:
+            raise ValueError(f"routing_place must be one of {ROUTING_PLACES}, got {routing_place!r}")
+        # per step: the layers' vectors are kept and sent as one payload when the step ends (one
+        # payload per step costs a Python producer ~8 µs instead of ~8 µs per layer)
+        self._step_rows: list[np.ndarray] | None = [] if convention == "v2" and routing_place == "step" else None
+        self.convention = convention
+        self.v2 = convention == "v2"
+        # v1 needs the per-expert ranges; v2 may keep them (a looping runtime has them to give)
+        self.expert_ranges = (not self.v2) if expert_ranges is None else expert_ranges
+        self.expert_times = self.v2
         self._domain = domain
         # Pre-register the fixed message set and build one reusable attributes object per message.
         self._attrs = {m: domain.get_event_attributes(message=m) for m in MESSAGES}
@@ -124,6 +171,42 @@ class NvtxInstrumentation(Instrumentation):
         a.payload = int(tokens)
         self._mark(a)
 
+    def routing(self, layer: int, demand: np.ndarray, dropped: np.ndarray) -> None:
+        if not self.v2:
+            for expert in np.flatnonzero(demand).tolist():
+                self.expert_tokens_mark(expert, int(demand[expert]))
+            for expert in np.flatnonzero(dropped).tolist():
+                self.expert_dropped_mark(expert, int(dropped[expert]))
+            return
+        if self._step_rows is not None:
+            self._step_rows.append(np.concatenate((demand, dropped)))
+            return
+        a = self._attrs[MSG_ROUTING]
+        a.category = layer + 1
+        # one int32 vector: tokens routed to each of the E experts, then tokens over capacity
+        a.payload = np.concatenate((demand, dropped)).astype(np.int32, copy=False)
+        self._mark(a)
+
+    def experts_push(self, layer: int, assignments: int) -> None:
+        if not self.v2:
+            return
+        a = self._attrs[MSG_EXPERTS]
+        a.category = layer + 1
+        a.payload = int(assignments)
+        self._push(a)
+
+    def experts_time_mark(self, layer: int, time_us: np.ndarray) -> None:
+        if not self.v2:
+            return
+        a = self._attrs[MSG_EXPERTS_TIME]
+        a.category = layer + 1
+        a.payload = time_us.astype(np.float32, copy=False)
+        self._mark(a)
+
+    def experts_pop(self) -> None:
+        if self.v2:
+            self._pop()
+
     def load_push(self, expert: int, bytes_moved: int) -> None:
         a = self._attrs[MSG_EXPERT_LOAD]
         a.category = expert + 1
@@ -139,13 +222,27 @@ class NvtxInstrumentation(Instrumentation):
     def pop(self) -> None:
         self._pop()
 
+    def step_pop(self) -> None:
+        rows = self._step_rows
+        if rows:
+            a = self._attrs[MSG_STEP_ROUTING]
+            a.payload = np.concatenate(rows).astype(np.int32, copy=False)
+            self._mark(a)
+            rows.clear()
+        self._pop()
 
-def make_instrumentation(*, enabled: bool, domain: NvtxDomainLike | None = None) -> Instrumentation:
+
+def make_instrumentation(*, enabled: bool, domain: NvtxDomainLike | None = None,
+                         convention: str = DEFAULT_CONVENTION, expert_ranges: bool | None = None,
+                         routing_place: str = "layer") -> Instrumentation:
     """The real `moe` domain unless one is given; the no-op one when disabled or no tool is attached."""
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
     if not enabled:
         return Instrumentation()
     if domain is None:
         domain = nvtx.get_domain(DOMAIN_NAME)
     if isinstance(domain, DummyDomain):
         return Instrumentation()
-    return NvtxInstrumentation(domain=domain)
+    return NvtxInstrumentation(domain=domain, convention=convention, expert_ranges=expert_ranges,
+                               routing_place=routing_place)

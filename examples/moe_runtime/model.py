@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import time
 
 import numpy as np
 import torch
@@ -82,8 +83,9 @@ def route(cfg: ModelConfig, logits: torch.Tensor, *, noise: torch.Tensor | None)
     selection = logits if noise is None else logits + noise
     if cfg.overflow == "reroute":
         # Reroute needs every token's full ranking; ties break towards the lower expert index.
-        order: torch.Tensor | None = torch.argsort(selection, dim=-1, descending=True, stable=True)
-        topk = order[:, :k]
+        full_order = torch.argsort(selection, dim=-1, descending=True, stable=True)
+        order: torch.Tensor | None = full_order
+        topk = full_order[:, :k]
     else:
         order = None
         topk = torch.topk(selection, k, dim=-1, sorted=True).indices
@@ -114,7 +116,7 @@ def route(cfg: ModelConfig, logits: torch.Tensor, *, noise: torch.Tensor | None)
             overflow.append((rows[over], experts[over], weights[over, slot]))
     dropped = np.zeros(n_experts, dtype=np.int64)
     rerouted_in = np.zeros(n_experts, dtype=np.int64)
-    for tok, exp, _ in overflow:
+    for _tok, exp, _ in overflow:
         dropped += np.bincount(exp.numpy(), minlength=n_experts)
     if order is not None and overflow:
         fill_list = fill.tolist()
@@ -262,7 +264,9 @@ class MoEModel:
             seq.keys[layer], seq.values[layer] = k, v
             total = k.shape[1]
             # Query i (absolute position total - n + i) sees keys at positions <= its own.
-            mask = torch.arange(total, device=h.device)[None, :] <= (torch.arange(n, device=h.device)[:, None] + total - n)
+            mask = torch.arange(total, device=h.device)[None, :] <= (
+                torch.arange(n, device=h.device)[:, None] + total - n
+            )
             scores = (q @ k.transpose(1, 2)) / math.sqrt(head_dim)
             scores = scores.masked_fill(~mask, float("-inf"))
             outputs.append((torch.softmax(scores, dim=-1) @ v).transpose(0, 1).reshape(n, cfg.d_model))
@@ -280,10 +284,7 @@ class MoEModel:
                         noise=noise.cpu() if noise is not None else None)
         # The payload (entropy) must be known at push: NVTX pops carry no attributes.
         ins.router_push(layer, routing.entropy_bits)
-        for expert in np.flatnonzero(routing.demand).tolist():
-            ins.expert_tokens_mark(expert, int(routing.demand[expert]))
-        for expert in np.flatnonzero(routing.dropped).tolist():
-            ins.expert_dropped_mark(expert, int(routing.dropped[expert]))
+        ins.routing(layer, routing.demand, routing.dropped)  # v2: one vector; v1: a mark per expert
         ins.pop()
         self.stats.record_routing(layer=layer, demand=routing.demand, dropped=routing.dropped,
                                   rerouted_in=routing.rerouted_in, entropy_bits=routing.entropy_bits,
@@ -296,6 +297,9 @@ class MoEModel:
         expert_index = routing.expert_index[order]
         weight = routing.weight[order].to(h.device)
         counts = torch.bincount(expert_index, minlength=cfg.experts).tolist()
+        ins.experts_push(layer, int(expert_index.numel()))
+        expert_ranges, expert_times = ins.expert_ranges, ins.expert_times
+        time_us = np.zeros(cfg.experts, dtype=np.float32) if expert_times else None
         start = 0
         for expert, n in enumerate(counts):
             if n == 0:
@@ -309,10 +313,18 @@ class MoEModel:
                 handle, bytes_moved = self.store.load_for_step(handle)
                 ins.pop()
                 self.stats.record_load(layer=layer, expert=expert, bytes_moved=bytes_moved)
-            ins.ffn_push(expert, n)
+            if expert_ranges:
+                ins.ffn_push(expert, n)
+            t0 = time.perf_counter_ns() if time_us is not None else 0
             y = expert_ffn(h[rows], handle, device=h.device)
             if self.sync_ranges:
                 self.synchronize()
-            ins.pop()
+            if time_us is not None:
+                time_us[expert] = (time.perf_counter_ns() - t0) / 1e3
+            if expert_ranges:
+                ins.pop()
             out.index_add_(0, rows, y * w[:, None])
+        if time_us is not None:
+            ins.experts_time_mark(layer, time_us)
+        ins.experts_pop()
         return out

@@ -12,9 +12,9 @@ import torch
 from moescope.errors import ConfigError
 from moescope.examples.moe_runtime.batcher import BatchEngine
 from moescope.examples.moe_runtime.config import PRECISIONS, ModelConfig
-from moescope.examples.moe_runtime.instrument import Instrumentation, make_instrumentation
+from moescope.examples.moe_runtime.instrument import DEFAULT_CONVENTION, Instrumentation, make_instrumentation
 from moescope.examples.moe_runtime.model import MoEModel, make_expert_masters
-from moescope.examples.moe_runtime.residency import CommandError, ExpertStore, validate_device_name
+from moescope.examples.moe_runtime.residency import CommandError, ExpertStore, MoveResult, validate_device_name
 from moescope.examples.moe_runtime.stats import RuntimeStats
 from moescope.examples.moe_runtime.tokenizer import ByteTokenizer
 
@@ -37,6 +37,9 @@ class RuntimeOptions:
     max_waiting: int = 1024
     max_tokens_limit: int = 256
     nvtx: bool = True
+    nvtx_convention: str = DEFAULT_CONVENTION  # moe/v2 (vectors per layer) or v1 (marks per expert)
+    nvtx_expert_ranges: bool | None = None  # per-expert moe.expert.ffn ranges (None: v1 yes, v2 no)
+    nvtx_routing: str = "layer"  # v2: a moe.routing vector per layer, or one moe.step.routing per step
     sync_ranges: bool = False  # CUDA: synchronise before closing ffn/step ranges (true GPU time)
     torch_threads: int | None = None
 
@@ -79,7 +82,9 @@ class Runtime:
             initial_resident=initial, precision=options.precision, budget_bytes=budget,
             non_expert_bytes=non_expert, cache_on_load=options.cache_on_load,
         )
-        self.ins = instrumentation if instrumentation is not None else make_instrumentation(enabled=options.nvtx)
+        self.ins = instrumentation if instrumentation is not None else make_instrumentation(
+            enabled=options.nvtx, convention=options.nvtx_convention, expert_ranges=options.nvtx_expert_ranges,
+            routing_place=options.nvtx_routing)
         self.model = MoEModel(cfg, store=self.store, stats=self.stats, instrumentation=self.ins,
                               sync_ranges=options.sync_ranges)
         self.tokenizer = ByteTokenizer(vocab=cfg.vocab)
@@ -98,22 +103,22 @@ class Runtime:
         for layer in range(cfg.layers):
             layers.append({
                 "layer": layer,
-                "tokens": snap["tokens"][layer],  # type: ignore[index]
-                "dropped": snap["dropped"][layer],  # type: ignore[index]
-                "rerouted_in": snap["rerouted_in"][layer],  # type: ignore[index]
-                "queue_depth": snap["queue_depth"][layer],  # type: ignore[index]
-                "last_step_tokens": snap["last_step_tokens"][layer],  # type: ignore[index]
+                "tokens": snap["tokens"][layer],
+                "dropped": snap["dropped"][layer],
+                "rerouted_in": snap["rerouted_in"][layer],
+                "queue_depth": snap["queue_depth"][layer],
+                "last_step_tokens": snap["last_step_tokens"][layer],
                 "penalty": penalties[layer],
                 "device": table["device"][layer],
                 "tier": table["tier"][layer],
                 "dtype": table["dtype"][layer],
                 "precision": table["precision"][layer],
                 "offloaded": table["offloaded"][layer],
-                "loads": snap["loads"][layer],  # type: ignore[index]
-                "entropy_bits": snap["entropy_bits"][layer],  # type: ignore[index]
-                "capacity": snap["capacity"][layer],  # type: ignore[index]
+                "loads": snap["loads"][layer],
+                "entropy_bits": snap["entropy_bits"][layer],
+                "capacity": snap["capacity"][layer],
             })
-        counters = dict(snap["counters"])  # type: ignore[call-overload]
+        counters = dict(snap["counters"])
         counters["migrations"] = self.store.migrations
         counters["precision_changes"] = self.store.precision_changes
         return {
@@ -125,6 +130,7 @@ class Runtime:
                 "overflow": cfg.overflow, "gumbel_tau": cfg.gumbel_tau, "devices": list(self.store.devices),
                 "primary_device": self.store.primary, "max_batch_size": self.options.max_batch_size,
                 "max_wait_ms": self.options.max_wait_ms, "nvtx_active": self.ins.active,
+                "nvtx_convention": self.ins.convention,
             },
             "layers": layers,
             "precision": {"default": self.store.default_precision, "counts": self.store.precision_counts()},
@@ -138,13 +144,13 @@ class Runtime:
     def cmd_ping(self) -> dict[str, Any]:
         return {"protocol": PROTOCOL, "pid": os.getpid(), "uid": os.getuid()}
 
-    def cmd_migrate_expert(self, *, layer: int, expert: int, device: str, dtype: str | None = None) -> dict[str, Any]:
+    def cmd_migrate_expert(self, *, layer: int, expert: int, device: str, dtype: str | None = None) -> MoveResult:
         return self.store.migrate(layer, expert, device=device, dtype=dtype)
 
-    def cmd_offload_expert(self, *, layer: int, expert: int, dtype: str = "fp16") -> dict[str, Any]:
+    def cmd_offload_expert(self, *, layer: int, expert: int, dtype: str = "fp16") -> MoveResult:
         return self.store.offload(layer, expert, dtype=dtype)
 
-    def cmd_restore_expert(self, *, layer: int, expert: int, device: str | None = None) -> dict[str, Any]:
+    def cmd_restore_expert(self, *, layer: int, expert: int, device: str | None = None) -> MoveResult:
         return self.store.restore(layer, expert, device=device)
 
     def cmd_set_precision(self, *, precision: str, experts: list[list[int]] | None = None) -> dict[str, Any]:

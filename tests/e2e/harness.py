@@ -520,25 +520,39 @@ def check_traces(spans: list[FlatSpan], *, layers: int = LAYERS, experts: int = 
             assert sum(tokens) == top_k * step_tokens, (tokens, step_tokens)
             assert a["moe.tokens.routed"] == sum(tokens) and a["moe.tokens.dropped"] == sum(dropped)
             layer_ms = (layer.end_ns - layer.start_ns) / 1e6
+            kept = {e: tokens[e] - dropped[e] for e in range(experts) if tokens[e] - dropped[e] > 0}
             if span_detail == "expert":
                 routers = [k for k in kids if k.name == "moe.router"]
                 ffns = [k for k in kids if k.name == "moe.expert.ffn"]
-                assert len(routers) == 1 and ffns, [k.name for k in kids]
+                fused = [k for k in kids if k.name == "moe.experts"]  # moe/v2 (the runtime's default)
+                assert len(routers) == 1 and (ffns or len(fused) == 1), [k.name for k in kids]
                 assert all(step.start_ns <= k.start_ns and k.end_ns <= step.end_ns for k in kids)
-                ran = {f.attributes["moe.expert"]: f.attributes["moe.expert.ffn.tokens"] for f in ffns}
-                assert len(ran) == len(ffns)
                 router = routers[0].attributes
                 assert router["moe.router.entropy_bits"] == a["moe.router.entropy_bits"]
                 assert router["moe.tokens.routed"] == sum(tokens) and router["moe.tokens.dropped"] == sum(dropped)
+                if ffns:
+                    ran = {f.attributes["moe.expert"]: f.attributes["moe.expert.ffn.tokens"] for f in ffns}
+                    assert len(ran) == len(ffns)
+                else:
+                    x = fused[0].attributes
+                    assert x["moe.experts.tokens"] == sum(kept.values())
+                    ran = {e: kept[e] for e, us in enumerate(x["moe.layer.experts.time_us"]) if us > 0}
             else:
                 assert kids == [], [k.name for k in kids]
-                ffn_experts, ffn_ms = a["moe.layer.ffn.experts"], a["moe.layer.ffn.duration_ms"]
-                ran = dict(zip(ffn_experts, a["moe.layer.ffn.tokens"], strict=True))
-                assert len(ran) == len(ffn_experts) == len(ffn_ms)
-                assert all(0.0 <= ms <= layer_ms for ms in ffn_ms), (ffn_ms, layer_ms)
                 assert 0.0 <= a["moe.layer.router.duration_ms"] <= layer_ms
-            # the FFNs ran exactly the experts that kept tokens, each on its kept tokens
-            assert ran == {e: tokens[e] - dropped[e] for e in range(experts) if tokens[e] - dropped[e] > 0}
+                if "moe.layer.ffn.experts" in a:  # moe/v1: a range per expert, folded into arrays
+                    ffn_experts, ffn_ms = a["moe.layer.ffn.experts"], a["moe.layer.ffn.duration_ms"]
+                    ran = dict(zip(ffn_experts, a["moe.layer.ffn.tokens"], strict=True))
+                    assert len(ran) == len(ffn_experts) == len(ffn_ms)
+                    assert all(0.0 <= ms <= layer_ms for ms in ffn_ms), (ffn_ms, layer_ms)
+                else:  # moe/v2: one range for all experts, and each expert's time
+                    assert 0.0 <= a["moe.layer.experts.duration_ms"] <= layer_ms
+                    assert a["moe.layer.experts.tokens"] == sum(kept.values())
+                    time_us = a["moe.layer.experts.time_us"]
+                    assert len(time_us) == experts and sum(time_us) / 1e3 <= a["moe.layer.experts.duration_ms"]
+                    ran = {e: kept[e] for e, us in enumerate(time_us) if us > 0}
+            # the experts that ran are exactly those that kept tokens, each on its kept tokens
+            assert ran == kept
             want = expected_layer_health(tokens, dropped, a["moe.router.entropy_bits"], experts)
             for name, value in want.items():
                 assert math.isclose(a[name], value, rel_tol=1e-9, abs_tol=1e-12), (name, a[name], value)

@@ -113,10 +113,11 @@ def test_files_hold_every_request_and_step(bpf: None, file_run: FileRun, file_re
 
 def test_expert_spans_carry_the_precision_the_runtime_reports(bpf: None, file_run: FileRun) -> None:
     """moe.precision comes from the runtime's control-socket stats (read by the policy's poller, sent
-    through the join as a record): every FFN span of this run, all after the first poll, says fp32."""
-    ffns = [x for x in file_run.spans if x.name == "moe.expert.ffn"]
-    assert ffns
-    assert {x.attributes.get("moe.precision") for x in ffns} == {"fp32"}
+    through the join as a record): every expert-compute span of this run (moe/v2: one moe.experts per
+    layer), all after the first poll, says fp32."""
+    computed = [x for x in file_run.spans if x.name in ("moe.experts", "moe.expert.ffn")]
+    assert computed
+    assert {x.attributes.get("moe.precision") for x in computed} == {"fp32"}
 
 
 def test_traces_list_matches_the_files(bpf: None, file_run: FileRun) -> None:
@@ -156,7 +157,7 @@ def test_traces_show_a_request_with_its_steps(bpf: None, file_run: FileRun, file
         assert name in text.stdout, text.stdout
     # a step it owns shows its layers; a step it shares links to its owner
     if any(not s.attributes.get("moe.step.shared") for s in steps):
-        assert "moe.layer" in text.stdout and "moe.router" in text.stdout and "moe.expert.ffn" in text.stdout
+        assert "moe.layer" in text.stdout and "moe.router" in text.stdout and "moe.experts" in text.stdout
     if any(s.attributes.get("moe.step.shared") for s in steps):
         assert 'moe.link="step.owner"' in text.stdout
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from moescope.examples.moe_runtime.config import ModelConfig
 from moescope.examples.moe_runtime.control import COMMAND_ARGS
-from moescope.examples.moe_runtime.instrument import CONVENTION_VERSION, MESSAGES
+from moescope.examples.moe_runtime.instrument import DEFAULT_CONVENTION, MESSAGES
 from moescope.examples.moe_runtime.runtime import PROTOCOL, Runtime, RuntimeOptions
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -37,6 +37,6 @@ def test_control_protocol_doc_matches_code() -> None:
 
 def test_nvtx_convention_doc_matches_code() -> None:
     text = (DOCS / "nvtx-convention.md").read_text()
-    assert f"`moe/{CONVENTION_VERSION}`" in text
+    assert f"`moe/{DEFAULT_CONVENTION}`" in text
     rows = re.findall(r"^\| `(moe\.[a-z.]+)` \|", text, flags=re.M)
     assert rows == list(MESSAGES)

@@ -18,12 +18,18 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from moescope.collectors.moe_convention import MoeConventionParser, StepEvent
 from moescope.collectors.nvtx import NvtxCollector, injection_library_path
-
 from moescope.examples.moe_runtime.batcher import Request
 from moescope.examples.moe_runtime.config import ModelConfig
-from moescope.examples.moe_runtime.instrument import MESSAGES, Instrumentation, NvtxInstrumentation, make_instrumentation
+from moescope.examples.moe_runtime.instrument import (
+    MESSAGES,
+    Instrumentation,
+    NvtxInstrumentation,
+    make_instrumentation,
+)
 from moescope.examples.moe_runtime.runtime import Runtime, RuntimeOptions
 from tests.runtime.conftest import REPO, SMALL_MODEL, _read_banner, _stop
 
@@ -60,12 +66,15 @@ class RecordingDomain:
                              payload: Any = None) -> Attributes:
         return Attributes(self.get_registered_string(message), category, payload)
 
-    def _apply(self, attributes: Attributes, kwargs: dict[str, Any]) -> Attributes:
+    def _apply(self, attributes: Attributes | None, kwargs: dict[str, Any]) -> Attributes:
+        # as nvtx.Domain: keyword arguments override (or, without attributes, make) the attributes
+        if attributes is None:
+            attributes = Attributes(kwargs.pop("message", ""))
         for key, value in kwargs.items():
             setattr(attributes, key, value)
         return Attributes(attributes.message, attributes.category, attributes.payload)
 
-    def push_range(self, attributes: Attributes, **kwargs: Any) -> None:
+    def push_range(self, attributes: Attributes | None = None, **kwargs: Any) -> None:
         a = self._apply(attributes, kwargs)
         self.events.append(Event("push", a.message, a.category, a.payload, tuple(s.message for s in self.stack)))
         self.stack.append(a)
@@ -74,15 +83,15 @@ class RecordingDomain:
         a = self.stack.pop()
         self.events.append(Event("pop", a.message, a.category, None, tuple(s.message for s in self.stack)))
 
-    def mark(self, attributes: Attributes, **kwargs: Any) -> None:
+    def mark(self, attributes: Attributes | None = None, **kwargs: Any) -> None:
         a = self._apply(attributes, kwargs)
         self.events.append(Event("mark", a.message, a.category, a.payload, tuple(s.message for s in self.stack)))
 
 
-def run_two_requests() -> tuple[RecordingDomain, Runtime]:
+def run_two_requests(convention: str = "v1") -> tuple[RecordingDomain, Runtime]:
     domain = RecordingDomain()
     rt = Runtime(RuntimeOptions(model=CFG, max_wait_ms=2000, capacity_experts=16, initial_resident_experts=14),
-                 instrumentation=NvtxInstrumentation(domain=domain))
+                 instrumentation=NvtxInstrumentation(domain=domain, convention=convention))
     rt.engine.start()
     try:
         requests = [Request(request_key=key, prompt_ids=rt.tokenizer.encode(p), max_tokens=3)
@@ -96,8 +105,8 @@ def run_two_requests() -> tuple[RecordingDomain, Runtime]:
     return domain, rt
 
 
-def test_ranges_and_marks_follow_the_convention() -> None:
-    domain, rt = run_two_requests()
+def test_ranges_and_marks_follow_the_v1_convention() -> None:
+    domain, rt = run_two_requests("v1")
     events = domain.events
     # The fixed message set, registered once each up front; nothing registered per event.
     assert sorted(domain.registered) == sorted(MESSAGES)
@@ -135,15 +144,17 @@ def test_ranges_and_marks_follow_the_convention() -> None:
         if e.kind == "push" and e.message == "moe.step":
             step_index += 1
         if e.kind == "push" and e.message == "moe.layer":
-            layer = e.category - 1  # type: ignore[operator]
+            assert e.category is not None
+            layer = e.category - 1
         s = sums.setdefault((step_index, layer), {"tokens": 0, "dropped": 0, "ffn": 0, "loads": 0})
         if e.message in ("moe.expert.tokens", "moe.expert.dropped"):
             assert e.kind == "mark" and e.parents == ("moe.step", "moe.layer", "moe.router")
-            assert isinstance(e.payload, int) and e.payload > 0 and 1 <= e.category <= CFG.experts  # type: ignore[operator]
+            assert isinstance(e.payload, int) and e.payload > 0
+            assert e.category is not None and 1 <= e.category <= CFG.experts
             s["tokens" if e.message == "moe.expert.tokens" else "dropped"] += e.payload
         if e.kind == "push" and e.message == "moe.expert.load":
             assert e.parents == ("moe.step", "moe.layer") and e.payload == expert_bytes
-            assert (layer, e.category - 1) in host_experts  # type: ignore[operator]
+            assert e.category is not None and (layer, e.category - 1) in host_experts
             s["loads"] += 1
             last_load = e.category
         if e.kind == "push" and e.message == "moe.expert.ffn":
@@ -159,8 +170,44 @@ def test_ranges_and_marks_follow_the_convention() -> None:
         assert s["tokens"] == CFG.top_k * tokens_per_step[step]
         assert s["ffn"] == s["tokens"] - s["dropped"]  # overflow=drop: dropped work is not done
     stats = rt.stats.snapshot()
-    assert sum(x["loads"] for x in sums.values()) == stats["counters"]["expert_loads"] > 0  # type: ignore[index]
-    assert sum(x["dropped"] for x in sums.values()) == sum(map(sum, stats["dropped"])) > 0  # type: ignore[arg-type]
+    assert sum(x["loads"] for x in sums.values()) == stats["counters"]["expert_loads"] > 0
+    assert sum(x["dropped"] for x in sums.values()) == sum(map(sum, stats["dropped"])) > 0
+
+
+def test_v2_sends_one_routing_vector_and_one_experts_range_per_layer() -> None:
+    domain, rt = run_two_requests("v2")
+    events = domain.events
+    assert domain.stack == []
+    assert not [e for e in events if e.message in ("moe.expert.tokens", "moe.expert.dropped", "moe.expert.ffn")]
+    first_step_tokens = len(rt.tokenizer.encode("first request")) + len(rt.tokenizer.encode("the second one"))
+    tokens_per_step = [first_step_tokens, 2, 2]
+    expert_bytes = 3 * CFG.d_model * CFG.d_ff * 4
+    host_experts = {(1, 6), (1, 7)}
+    routing = [e for e in events if e.message == "moe.routing"]
+    experts = [e for e in events if e.kind == "push" and e.message == "moe.experts"]
+    times = [e for e in events if e.message == "moe.experts.time"]
+    assert len(routing) == len(experts) == len(times) == 3 * CFG.layers  # per step and layer: one of each
+    dropped_total = 0
+    for i, (r, x, t) in enumerate(zip(routing, experts, times, strict=True)):
+        step, layer = divmod(i, CFG.layers)
+        assert r.kind == "mark" and r.parents == ("moe.step", "moe.layer", "moe.router") and r.category == layer + 1
+        vector = np.asarray(r.payload)
+        assert vector.dtype == np.int32 and vector.shape == (2 * CFG.experts,)
+        tokens, dropped = vector[: CFG.experts], vector[CFG.experts:]
+        assert int(tokens.sum()) == CFG.top_k * tokens_per_step[step] and (dropped <= tokens).all()
+        dropped_total += int(dropped.sum())
+        assert x.parents == ("moe.step", "moe.layer") and x.category == layer + 1
+        assert x.payload == int((tokens - dropped).sum())  # overflow=drop: what ran
+        assert t.kind == "mark" and t.parents == ("moe.step", "moe.layer", "moe.experts")
+        spent = np.asarray(t.payload)
+        assert spent.dtype == np.float32 and spent.shape == (CFG.experts,)
+        assert ((spent > 0) == (tokens - dropped > 0)).all()  # a time for exactly the experts that ran
+    loads = [e for e in events if e.kind == "push" and e.message == "moe.expert.load"]
+    assert loads and all(e.parents == ("moe.step", "moe.layer", "moe.experts") for e in loads)
+    assert all(e.payload == expert_bytes and (1, e.category - 1) in host_experts for e in loads if e.category)
+    stats = rt.stats.snapshot()
+    assert len(loads) == stats["counters"]["expert_loads"]
+    assert dropped_total == sum(map(sum, stats["dropped"])) > 0
 
 
 def test_no_tool_attached_means_no_op_instrumentation() -> None:
