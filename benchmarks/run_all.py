@@ -59,7 +59,8 @@ def read_policy(doc: dict[str, Any]) -> tuple[bool, str]:
     text = f"window close -> ack worst median {doc['worst_median_ms']:.1f} ms (bar {doc['bar_ms']:.0f})"
     if "hot_migration" in doc:
         m = doc["hot_migration"]
-        text += f"; p99 migrating/steady {m['ratio']:.2f} (bar {m['bar_ratio']}), failed {sum(m['failed_requests'].values())}"
+        text += f"; p99 migrating/steady {m['ratio']:.2f} (bar {m['bar_ratio']})"
+        text += f", failed {sum(m['failed_requests'].values())}"
     return bool(doc["pass"]), text
 
 
@@ -73,6 +74,22 @@ def read_e2e(doc: dict[str, Any]) -> tuple[bool, str]:
     )
 
 
+def read_moe_scale(doc: dict[str, Any]) -> tuple[bool, str]:
+    parts = []
+    for run in doc["runs"]:
+        if not run["bars"]:
+            continue
+        parts.append(
+            f"{run['shape']} {run['convention']} {run['producers']}x{run['steps_per_s']:g}/s: producer "
+            f"{run['producer_us_per_step_attached']:.0f} us/step, agent {run['agent_cpu_pct']:.0f} % core "
+            f"{run['agent_rss_bytes'] / 1e6:.0f} MB, steps {run['steps_seen']}/{run['steps_emitted']}, "
+            f"drops {run['records_dropped']} ({sum(b['bar_met'] for b in run['bars'])}/{len(run['bars'])} bars)"
+        )
+    if doc.get("c_v2"):
+        parts.append(f"C v2 {doc['c_v2']}")
+    return bool(doc["bar_met"]), "; ".join(parts)
+
+
 BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("ingress_overhead", (), ("--pairs", "2", "--requests", "20000"), "ingress_overhead_live.json",
               read_ingress),
@@ -81,6 +98,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("policy_latency", (), ("--repeats", "3", "--migration-repeats", "1", "--migration-duration-s", "3"),
               "policy_latency.json", read_policy),
     Benchmark("e2e_overhead", (), ("--quick",), "e2e_overhead.json", read_e2e),
+    Benchmark("moe_scale", (), ("--quick",), "moe_scale.json", read_moe_scale),
 )
 
 

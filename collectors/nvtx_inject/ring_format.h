@@ -17,7 +17,8 @@
 #define MSRING_DEFAULT_STRING_BYTES (1u << 20)
 #define MSRING_MAX_STRING_BYTES 4096u      /* longer texts are truncated (flagged, counted) */
 #define MSRING_DEFAULT_BLOB_BYTES (8u << 20) /* payload-extension bytes in flight (MOESCOPE_NVTX_BLOB_BYTES) */
-#define MSRING_DEFAULT_PAYLOAD_MAX_BYTES (64u << 10) /* per payload (MOESCOPE_NVTX_PAYLOAD_MAX_BYTES) */
+#define MSRING_DEFAULT_PAYLOAD_MAX_BYTES (256u << 10) /* per payload (MOESCOPE_NVTX_PAYLOAD_MAX_BYTES): a
+                                                        * DeepSeek-V3 step routing vector is 116 KiB */
 #define MSRING_MAX_SCHEMAS 4096u        /* schemas recorded per process; later ones are dropped */
 #define MSRING_MAX_SCHEMA_FIELDS 32u    /* fields per recorded schema; larger schemas are dropped */
 #define MSRING_MAX_SCHEMA_NAME_BYTES 47u /* schema and field names are cut to this many bytes */

@@ -203,8 +203,8 @@ int main(int argc, char **argv) {
     msnvtx_payload_data wide_payload = {wide_id, 16, buf};
     ext_mark(1, &wide_payload);
     int unknown_schema = 3;
-    /* oversize: the default cap is 64 KiB */
-    size_t big_bytes = (64u << 10) + 8;
+    /* oversize: the default cap is 256 KiB */
+    size_t big_bytes = (256u << 10) + 8;
     unsigned char *big = calloc(1, big_bytes);
     msnvtx_payload_data oversize = {g_array_schema, big_bytes, big};
     ext_mark(1, &oversize);
