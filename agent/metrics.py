@@ -25,7 +25,7 @@ import os
 import resource
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 from wsgiref.simple_server import WSGIServer
 
@@ -43,7 +43,10 @@ MetricKind = Literal["counter", "gauge", "histogram"]
 DEFAULT_METRICS_PORT = 9464  # the port OpenTelemetry's Prometheus exporters conventionally use
 DEFAULT_METRICS_ADDR = "127.0.0.1"
 DEFAULT_MAX_LAYERS = 128
-DEFAULT_MAX_EXPERTS_PER_LAYER = 64
+# Per-expert series per layer by default: the hottest few (DeepSeek-V3: 58 layers x 9 = 522 series
+# per family, not 58 x 256 = 14,848); --metrics-experts raises it, up to every expert (opt-in).
+DEFAULT_MAX_EXPERTS_PER_LAYER = 8
+MAX_EXPERTS_PER_LAYER = 4096  # what --metrics-experts accepts (the largest E seen in the wild is 256)
 OTHER = "other"
 
 # Request latency: the policy thresholds (0.43 s fp16 fallback, 0.8/0.87 s SLO) are bucket bounds.
@@ -70,7 +73,7 @@ class MetricSpec:
 
 
 _L = DEFAULT_MAX_LAYERS
-_X = DEFAULT_MAX_LAYERS * (DEFAULT_MAX_EXPERTS_PER_LAYER + 1) + DEFAULT_MAX_EXPERTS_PER_LAYER + 1
+_X = (DEFAULT_MAX_LAYERS + 1) * (DEFAULT_MAX_EXPERTS_PER_LAYER + 1)  # Metrics() widens it for a larger bound
 _DEV = 64  # GPUs per node, plus "host"
 _LINKS = _DEV * 18  # NVLink links per GPU (18 on H100)
 _RULES = 64
@@ -261,7 +264,17 @@ class Metrics:
         max_experts_per_layer: int = DEFAULT_MAX_EXPERTS_PER_LAYER,
         version: str = __version__,  # moescope_build_info's label; "" leaves the family without a sample
     ) -> None:
+        if not 0 <= max_experts_per_layer <= MAX_EXPERTS_PER_LAYER:
+            raise ValueError(f"max_experts_per_layer must be 0..{MAX_EXPERTS_PER_LAYER}, got {max_experts_per_layer}")
         self.registry = CollectorRegistry(auto_describe=True)
+        # the per-expert families' safety bound follows the label bound (layer and expert "other" included)
+        expert_series = (max_layers + 1) * (max_experts_per_layer + 1)
+        specs = [
+            replace(spec, max_series=max(spec.max_series, expert_series))
+            if spec.labels == ("layer", "expert")
+            else spec
+            for spec in specs
+        ]
         self._specs = {spec.name: spec for spec in specs}
         self._families = {spec.name: _build(spec, self.registry) for spec in specs}
         self._series: dict[str, set[tuple[str, ...]]] = {name: set() for name in self._specs}
@@ -516,8 +529,23 @@ class _Delegate(Collector):
 
 
 def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--metrics-port`` / ``--metrics-addr`` for subcommands that serve /metrics."""
+    """``--metrics-port`` / ``--metrics-addr`` / ``--metrics-experts`` for subcommands that serve /metrics."""
     parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT, metavar="PORT",
                         help=f"serve Prometheus /metrics on this port (default {DEFAULT_METRICS_PORT}; 0 = off)")
     parser.add_argument("--metrics-addr", default=DEFAULT_METRICS_ADDR, metavar="ADDR",
                         help=f"address to bind /metrics to (default {DEFAULT_METRICS_ADDR})")
+    parser.add_argument("--metrics-experts", type=_experts_bound, default=DEFAULT_MAX_EXPERTS_PER_LAYER, metavar="N",
+                        help=f"per-expert token/drop series per layer: the N hottest (default "
+                             f"{DEFAULT_MAX_EXPERTS_PER_LAYER}; the rest sum into expert=\"other\"; the per-layer "
+                             "Gini/entropy gauges cover every expert); N = E for full per-expert series, 0 for "
+                             "per-layer totals only")
+
+
+def _experts_bound(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 0 <= value <= MAX_EXPERTS_PER_LAYER:
+        raise argparse.ArgumentTypeError(f"must be 0..{MAX_EXPERTS_PER_LAYER}, got {value}")
+    return value

@@ -97,7 +97,7 @@ class Observers:
     @classmethod
     def build(cls, args: argparse.Namespace, *, daemon: Daemon, config: ExportConfig) -> Observers:
         """Exporters and the pipeline, for the export config `agent start` resolved from its flags."""
-        metrics = Metrics()
+        metrics = Metrics(max_experts_per_layer=args.metrics_experts)
         server = MetricsServer(metrics, port=args.metrics_port, addr=args.metrics_addr) if args.metrics_port else None
         # No metrics hook in the export worker: it publishes only between drain rounds, and a round
         # never ends while a stalled collector blocks each export; the daemon thread publishes instead.

@@ -336,7 +336,7 @@ def sample_value(metrics: Metrics, name: str, **labels: str) -> float:
 
 def test_metrics_equal_what_was_fed() -> None:
     scenario = main_scenario(seed=13)
-    metrics = Metrics()
+    metrics = Metrics(max_experts_per_layer=NUM_EXPERTS)  # full per-expert series (opt-in): each checked
     clock = FakeClock()
     pipeline = Pipeline(spans=None, metrics=metrics, clock=clock, step_retention_ns=RETENTION_NS)
     feed(scenario, pipeline, clock)
@@ -436,6 +436,30 @@ def test_metrics_equal_what_was_fed() -> None:
     assert (
         metrics.get("moescope_agent_metric_series_dropped", metric="moescope_expert_tokens") == 0
     )  # none dropped, shown
+
+
+def test_per_expert_series_are_bounded_by_default_at_deepseek_shape() -> None:
+    """DeepSeek-V3 shape (58 MoE layers, 256 experts): by default each layer keeps series for its 8
+    hottest experts and sums the rest into expert="other" — bounded, and no token lost."""
+    layers, experts = 58, 256
+    rng = np.random.default_rng(3)
+    metrics = Metrics()
+    sent = 0
+    for _ in range(5):
+        for layer in range(layers):
+            counts = rng.poisson(rng.uniform(0.1, 40.0, size=experts))
+            sent += int(counts.sum())
+            metrics.record_expert_counts(layer=layer, tokens={e: int(n) for e, n in enumerate(counts) if n})
+    samples = [s for f in metrics.registry.collect() if f.name == "moescope_expert_tokens"
+               for s in f.samples if s.name == "moescope_expert_tokens_total"]
+    assert len(samples) <= layers * (8 + 1)
+    assert {s.labels["expert"] for s in samples if s.labels["layer"] == "0"} - {"other"}
+    assert sum(s.value for s in samples) == sent
+    assert metrics.get("moescope_agent_metric_series_dropped", metric="moescope_expert_tokens") == 0
+    full = Metrics(max_experts_per_layer=experts)  # opt-in: every expert its own series
+    full.record_expert_counts(layer=0, tokens={e: 1 for e in range(experts)})
+    assert len([s for f in full.registry.collect() if f.name == "moescope_expert_tokens" for s in f.samples
+                if s.name == "moescope_expert_tokens_total"]) == experts
 
 
 def test_rates_stay_bounded_without_a_live_view() -> None:
