@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -13,24 +12,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from nvtx_helpers import PRODUCER, Producer
+from nvtx_helpers import PRODUCER, Producer, kill_group
 
 from moescope.collectors.nvtx import injection_env
-
-
-def _kill_group(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-    for stream in (proc.stdin, proc.stdout):
-        if stream is not None:
-            stream.close()
 
 
 @pytest.fixture
@@ -66,6 +50,6 @@ def start_producer(tmp_path: Path, ring_dir: Path) -> Iterator[Callable[..., Pro
         yield start
     finally:
         for proc in started:
-            _kill_group(proc)
+            kill_group(proc)
 
 

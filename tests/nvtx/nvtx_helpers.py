@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -73,3 +75,19 @@ def drain_until_finished(collector: NvtxCollector, *, poll_sleep_s: float = 0.00
         assert time.monotonic() < deadline, f"collector never finished: {collector.stats()}"
         collector.poll(time.monotonic_ns())
         time.sleep(poll_sleep_s)
+
+
+def kill_group(proc: subprocess.Popen[str]) -> None:
+    """Kill a started process's whole group (it runs in its own session) and close its pipes."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    for stream in (proc.stdin, proc.stdout):
+        if stream is not None:
+            stream.close()

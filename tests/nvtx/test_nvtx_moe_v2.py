@@ -5,7 +5,6 @@ sent, and a v1 producer of the same routing gives the agent identical metrics.""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from nvtx_helpers import HERE, Producer, drain_until_finished
+from nvtx_helpers import HERE, Producer, drain_until_finished, kill_group
 
 from moescope.agent.metrics import Metrics
 from moescope.agent.pipeline import Pipeline
@@ -65,19 +64,7 @@ def run_producer(tmp_path: Path, ring_dir: Path) -> Iterator[Any]:
         yield run
     finally:
         for proc in started:
-            _kill_group(proc)
-
-
-def _kill_group(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait(timeout=10)
-    for stream in (proc.stdin, proc.stdout):
-        if stream is not None:
-            stream.close()
+            kill_group(proc)
 
 
 def _nonzero(values: list[int]) -> dict[int, int]:
