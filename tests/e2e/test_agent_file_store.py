@@ -26,10 +26,13 @@ from .harness import (
     check_requests,
     check_traces,
     completion,
+    free_port,
+    metric_samples,
     parse_summary,
     run_cli,
     run_loadgen,
     runtime_argv,
+    scrape,
     spans_from_otlp_json,
     wait_nvtx_attached,
     wait_runtime_ready,
@@ -52,8 +55,9 @@ class FileRun:
 @pytest.fixture(scope="module")
 def file_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FileRun]:
     tmp = tmp_path_factory.mktemp("filestore")
+    metrics_port = free_port()
     agent = Proc(agent_argv(state_dir=tmp, extra=[
-        "--metrics-port", "0", "--policy-audit", str(tmp / "audit.jsonl"), "--policy-state-dir", str(tmp),
+        "--metrics-port", str(metrics_port), "--policy-audit", str(tmp / "audit.jsonl"), "--policy-state-dir", str(tmp),
         "--span-detail", "expert",  # the full tree here; the gRPC test checks the default (layer)
         "--", *runtime_argv(),
     ]), env=_without_otlp_env())
@@ -62,10 +66,14 @@ def file_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FileRun]:
         agent.wait_for_line(r"^agent: traces: OTLP-JSON files under ", stream="err")
         port = wait_runtime_ready(agent)
         wait_nvtx_attached(target_pid)
-        # The policy finds the runtime's control socket within a second; its stats poller (every
-        # 200 ms) is where moe.precision comes from: requests start once it has polled.
+        # moe.precision comes from the runtime's stats, read by the policy's poller and sent into
+        # the join as a record: requests start once one has been (the source's event counter).
         agent.wait_for_line(r"policy: \d+ rules", stream="err")
-        time.sleep(1.0)
+        deadline = time.monotonic() + WAIT_S
+        while metric_samples(scrape(metrics_port), "moescope_agent_events_total").get(
+                '{source="runtime-stats"}', 0.0) < 1:
+            assert time.monotonic() < deadline, "the runtime's stats never reached the agent's join"
+            time.sleep(0.1)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
         try:
             sent = [completion(conn, max_tokens=n, prompt=f"file store {n}") for n in (1, 2, 3, 4)]
