@@ -45,6 +45,12 @@ log = logging.getLogger(__name__)
 
 DEFAULT_STEP_RETENTION_NS = 120_000_000_000
 DEFAULT_MAX_BUFFERED_STEPS = 20_000
+# ... and in layers: a buffered step holds its layer tree until every request of its batch has
+# claimed it, so at 58 layers the step bound alone let the buffer reach GBs (measured: 1.2 GB RSS
+# at DeepSeek-V3 shape, 8 x 25 steps/s, ~9 KB per buffered layer). 50k layers: 12,500 steps of the
+# reference model (L=4), 862 of DeepSeek-V3 (4 s at 200 steps/s); past it the oldest step leaves
+# the buffer (steps_evicted_overflow: its metrics were counted, its trace subtree is not made).
+DEFAULT_MAX_BUFFERED_LAYERS = 50_000
 DRAIN_ALL_NS = 2**63 - 1
 
 
@@ -154,11 +160,14 @@ class RequestJoin:
         num_experts: int | None = None,
         step_retention_ns: int = DEFAULT_STEP_RETENTION_NS,
         max_buffered_steps: int = DEFAULT_MAX_BUFFERED_STEPS,
+        max_buffered_layers: int = DEFAULT_MAX_BUFFERED_LAYERS,
         clock: Callable[[], int] = time.monotonic_ns,
         defer_requests: bool = False,
     ) -> None:
         self.step_retention_ns = step_retention_ns
         self.max_buffered_steps = max_buffered_steps
+        self.max_buffered_layers = max_buffered_layers
+        self._buffered_layers = 0  # layer trees held by buffered steps (trimmed ones count 0)
         self.clock = clock
         # sink() holds request records until drain_requests(now_ns) (a daemon tick hook) sees they ended
         # before the tick started: the steps of such a request were in the NVTX ring when it was drained.
@@ -234,9 +243,10 @@ class RequestJoin:
         self._export([RequestJoined(record, tuple(steps), first)])
         with self._lock:
             for b in steps:
-                if b.claims >= b.batch_size:
+                if b.claims >= b.batch_size and b.step.layers:
                     # Every request of the batch has been handed out: only the step's header is
                     # needed until it leaves the buffer, so let its layer tree go (most of the heap).
+                    self._buffered_layers -= len(b.step.layers)
                     b.step = replace(b.step, layers=[])
                     b.routings, b.healths = [], []
 
@@ -326,7 +336,10 @@ class RequestJoin:
         for key in set(step.requests):
             self._by_key.setdefault((step.pid, key), deque()).append(buffered)
         events: list[JoinEvent] = [StepSeen(buffered, changed)]
-        while len(self._buffer) > self.max_buffered_steps:
+        self._buffered_layers += len(step.layers)
+        while len(self._buffer) > self.max_buffered_steps or (
+            self._buffered_layers > self.max_buffered_layers and len(self._buffer) > 1
+        ):
             self._counts["steps_evicted_overflow"] += 1
             events.append(StepRetired(self._retire_oldest_locked(), evicted=True))
         return events
@@ -374,6 +387,7 @@ class RequestJoin:
 
     def _retire_oldest_locked(self) -> BufferedStep:
         b = self._buffer.popleft()
+        self._buffered_layers -= len(b.step.layers)
         for key in set(b.step.requests):
             q = self._by_key.get((b.step.pid, key))
             if q and q[0] is b:
@@ -410,5 +424,6 @@ class RequestJoin:
         with self._lock:
             out = dict(self._counts)
             out["buffered_steps"] = len(self._buffer)
+            out["buffered_layers"] = self._buffered_layers
             out["output_errors"] = sum(self._output_errors.values())
             return out

@@ -23,6 +23,7 @@ from moescope import procfs
 from moescope.agent import state as st
 from moescope.agent.export.spans import SpanFactory
 from moescope.agent.join import (
+    DEFAULT_MAX_BUFFERED_LAYERS,
     DEFAULT_MAX_BUFFERED_STEPS,
     DEFAULT_STEP_RETENTION_NS,
     DRAIN_ALL_NS,
@@ -59,6 +60,7 @@ class Pipeline:
         window_ns: int = DEFAULT_WINDOW_NS,
         step_retention_ns: int = DEFAULT_STEP_RETENTION_NS,
         max_buffered_steps: int = DEFAULT_MAX_BUFFERED_STEPS,
+        max_buffered_layers: int = DEFAULT_MAX_BUFFERED_LAYERS,
         clock: Callable[[], int] = time.monotonic_ns,
         epoch_offset_ns: int | None = None,
         defer_requests: bool = False,
@@ -72,6 +74,7 @@ class Pipeline:
             num_experts=num_experts,
             step_retention_ns=step_retention_ns,
             max_buffered_steps=max_buffered_steps,
+            max_buffered_layers=max_buffered_layers,
             clock=clock,
             defer_requests=defer_requests,
         )

@@ -295,6 +295,7 @@ def check_received(spans: list[FlatSpan], scenario: Scenario, pipeline: Pipeline
         "experts_grown": 1,  # E learned once, from the first moe.layer payload
         "layers_bad_routing": 0,
         "buffered_steps": 0,
+        "buffered_layers": 0,
         "runtime_states": 1,  # the runtime's stats record (per-layer precision)
         "records_unknown": 0,
         "output_errors": 0,
@@ -385,6 +386,29 @@ def test_overflow_eviction_is_counted(tmp_path: Path) -> None:
     # the overflow-evicted steps are dropped (counted), not exported as unjoined traces
     assert not [s for s in spans if s.name == "moe.step" and s.parent_span_id is None]
     assert len(spans) == stats["spans"]
+
+
+def test_buffered_layer_trees_are_bounded_too(tmp_path: Path) -> None:
+    """Steps waiting for their requests hold their layer trees: past max_buffered_layers the oldest
+    go (counted as overflow) even below the step bound, and a claimed step's tree stops counting."""
+    rng = np.random.default_rng(4)
+    tracing = _memory_tracing(tmp_path)
+    clock = FakeClock()
+    pipeline = Pipeline(spans=tracing.factory, clock=clock, max_buffered_layers=2 * NUM_LAYERS, epoch_offset_ns=OFF)
+    steps = [
+        build_step(rng, pid=1, tid=1, start_ms=10 + 10 * i, end_ms=15 + 10 * i, keys=[3], tokens=4) for i in range(4)
+    ]
+    for s in steps:
+        clock.now_ns = s.end_ns
+        pipeline.on_steps([s])
+    stats = pipeline.stats()
+    assert stats["steps_evicted_overflow"] == 2 and stats["buffered_steps"] == 2
+    assert stats["buffered_layers"] == 2 * NUM_LAYERS
+    pipeline.on_request(record(pid=1, tid=1, fd=3, generation=1, seq=1, peer=("127.0.0.1", 1), start_ms=0,
+                               end_ms=60, bytes_in=1, bytes_out=1))
+    assert pipeline.stats()["buffered_layers"] == 0  # both claimed by their only request: trees let go
+    pipeline.expire(flush=True)
+    assert pipeline.stats()["buffered_steps"] == 0
 
 
 def test_many_experts_put_top16_on_layer_spans(tmp_path: Path) -> None:
