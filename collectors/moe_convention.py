@@ -381,12 +381,7 @@ class MoeConventionParser:
         if n != 2 * experts or n == 0:
             self._stats["malformed_vectors"] += 1  # routing left out; the layer's timing still counts
             return
-        counts = vector.astype(np.int64, copy=False)
-        tokens, dropped = counts[:experts], counts[experts:]
-        nz = np.flatnonzero(tokens)
-        router.tokens = dict(zip(nz.tolist(), tokens[nz].tolist(), strict=True))
-        nz = np.flatnonzero(dropped)
-        router.dropped = dict(zip(nz.tolist(), dropped[nz].tolist(), strict=True))
+        _set_routing(router, vector.astype(np.int64, copy=False))
 
     def _routing_from_step_vector(self, step: StepEvent, vector: np.ndarray) -> None:
         """moe.step.routing: one [2E] row per moe.layer of the step, in order, all layers at once
@@ -403,11 +398,7 @@ class MoeConventionParser:
             row, at = counts[at : at + size], at + size
             if router is None or router.tokens or router.dropped:
                 continue  # a layer with no router has no routing; one with its own keeps it
-            half = size // 2
-            nz = np.flatnonzero(row[:half])
-            router.tokens = dict(zip(nz.tolist(), row[:half][nz].tolist(), strict=True))
-            nz = np.flatnonzero(row[half:])
-            router.dropped = dict(zip(nz.tolist(), row[half:][nz].tolist(), strict=True))
+            _set_routing(router, row)
 
     def _range(self, row: Any, name: str | None, pid: int) -> StepEvent | None:
         if name is None or not name.startswith("moe."):
@@ -538,6 +529,18 @@ _MARK_CODES = {
     REQUEST: _REQUEST, EXPERT_TOKENS: _TOKENS, EXPERT_DROPPED: _DROPPED,
     ROUTING: _ROUTING, EXPERTS_TIME: _EXPERTS_TIME, STEP_DEVICE: _STEP_DEVICE, STEP_ROUTING: _STEP_ROUTING,
 }
+
+
+def _set_routing(router: RouterEvent, row: np.ndarray) -> None:
+    """A [2E] routing row (tokens routed per expert, then over capacity) as the per-expert counts a
+    v1 producer's marks give: only the experts with a non-zero count."""
+    half = len(row) // 2
+    router.tokens, router.dropped = _nonzero_counts(row[:half]), _nonzero_counts(row[half:])
+
+
+def _nonzero_counts(counts: np.ndarray) -> dict[int, int]:
+    nz = np.flatnonzero(counts)
+    return dict(zip(nz.tolist(), counts[nz].tolist(), strict=True))
 
 
 def _is_vector(child: Any, code: int) -> bool:
