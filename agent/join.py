@@ -137,17 +137,27 @@ class Output(Protocol):
         ...
 
 
+def expert_precisions(state: RuntimeState, layer: int) -> tuple[str | None, list[str]]:
+    """A layer's experts' precisions as the runtime reports them, and the most common one."""
+    precisions = [state.precision.get((layer, e), state.precision_default) for e in range(state.experts)]
+    return (max(set(precisions), key=precisions.count) if precisions else None), precisions
+
+
+def precision_text(base: str | None, precisions: list[str]) -> str | None:
+    """The experts' common precision, or "fp32+2" when two experts of the layer run another one
+    (the live view and ``moe.precision`` use the same text)."""
+    others = sum(1 for p in precisions if p != base)
+    return f"{base}+{others}" if others else base
+
+
 def layer_precision_of(state: RuntimeState) -> dict[int, str]:
-    """Each layer's precision as one string: the experts' common precision, or "fp32+2" when two
-    experts of the layer run another one (the live view and ``moe.precision`` use the same text)."""
+    """Each layer's precision as one string (``precision_text``)."""
     out: dict[int, str] = {}
     for layer in range(state.layers):
-        precisions = [state.precision.get((layer, e), state.precision_default) for e in range(state.experts)]
-        if not precisions:
-            continue
-        base = max(set(precisions), key=precisions.count)
-        others = sum(1 for p in precisions if p != base)
-        out[layer] = f"{base}+{others}" if others else base
+        base, precisions = expert_precisions(state, layer)
+        text = precision_text(base, precisions)
+        if text is not None:
+            out[layer] = text
     return out
 
 

@@ -15,7 +15,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from moescope.agent import state as st
-from moescope.agent.join import JoinEvent, RequestJoined, RuntimeSeen, StepSeen, TelemetrySeen
+from moescope.agent.join import (
+    JoinEvent,
+    RequestJoined,
+    RuntimeSeen,
+    StepSeen,
+    TelemetrySeen,
+    expert_precisions,
+    precision_text,
+)
 from moescope.agent.outputs.values import float_or_none, int_or_none
 from moescope.agent.policy.actuator import RuntimeState
 from moescope.agent.policy.rules import Signals
@@ -233,15 +241,12 @@ def with_runtime_state(moe: st.Moe, devices: st.Devices, runtime: RuntimeState) 
     """Precision and residency per layer, and the runtime's device pool, from its control-socket stats."""
     layers = []
     for layer in moe.layers:
-        keys = [(layer.layer, e) for e in range(runtime.experts)]
-        precisions = [runtime.precision.get(k, runtime.precision_default) for k in keys]
-        base = max(set(precisions), key=precisions.count) if precisions else None
-        others = sum(1 for p in precisions if p != base)
-        tiers = [runtime.tier.get(k) for k in keys]
+        base, precisions = expert_precisions(runtime, layer.layer)
+        tiers = [runtime.tier.get((layer.layer, e)) for e in range(runtime.experts)]
         layers.append(
             replace(
                 layer,
-                precision=f"{base}+{others}" if others else base,
+                precision=precision_text(base, precisions),
                 expert_precision={str(e): p for e, p in enumerate(precisions) if p != base},
                 resident_device=sum(1 for t in tiers if t == "device"),
                 resident_host=sum(1 for t in tiers if t == "host"),
