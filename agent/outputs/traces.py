@@ -177,7 +177,7 @@ class TraceOutput:
                 attrs["moe.expert.tokens"] = [int(x) for x in tokens]
                 attrs["moe.expert.dropped"] = [int(x) for x in routing.dropped_per_expert]
             else:
-                top = sorted(range(len(tokens)), key=lambda i: -int(tokens[i]))[:TOP_EXPERTS_ON_SPANS]
+                top = _top_experts(tokens)
                 attrs["moe.expert.top_ids"] = top
                 attrs["moe.expert.top_tokens"] = [int(tokens[i]) for i in top]
             per_layer[routing.layer] = attrs
@@ -317,7 +317,7 @@ class TraceOutput:
         time_us = experts.time_us
         if len(time_us) <= MAX_ARRAY_EXPERTS:
             return {"moe.layer.experts.time_us": [float(x) for x in time_us]}
-        top = np.argsort(-time_us, kind="stable")[:TOP_EXPERTS_ON_SPANS]
+        top = _top_experts(time_us)
         return {"moe.layer.experts.slowest_ids": [int(i) for i in top],
                 "moe.layer.experts.slowest_time_us": [float(time_us[i]) for i in top]}
 
@@ -340,3 +340,8 @@ class TraceOutput:
             attrs["moe.layer.load.bytes"] = [load.bytes_moved for load in layer.loads]
             attrs["moe.layer.load.duration_ms"] = [(load.end_ns - load.start_ns) / 1e6 for load in layer.loads]
         return attrs
+
+
+def _top_experts(values: np.ndarray) -> list[int]:
+    """The TOP_EXPERTS_ON_SPANS experts with the largest values, largest first, ties by expert id."""
+    return [int(i) for i in np.argsort(-np.asarray(values, dtype=np.float64), kind="stable")[:TOP_EXPERTS_ON_SPANS]]
