@@ -15,7 +15,7 @@ command -v apt-get >/dev/null || die "apt-get not found: setup supports Debian/U
 
 ARCH=$(dpkg --print-architecture)
 KREL=$(uname -r)
-PKGS=(python3-bpfcc libbpfcc gcc make tmux iproute2 python3-venv ca-certificates libcap2-bin systemd util-linux prometheus)
+PKGS=(python3-bpfcc libbpfcc gcc make tmux iproute2 python3-venv ca-certificates libcap2-bin systemd util-linux prometheus nginx-light wrk nftables)
 
 missing=()
 for p in "${PKGS[@]}"; do
@@ -28,13 +28,17 @@ apt_install() {
     fi
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
 }
-# prometheus: tests run their own binary (own config, tmp storage, a free port), never the
-# package's service. So that service must not start on install: a policy-rc.d that refuses
-# every start while apt runs (works with or without systemd as PID 1), then the unit disabled.
-prometheus_new=0
-case " ${missing[*]} " in *" prometheus "*) prometheus_new=1 ;; esac
+# prometheus and nginx: tests and benchmarks run their own binaries (own config, tmp storage, a
+# free port), never the packages' services. So those services must not start on install: a
+# policy-rc.d that refuses every start while apt runs (works with or without systemd as PID 1),
+# then the units disabled.
+SERVICE_PKGS=(prometheus nginx-light)
+new_services=()
+for p in "${SERVICE_PKGS[@]}"; do
+    case " ${missing[*]} " in *" $p "*) new_services+=("${p%-light}") ;; esac
+done
 own_policy_rc=0
-if [ "$prometheus_new" -eq 1 ] && [ ! -e /usr/sbin/policy-rc.d ]; then
+if [ "${#new_services[@]}" -gt 0 ] && [ ! -e /usr/sbin/policy-rc.d ]; then
     printf '#!/bin/sh\n# written by moescope scripts/setup.sh while apt runs: start no service\nexit 101\n' > /usr/sbin/policy-rc.d
     chmod 755 /usr/sbin/policy-rc.d
     own_policy_rc=1
@@ -48,15 +52,15 @@ if [ "$own_policy_rc" -eq 1 ]; then
     rm -f /usr/sbin/policy-rc.d
     trap - EXIT
 fi
-if [ "$prometheus_new" -eq 1 ]; then
-    # Not started at boot either (the package enables its unit); only when we installed it.
+for svc in "${new_services[@]}"; do
+    # Not started at boot either (the packages enable their units); only when we installed them.
     if [ -d /run/systemd/system ]; then
-        systemctl disable --now prometheus.service >/dev/null 2>&1 || true
+        systemctl disable --now "$svc.service" >/dev/null 2>&1 || true
     elif command -v update-rc.d >/dev/null; then
-        update-rc.d prometheus disable >/dev/null 2>&1 || true
+        update-rc.d "$svc" disable >/dev/null 2>&1 || true
     fi
-    say "installed prometheus $(prometheus --version 2>&1 | head -n 1 | awk '{print $3}') (its service left disabled: tests start their own)"
-fi
+    say "installed $svc (its service left disabled: tests and benchmarks start their own)"
+done
 
 # --- kernel headers -------------------------------------------------------------------------
 # bcc compiles against /lib/modules/$KREL/build. Probes only use tracepoints and uprobes (stable
@@ -124,7 +128,7 @@ if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(torch.__version__.split(
 fi
 if [ "$(cat "$VENV/.moescope-stamp" 2>/dev/null)" != "$stamp" ] || ! "$VENV/bin/python" -c 'import moescope.agent' 2>/dev/null; then
     say "installing moescope (editable) and pinned dependencies"
-    "${PIP[@]}" -e ".[test]"
+    "${PIP[@]}" -e ".[test,hf]"
     echo "$stamp" > "$VENV/.moescope-stamp"
 fi
 "$VENV/bin/python" -c 'import bcc' || die "bcc not importable from the venv"
