@@ -9,6 +9,11 @@
 #
 # Knobs: DEMO_PORT (8000), DEMO_SECONDS (600), DEMO_STATE_DIR (/tmp/moescope-demo),
 #        DEMO_OTLP (an OTLP endpoint, e.g. http://127.0.0.1:4317 with dashboards/docker-compose.yml).
+# On a Hugging Face transformers model instead (docs/transformers.md), observed by moescope.instrument():
+#        DEMO_HF=qwen3_moe|mixtral|qwen2_moe   a tiny random-weight model of that architecture, or
+#        DEMO_HF_MODEL=PATH_OR_ID             a local model (from_pretrained, local files only).
+#   e.g. `make demo DEMO_HF=qwen3_moe`. The policy's router penalties and FP16 fallback act on it;
+#   its residency actions are answered "unsupported" (fused experts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -37,6 +42,11 @@ fi
 # so traffic fills the 96 MB device budget past 0.95: memory_alert, then expert_offload.
 RUNTIME=("$PY" -m moescope.examples.moe_runtime --port "$PORT" --devices cpu,cpu:1
          --initial-resident-experts 8 --cache-on-load --device-memory-budget-bytes 96000000)
+if [ -n "${DEMO_HF_MODEL:-}" ]; then
+    RUNTIME=("$PY" -m moescope.examples.hf_server --port "$PORT" --model "$DEMO_HF_MODEL")
+elif [ -n "${DEMO_HF:-}" ]; then
+    RUNTIME=("$PY" -m moescope.examples.hf_server --port "$PORT" --arch "$DEMO_HF" --tiny --layers 4 --experts 16)
+fi
 AGENT_ARGS=(start --state-dir "$STATE" --policy-audit "$STATE/policy-audit.jsonl"
             --policy-state-dir "$STATE" --metrics-port "${DEMO_METRICS_PORT:-9464}")
 [ -n "${DEMO_OTLP:-}" ] && AGENT_ARGS+=(--otlp-endpoint "$DEMO_OTLP")

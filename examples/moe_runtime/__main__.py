@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import signal
 import sys
-import threading
 
 import torch
 
 from moescope.errors import MoescopeError, UsageError
 from moescope.examples.moe_runtime.config import OVERFLOW_POLICIES, PRECISIONS, ModelConfig
-from moescope.examples.moe_runtime.control import ControlServer, default_socket_path
-from moescope.examples.moe_runtime.instrument import CONVENTIONS, DEFAULT_CONVENTION, ROUTING_PLACES
 from moescope.examples.moe_runtime.runtime import Runtime, RuntimeOptions
-from moescope.examples.moe_runtime.server import MoeHTTPServer
+from moescope.examples.moe_runtime.server import serve
+from moescope.moe_nvtx import CONVENTIONS, DEFAULT_CONVENTION, ROUTING_PLACES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,48 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         options = options_from_args(args)
         mode = int(args.control_socket_mode, 8)
         runtime = Runtime(options)
-        http = MoeHTTPServer((args.host, args.port), runtime=runtime)
     except MoescopeError as exc:
         print(f"moe_runtime: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except OSError as exc:
-        print(f"moe_runtime: error: cannot listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
-        return 2
-    path = args.control_socket or default_socket_path(pid=os.getpid())
-    handlers = {name.removeprefix("cmd_"): getattr(runtime, name) for name in dir(runtime) if name.startswith("cmd_")}
-    try:
-        control = ControlServer(path=path, handlers=handlers, mode=mode)
-    except MoescopeError as exc:
-        http.server_close()
-        print(f"moe_runtime: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: object) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    runtime.engine.start()
-    control.start()
-    serve = threading.Thread(target=http.serve_forever, kwargs={"poll_interval": 0.2}, name="moe-http", daemon=True)
-    serve.start()
     nvtx_state = (
         "disabled" if args.no_nvtx else ("active" if runtime.ins.active else "inactive (no NVTX tool attached)")
     )
-    print(f"http port: {http.server_address[1]}", flush=True)
-    print(f"control socket: {path}", flush=True)
-    print(f"nvtx: {nvtx_state}", flush=True)
-    print("ready", flush=True)
-    try:
-        while not stop.wait(0.5):
-            pass
-    finally:
-        http.shutdown()
-        http.server_close()
-        control.close()
-        runtime.engine.stop()
-    return 0
+    return serve(runtime, prog="moe_runtime", host=args.host, port=args.port, control_socket=args.control_socket,
+                 control_mode=mode, nvtx_state=nvtx_state)
 
 
 if __name__ == "__main__":

@@ -9,15 +9,30 @@ import dataclasses
 import logging
 import threading
 import time
+from typing import Any, Protocol
 
 import torch
 
 from moescope.errors import MoescopeError
-from moescope.examples.moe_runtime.instrument import Instrumentation
-from moescope.examples.moe_runtime.model import MoEModel, SequenceState
+from moescope.examples.moe_runtime.model import SequenceState
 from moescope.examples.moe_runtime.stats import RuntimeStats
+from moescope.moe_nvtx import Instrumentation
 
 log = logging.getLogger("moe_runtime.batcher")
+
+
+class SequenceLike(Protocol):
+    length: int  # tokens this sequence has consumed (0: the next step is its prefill)
+
+
+class StepModel(Protocol):
+    """What the engine needs of a model (the reference MoEModel, or examples/hf_server's backend)."""
+
+    sync_ranges: bool
+
+    def new_sequence(self) -> Any: ...
+    def forward(self, seqs: list[Any], new_tokens: list[list[int]]) -> torch.Tensor: ...
+    def synchronize(self) -> None: ...
 
 
 class Overloaded(MoescopeError):
@@ -36,11 +51,11 @@ class Request:
     steps: int = 0
     error: str | None = None
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    seq: SequenceState = dataclasses.field(default_factory=SequenceState)
+    seq: SequenceLike = dataclasses.field(default_factory=SequenceState)  # the model's, set at admission
 
 
 class BatchEngine:
-    def __init__(self, *, model: MoEModel, stats: RuntimeStats, instrumentation: Instrumentation,
+    def __init__(self, *, model: StepModel, stats: RuntimeStats, instrumentation: Instrumentation,
                  max_batch_size: int, max_wait_ms: float, max_waiting: int) -> None:
         self.model = model
         self.stats = stats
@@ -94,6 +109,7 @@ class BatchEngine:
             while self._waiting and len(self._running) < self.max_batch_size:
                 request = self._waiting.popleft()
                 request.started_ns = time.monotonic_ns()
+                request.seq = self.model.new_sequence()
                 self._running.append(request)
             return not self._stop
 
@@ -151,6 +167,6 @@ class BatchEngine:
             now = time.monotonic_ns()
             for request in finished:
                 request.finished_ns = now
-                request.seq = SequenceState()  # free the KV cache now
+                request.seq = SequenceState()  # free the model's state (KV cache) now
                 self.stats.count("requests_completed")
                 request.done.set()

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from moescope.examples.moe_runtime.config import ModelConfig
-from moescope.examples.moe_runtime.instrument import Instrumentation
 from moescope.examples.moe_runtime.residency import TIER_HOST, TORCH_DTYPES, ExpertHandle, ExpertStore, torch_device
 from moescope.examples.moe_runtime.stats import RuntimeStats
+from moescope.moe_nvtx import Instrumentation
 
 
 @dataclasses.dataclass
@@ -192,6 +192,10 @@ class MoEModel:
         self._penalties = torch.zeros(cfg.layers, cfg.experts, device=dev)
         self._penalty_values = [[0.0] * cfg.experts for _ in range(cfg.layers)]  # as set (reporting)
         self._noise_gen = torch.Generator().manual_seed(cfg.seed + 2)
+
+    def new_sequence(self) -> SequenceState:
+        """A new request's state (its KV cache), made when the engine admits it."""
+        return SequenceState()
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

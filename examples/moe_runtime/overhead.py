@@ -25,14 +25,14 @@ from typing import Any
 import nvtx
 import torch
 
-from moescope.examples.moe_runtime.instrument import (
+from moescope.examples.moe_runtime.model import SequenceState
+from moescope.examples.moe_runtime.runtime import Runtime, RuntimeOptions
+from moescope.moe_nvtx import (
     DOMAIN_NAME,
     Instrumentation,
     NvtxInstrumentation,
     make_instrumentation,
 )
-from moescope.examples.moe_runtime.model import SequenceState
-from moescope.examples.moe_runtime.runtime import Runtime, RuntimeOptions
 
 
 def _time_step(rt: Runtime, ins: Instrumentation, *, prompts: list[list[int]], decode: bool, iters: int) -> float:

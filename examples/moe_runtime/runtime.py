@@ -12,11 +12,11 @@ import torch
 from moescope.errors import ConfigError
 from moescope.examples.moe_runtime.batcher import BatchEngine
 from moescope.examples.moe_runtime.config import PRECISIONS, ModelConfig
-from moescope.examples.moe_runtime.instrument import DEFAULT_CONVENTION, Instrumentation, make_instrumentation
 from moescope.examples.moe_runtime.model import MoEModel, make_expert_masters
 from moescope.examples.moe_runtime.residency import CommandError, ExpertStore, MoveResult, validate_device_name
 from moescope.examples.moe_runtime.stats import RuntimeStats
 from moescope.examples.moe_runtime.tokenizer import ByteTokenizer
+from moescope.moe_nvtx import DEFAULT_CONVENTION, Instrumentation, make_instrumentation
 
 PROTOCOL = "moescope-control/1"
 # Default budget: everything resident uses this share of it.
@@ -91,6 +91,16 @@ class Runtime:
         self.engine = BatchEngine(model=self.model, stats=self.stats, instrumentation=self.ins,
                                   max_batch_size=options.max_batch_size, max_wait_ms=options.max_wait_ms,
                                   max_waiting=options.max_waiting)
+
+    # ----- what the HTTP front end reads (server.ServedRuntime) -----
+
+    @property
+    def max_seq(self) -> int:
+        return self.cfg.max_seq
+
+    @property
+    def max_tokens_limit(self) -> int:
+        return self.options.max_tokens_limit
 
     # ----- stats -----
 

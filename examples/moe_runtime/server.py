@@ -1,16 +1,24 @@
 """HTTP/1.1 keep-alive front end: POST /v1/completions, GET /healthz, GET /stats.
-Handler threads validate, enqueue and wait; only the model thread runs the model."""
+Handler threads validate, enqueue and wait; only the model thread runs the model.
+
+Model-agnostic: it serves any `ServedRuntime` (the reference runtime, or the Hugging Face server in
+examples/hf_server/), so every runtime speaks the same API and request-key convention."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
+import sys
+import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Protocol
 
-from moescope.examples.moe_runtime.batcher import Overloaded, Request
-from moescope.examples.moe_runtime.runtime import Runtime
+from moescope.errors import MoescopeError
+from moescope.examples.moe_runtime.batcher import BatchEngine, Overloaded, Request
+from moescope.examples.moe_runtime.control import ControlServer, default_socket_path
 
 log = logging.getLogger("moe_runtime.server")
 
@@ -22,7 +30,26 @@ class BadRequest(ValueError):
     pass
 
 
-def parse_completion(body: bytes, *, runtime: Runtime) -> tuple[list[int], int]:
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ServedRuntime(Protocol):
+    """What the HTTP front end needs of a runtime."""
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+    @property
+    def engine(self) -> BatchEngine: ...
+    @property
+    def max_seq(self) -> int: ...
+    @property
+    def max_tokens_limit(self) -> int: ...
+    def stats_dict(self) -> dict[str, Any]: ...
+
+
+def parse_completion(body: bytes, *, runtime: ServedRuntime) -> tuple[list[int], int]:
     """Validates a completion request body; returns (prompt ids, max_tokens) or raises BadRequest."""
     try:
         payload = json.loads(body)
@@ -37,14 +64,14 @@ def parse_completion(body: bytes, *, runtime: Runtime) -> tuple[list[int], int]:
     if not isinstance(prompt, str):
         raise BadRequest("'prompt' must be a string")
     max_tokens = payload.get("max_tokens", 16)
-    limit = runtime.options.max_tokens_limit
+    limit = runtime.max_tokens_limit
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= limit:
         raise BadRequest(f"'max_tokens' must be an integer in 1..{limit}")
     ids = runtime.tokenizer.encode(prompt)
-    room = runtime.cfg.max_seq - max_tokens
+    room = runtime.max_seq - max_tokens
     if len(ids) > room:
         raise BadRequest(f"prompt is {len(ids)} tokens; with max_tokens={max_tokens} at most {room} fit "
-                         f"(max_seq {runtime.cfg.max_seq})")
+                         f"(max_seq {runtime.max_seq})")
     return ids, max_tokens
 
 
@@ -136,7 +163,7 @@ class MoeHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 256  # many concurrent clients connect at once
 
-    def __init__(self, address: tuple[str, int], *, runtime: Runtime) -> None:
+    def __init__(self, address: tuple[str, int], *, runtime: ServedRuntime) -> None:
         self.runtime = runtime
         super().__init__(address, CompletionHandler)
 
@@ -145,3 +172,47 @@ class MoeHTTPServer(ThreadingHTTPServer):
         log.debug("connection error from %s", client_address, exc_info=True)
 
 
+
+
+def serve(runtime: ServedRuntime, *, prog: str, host: str, port: int, control_socket: str | None,
+          control_mode: int, nvtx_state: str) -> int:
+    """Serve HTTP and the control socket (the runtime's `cmd_*` methods) until SIGINT/SIGTERM.
+    Prints the start-up banner (launch.py reads it): http port, control socket, nvtx, ready."""
+    try:
+        http = MoeHTTPServer((host, port), runtime=runtime)
+    except OSError as exc:
+        print(f"{prog}: error: cannot listen on {host}:{port}: {exc.strerror}", file=sys.stderr)
+        return 2
+    path = control_socket or default_socket_path(pid=os.getpid())
+    handlers = {name.removeprefix("cmd_"): getattr(runtime, name) for name in dir(runtime) if name.startswith("cmd_")}
+    try:
+        control = ControlServer(path=path, handlers=handlers, mode=control_mode)
+    except MoescopeError as exc:
+        http.server_close()
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    runtime.engine.start()
+    control.start()
+    serving = threading.Thread(target=http.serve_forever, kwargs={"poll_interval": 0.2}, name="moe-http",
+                               daemon=True)
+    serving.start()
+    print(f"http port: {http.server_address[1]}", flush=True)
+    print(f"control socket: {path}", flush=True)
+    print(f"nvtx: {nvtx_state}", flush=True)
+    print("ready", flush=True)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        http.shutdown()
+        http.server_close()
+        control.close()
+        runtime.engine.stop()
+    return 0

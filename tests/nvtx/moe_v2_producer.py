@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from moescope.examples.moe_runtime.instrument import make_instrumentation
+from moescope.moe_nvtx import make_instrumentation
 
 
 def routing(rng: np.random.Generator, *, experts: int, tokens: int, top_k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -245,7 +245,7 @@ def run_ext(*, threads: int, rounds: int) -> dict[str, Any]:
 def run_moe(*, steps: int, layers: int, experts: int) -> dict[str, Any]:
     """The reference runtime's own instrumentation (moe/v1 convention) driven with known values,
     plus deliberate convention violations the parser must count."""
-    from moescope.examples.moe_runtime.instrument import make_instrumentation
+    from moescope.moe_nvtx import make_instrumentation
 
     ins = make_instrumentation(enabled=True)
     assert ins.active, "NVTX tool not attached"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from moescope.examples.moe_runtime.config import ModelConfig
 from moescope.examples.moe_runtime.control import COMMAND_ARGS
-from moescope.examples.moe_runtime.instrument import DEFAULT_CONVENTION, MESSAGES
 from moescope.examples.moe_runtime.runtime import PROTOCOL, Runtime, RuntimeOptions
+from moescope.moe_nvtx import DEFAULT_CONVENTION, MESSAGES
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 

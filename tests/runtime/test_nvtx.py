@@ -24,13 +24,13 @@ from moescope.collectors.moe_convention import MoeConventionParser, StepEvent
 from moescope.collectors.nvtx import NvtxCollector, injection_library_path
 from moescope.examples.moe_runtime.batcher import Request
 from moescope.examples.moe_runtime.config import ModelConfig
-from moescope.examples.moe_runtime.instrument import (
+from moescope.examples.moe_runtime.runtime import Runtime, RuntimeOptions
+from moescope.moe_nvtx import (
     MESSAGES,
     Instrumentation,
     NvtxInstrumentation,
     make_instrumentation,
 )
-from moescope.examples.moe_runtime.runtime import Runtime, RuntimeOptions
 from tests.runtime.conftest import REPO, SMALL_MODEL, _read_banner, _stop
 
 CFG = ModelConfig(d_model=64, d_ff=128, layers=2, experts=8, n_heads=2, capacity_factor=0.75)
@@ -212,7 +212,7 @@ def test_v2_sends_one_routing_vector_and_one_experts_range_per_layer() -> None:
 
 def test_no_tool_attached_means_no_op_instrumentation() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("NVTX_INJECTION")}
-    code = ("from moescope.examples.moe_runtime.instrument import make_instrumentation as m;"
+    code = ("from moescope.moe_nvtx import make_instrumentation as m;"
             "print(type(m(enabled=True)).__name__, type(m(enabled=False)).__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60, check=True)
     assert out.stdout.split() == ["Instrumentation", "Instrumentation"]
@@ -264,12 +264,12 @@ def test_captured_through_the_real_injection_library() -> None:
             assert [layer.layer for layer in step.layers] == [0, 1]
             for layer in step.layers:
                 assert layer.router is not None and 0 < (layer.router.entropy_bits or 0) <= 3.0
-                assert sum(layer.router.tokens.values()) == 2 * (step.tokens or 0)
+                assert layer.router.routed() == 2 * (step.tokens or 0)
                 assert all(load.bytes_moved == 3 * 64 * 128 * 4 for load in layer.loads)
             # 14 of 16 experts resident: only layer 1's experts 6 and 7 are ever loaded.
             assert step.layers[0].loads == [] and {load.expert for load in step.layers[1].loads} <= {6, 7}
         assert sum(len(layer.loads) for s in steps for layer in s.layers) > 0
-        assert sum(sum(layer.router.dropped.values()) for s in steps for layer in s.layers if layer.router) > 0
+        assert sum(layer.router.over_capacity() for s in steps for layer in s.layers if layer.router) > 0
         for name in ("unknown_names", "malformed_payloads", "malformed_categories", "misplaced", "orphans"):
             assert parsed[name] == 0, (name, parsed)
         assert collector.stats()["dropped_ring_full"] == 0

@@ -1,13 +1,17 @@
-"""NVTX instrumentation of the MoE forward pass, convention moe/v2 or moe/v1 (docs/nvtx-convention.md).
+"""The moe/v2 (and v1) NVTX emitter (docs/nvtx-convention.md): message names, payload types and
+the one reusable-attributes producer that every moescope-side producer uses — the reference
+runtime (examples/moe_runtime) and `moescope.instrument()` for Hugging Face transformers models
+(moescope/hf/).
 
 v2 (the default) emits O(layers) events per step: per layer one `moe.routing` mark whose payload
 is the layer's routing vector (tokens routed per expert, then tokens over capacity per expert) and
-one `moe.experts` range around the expert loop, with the experts' compute times as one vector.
+one `moe.experts` range around the layer's experts, with the experts' compute times as one vector.
 v1 emits one mark per expert with tokens and one `moe.expert.ffn` range per expert run.
 
 Only the model thread emits. Messages come from the fixed set MESSAGES, registered once at start
 (registered strings are cached by the producer: a unique string per event would leak). With no
 NVTX tool attached `nvtx.get_domain` returns a dummy domain and every call here is an empty method.
+Neutral: imports numpy and nvtx only (a serving process imports it; so may the agent's tests).
 """
 
 from __future__ import annotations
@@ -93,6 +97,9 @@ class Instrumentation:
 
     def experts_pop(self) -> None:
         pass
+
+    def step_device_mark(self, time_us: np.ndarray) -> None:
+        """v2 moe.step.device: each layer's device time of its experts, µs, after the last layer."""
 
     def load_push(self, expert: int, bytes_moved: int) -> None:
         pass
@@ -206,6 +213,13 @@ class NvtxInstrumentation(Instrumentation):
     def experts_pop(self) -> None:
         if self.v2:
             self._pop()
+
+    def step_device_mark(self, time_us: np.ndarray) -> None:
+        if not self.v2:
+            return
+        a = self._attrs[MSG_STEP_DEVICE]
+        a.payload = time_us.astype(np.float32, copy=False)
+        self._mark(a)
 
     def load_push(self, expert: int, bytes_moved: int) -> None:
         a = self._attrs[MSG_EXPERT_LOAD]

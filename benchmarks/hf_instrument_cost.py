@@ -1,0 +1,120 @@
+"""Cost of `moescope.instrument()` on a real transformers MoE forward pass: instrumented vs plain.
+
+    .venv/bin/python -m benchmarks.hf_instrument_cost [--pairs 10] [--forwards 30] [--quick]
+
+Two shapes, each a tiny-config Qwen3-MoE built from transformers' config class (random weights):
+  tiny:      4 MoE layers, 8 experts, top-2, width 64, a 2 x 8 token step (the test models);
+  realistic: 1 MoE layer, 16 experts, top-2, width 1024, a 1 x 1536 token step.
+A (plain) and B (instrumented, moescope's NVTX injection library attached with no agent: what a
+served process pays between attaches) alternate AB, BA, ...; each run is the median of its
+forwards; the ratio is median(B) / median(A). Each forward is timed twice: the thread's CPU time
+(what the bars are judged on: other processes on a shared machine inflate wall time, not this
+thread's CPU time) and wall time (reported). Bars: <= 1.03 tiny, <= 1.01 realistic.
+CPU only: the CUDA path (device-side counts, one copy per step) is not measured here.
+Writes bench-results/hf_instrument_cost.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks.common import Metrics, alternate_ab, write_result
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": {"config": {"layers": 4, "experts": 8, "top_k": 2, "hidden": 64}, "batch": 2, "tokens": 8,
+             "bar_ratio": 1.03},
+    "realistic": {"config": {"layers": 1, "experts": 16, "top_k": 2, "hidden": 1024, "moe_intermediate_size": 512,
+                             "intermediate_size": 1024},
+                  "batch": 1, "tokens": 1536, "bar_ratio": 1.01},
+}
+
+
+def measure_shape(name: str, *, pairs: int, forwards: int, progress: Callable[[str], None]) -> dict[str, Any]:
+    import torch
+
+    import moescope
+    from moescope.hf.tiny import tiny_model
+
+    shape = SHAPES[name]
+    model = tiny_model("qwen3_moe", max_positions=max(512, shape["tokens"]), **shape["config"])
+    ids = torch.randint(0, 128, (shape["batch"], shape["tokens"]), generator=torch.Generator().manual_seed(0))
+    nvtx_state = ""
+
+    def timed_forwards() -> Metrics:
+        wall: list[float] = []
+        cpu: list[float] = []
+        with torch.no_grad():
+            for _ in range(forwards):
+                t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+                model(input_ids=ids)
+                cpu.append((time.thread_time_ns() - c0) / 1e3)
+                wall.append((time.perf_counter_ns() - t0) / 1e3)
+        return {"forward_cpu_us": statistics.median(cpu), "forward_wall_us": statistics.median(wall)}
+
+    def plain() -> Metrics:
+        return timed_forwards()
+
+    def instrumented() -> Metrics:
+        nonlocal nvtx_state
+        ins = moescope.instrument(model)
+        nvtx_state = ins.nvtx_state
+        if not ins.active:
+            raise SystemExit(f"hf_instrument_cost: instrumentation inactive: {ins.reason}")
+        try:
+            return timed_forwards()
+        finally:
+            ins.close()
+
+    with torch.no_grad():  # warm-up: first calls allocate and pick kernels
+        for _ in range(3):
+            model(input_ids=ids)
+    result = alternate_ab(run_a=plain, run_b=instrumented, pairs=pairs, progress=lambda s: progress(f"{name}: {s}"))
+    ratio = result.ratio("forward_cpu_us")
+    return {
+        "shape": name, "config": shape["config"], "step_tokens": shape["batch"] * shape["tokens"],
+        "forwards_per_run": forwards, "pairs": pairs, "nvtx": nvtx_state,
+        "plain_forward_cpu_us_median": result.median("a", "forward_cpu_us"),
+        "instrumented_forward_cpu_us_median": result.median("b", "forward_cpu_us"),
+        "added_cpu_us_per_forward": result.delta("forward_cpu_us"), "ratio": ratio,
+        "wall_ratio": result.ratio("forward_wall_us"),
+        "plain_forward_wall_us_median": result.median("a", "forward_wall_us"),
+        "bar_ratio": shape["bar_ratio"], "bar_met": ratio <= shape["bar_ratio"], "runs": result.to_dict(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=10, help="A/B pairs per shape (default 10)")
+    parser.add_argument("--forwards", type=int, default=30, help="forward passes per run (default 30)")
+    parser.add_argument("--realistic-forwards", type=int, default=6, help="forwards per run, realistic shape")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: less noise)")
+    parser.add_argument("--quick", action="store_true", help="3 pairs, fewer forwards (a smoke run)")
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    pairs = 3 if args.quick else args.pairs
+    runs = [
+        measure_shape("tiny", pairs=pairs, forwards=10 if args.quick else args.forwards, progress=print),
+        measure_shape("realistic", pairs=pairs, forwards=2 if args.quick else args.realistic_forwards, progress=print),
+    ]
+    bar_met = all(r["bar_met"] for r in runs)
+    path = write_result("hf_instrument_cost", {
+        "command": "python -m benchmarks.hf_instrument_cost " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "threads": args.threads, "runs": runs, "bar_met": bar_met,
+    })
+    for r in runs:
+        print(f"{r['shape']}: CPU per forward plain {r['plain_forward_cpu_us_median']:.0f} us, instrumented "
+              f"{r['instrumented_forward_cpu_us_median']:.0f} us, ratio {r['ratio']:.4f} (bar {r['bar_ratio']}) "
+              f"{'met' if r['bar_met'] else 'MISSED'}; wall ratio {r['wall_ratio']:.4f}")
+    print(f"-> {path}")
+    return 0 if bar_met else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

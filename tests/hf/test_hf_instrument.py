@@ -1,0 +1,275 @@
+"""moescope.instrument() on real transformers models and on a hand-made MoE of another shape:
+blocks found by structure, E and k, the router's scoring decided from its outputs, close() leaves
+the model exactly as it was, a dense model gets the one-line reason. The NVTX events go to a
+recording domain here (the real injection path: test_hf_nvtx.py)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import moescope
+from moescope.hf.discover import NO_BLOCKS_REASON
+from moescope.hf.tiny import tiny_model
+
+
+@dataclass
+class Attributes:
+    message: str
+    category: Any = None
+    payload: Any = None
+
+
+@dataclass
+class RecordingDomain:
+    """The subset of nvtx.Domain the emitter uses; keeps (kind, message, category, payload, depth)."""
+
+    events: list[tuple[str, str, Any, Any, int]] = field(default_factory=list)
+    depth: int = 0
+
+    def get_registered_string(self, string: str) -> str:
+        return string
+
+    def get_event_attributes(self, message: Any = None, color: Any = None, category: Any = None,
+                             payload: Any = None) -> Attributes:
+        return Attributes(message, category, payload)
+
+    def push_range(self, attributes: Any = None) -> None:
+        self.events.append(("push", attributes.message, attributes.category, _copy(attributes.payload), self.depth))
+        self.depth += 1
+
+    def pop_range(self) -> None:
+        self.depth -= 1
+        self.events.append(("pop", "", None, None, self.depth))
+
+    def mark(self, attributes: Any = None) -> None:
+        self.events.append(("mark", attributes.message, attributes.category, _copy(attributes.payload), self.depth))
+
+    def named(self, message: str) -> list[tuple[str, str, Any, Any, int]]:
+        return [e for e in self.events if e[1] == message]
+
+
+def _copy(payload: Any) -> Any:
+    return payload.copy() if isinstance(payload, np.ndarray) else payload
+
+
+def hook_state(model: nn.Module) -> list[tuple[str, int, int, int, int, int, tuple[str, ...]]]:
+    """Every module's hook tables and attribute names: what instrument() touches and close() restores."""
+    return [(name, len(m._forward_hooks), len(m._forward_pre_hooks), len(m._forward_hooks_always_called),
+             len(m._forward_hooks_with_kwargs), len(m._forward_pre_hooks_with_kwargs), tuple(sorted(vars(m))))
+            for name, m in model.named_modules()]
+
+
+def entropy_bits(p: torch.Tensor) -> float:
+    p = p.double()
+    return float((-(p * torch.log(torch.where(p > 0, p, torch.ones_like(p)))).sum(-1) / math.log(2.0)).mean())
+
+
+@pytest.mark.parametrize("arch,shared", [("mixtral", ()), ("qwen2_moe", ("shared_expert", "shared_expert_gate")),
+                                         ("qwen3_moe", ())])
+def test_blocks_found_by_structure_and_close_restores_the_model(arch: str, shared: tuple[str, ...]) -> None:
+    model = tiny_model(arch, layers=3)
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(3))
+    before_state = hook_state(model)
+    with torch.no_grad():
+        plain = model(ids).logits
+    domain = RecordingDomain()
+    ins = moescope.instrument(model, domain=domain)
+    assert ins.active and ins.reason == ""
+    assert [(b.layer, b.path, b.router_name, b.experts_name, b.num_experts, b.top_k, b.shared) for b in ins.blocks] == [
+        (i, f"model.layers.{i}.mlp", "gate", "experts", 8, 2, shared) for i in range(3)]
+    assert hook_state(model) != before_state
+    with torch.no_grad():
+        observed = model(ids).logits
+    assert torch.equal(plain, observed)  # the hooks read, never change
+    assert len(domain.named("moe.step")) == 1 and len(domain.named("moe.layer")) == 3
+    assert {s.kind for s in ins.scoring().values()} == {"softmax"}
+    ins.close()
+    assert hook_state(model) == before_state
+    events = len(domain.events)
+    with torch.no_grad():
+        after = model(ids).logits
+    assert torch.equal(plain, after) and len(domain.events) == events  # nothing emitted once closed
+
+
+def test_cpu_path_events_nest_as_the_convention_says() -> None:
+    model = tiny_model("qwen3_moe", layers=2)
+    domain = RecordingDomain()
+    ins = moescope.instrument(model, domain=domain, routing="layer")
+    seen: dict[int, torch.Tensor] = {}
+    handles = [b.router.register_forward_hook(lambda m, a, o, i=b.layer: seen.__setitem__(i, o[0]))
+               for b in ins.blocks]
+    ins.set_request_keys([7, 9])
+    with torch.no_grad():
+        model(torch.arange(12).reshape(2, 6))
+    for h in handles:
+        h.remove()
+    ins.close()
+    kinds = [(k, m, c, d) for k, m, c, _, d in domain.events if m]
+    assert kinds[:3] == [("push", "moe.step", None, 0), ("mark", "moe.request", None, 1),
+                         ("mark", "moe.request", None, 1)]
+    per_layer = [("push", "moe.layer", None, 1), ("push", "moe.router", None, 2), ("mark", "moe.routing", None, 3),
+                 ("push", "moe.experts", None, 2)]
+    layer_events = [(k, m, None, d) for k, m, c, d in kinds[3:]]
+    assert layer_events == per_layer * 2
+    assert [e[3] for e in domain.named("moe.request")] == [7, 9]
+    assert domain.named("moe.step")[0][3] == 12
+    for layer, (router, routing) in enumerate(zip(domain.named("moe.router"), domain.named("moe.routing"))):
+        assert router[2] == routing[2] == layer + 1
+        logits = seen[layer]
+        assert math.isclose(router[3], entropy_bits(torch.softmax(logits.double(), -1)), abs_tol=1e-6)
+        want = torch.bincount(logits.topk(2, dim=-1).indices.reshape(-1), minlength=8)
+        assert routing[3].tolist() == [*want.tolist(), *[0] * 8] and int(routing[3].sum()) == 2 * 12
+    assert [e[3] for e in domain.named("moe.experts")] == [24, 24]
+    assert domain.depth == 0
+
+
+def test_a_dense_model_gets_the_one_line_reason() -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    before = hook_state(model)
+    ins = moescope.instrument(model, domain=RecordingDomain())
+    assert ins.blocks == () and not ins.active
+    assert ins.reason == NO_BLOCKS_REASON and "\n" not in ins.reason and "dense model" in ins.reason
+    assert hook_state(model) == before
+
+
+class Chooser(nn.Module):
+    """A router of another shape and name: returns probabilities, then indices, then weights."""
+
+    def __init__(self, hidden: int, experts: int, k: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden, experts, bias=False)
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(self.proj(x), dim=-1)
+        weights, index = probs.topk(self.k, dim=-1)
+        return probs, index, weights
+
+
+class Bank(nn.Module):
+    def __init__(self, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(experts, hidden, hidden) * 0.1)
+
+    def forward(self, x: torch.Tensor, *, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for slot in range(index.shape[-1]):
+            out += weights[:, slot, None] * torch.einsum("th,thd->td", x, self.w[index[:, slot]])
+        return out
+
+
+class OddMoe(nn.Module):
+    def __init__(self, hidden: int = 16, experts: int = 6, k: int = 3) -> None:
+        super().__init__()
+        self.chooser = Chooser(hidden, experts, k)
+        self.bank = Bank(hidden, experts)
+        self.always = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _probs, index, weights = self.chooser(x)
+        return self.bank(x, index=index, weights=weights) + self.always(x)
+
+
+class OddModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack = nn.Sequential(OddMoe(), nn.ReLU(), OddMoe())
+
+    def forward(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        return self.stack(inputs_embeds)
+
+
+def test_a_family_never_seen_is_found_by_its_shape() -> None:
+    torch.manual_seed(0)
+    model = OddModel().eval()
+    domain = RecordingDomain()
+    ins = moescope.instrument(model, domain=domain, routing="layer")
+    assert [(b.path, b.router_name, b.experts_name, b.num_experts, b.top_k, b.shared) for b in ins.blocks] == [
+        ("stack.0", "chooser", "bank", 6, 3, ("always",)), ("stack.2", "chooser", "bank", 6, 3, ("always",))]
+    probs: list[torch.Tensor] = []
+    handles = [b.router.register_forward_hook(lambda m, a, o: probs.append(o[0])) for b in ins.blocks]
+    x = torch.randn(10, 16)
+    with torch.no_grad():
+        model(inputs_embeds=x)
+    for h in handles:
+        h.remove()
+    assert {s.kind for s in ins.scoring().values()} == {"probabilities"}
+    assert domain.named("moe.step")[0][3] == 10
+    for p, router, routing in zip(probs, domain.named("moe.router"), domain.named("moe.routing"), strict=True):
+        assert math.isclose(router[3], entropy_bits(p), abs_tol=1e-6)
+        want = torch.bincount(p.topk(3, dim=-1).indices.reshape(-1), minlength=6).tolist()
+        assert routing[3].tolist() == want + [0] * 6
+    ins.close()
+
+
+def test_sigmoid_router_with_correction_bias_is_measured_as_it_selects() -> None:
+    model: Any = tiny_model("deepseek_v3", layers=2)  # a transformers model: its attributes are not typed
+    generator = torch.Generator().manual_seed(4)
+    for layer in model.model.layers:
+        layer.mlp.gate.e_score_correction_bias.copy_(torch.rand(8, generator=generator) * 0.5)
+    domain = RecordingDomain()
+    ins = moescope.instrument(model, domain=domain, routing="layer")
+    logits: list[torch.Tensor] = []
+    handles = [b.router.register_forward_hook(lambda m, a, o: logits.append(o[0])) for b in ins.blocks]
+    with torch.no_grad():
+        model(torch.arange(16).reshape(2, 8))
+    for h in handles:
+        h.remove()
+    scoring = ins.scoring()
+    assert [(s.kind, s.bias_name) for s in scoring.values()] == [("sigmoid", "e_score_correction_bias")] * 2
+    for block, s, router, routing in zip(ins.blocks, logits, domain.named("moe.router"), domain.named("moe.routing"),
+                                         strict=True):
+        bias: Any = block.router.e_score_correction_bias
+        q = torch.sigmoid(s.double()) + bias.double()
+        assert math.isclose(router[3], entropy_bits(q / q.sum(-1, keepdim=True)), abs_tol=1e-6)
+        assert int(routing[3][:8].sum()) == 2 * 16
+    ins.close()
+
+
+def test_importing_moescope_does_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, moescope; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert done.stdout.split() == ["False", "False"]
+
+
+def test_deferred_path_sends_the_live_paths_numbers_after_the_step() -> None:
+    """The path CUDA takes (device-side counts and entropies, one copy per step, layers emitted after
+    the step), run on the CPU: same routing and entropy as the live path, layers in order, no device
+    time vector (there are no CUDA events on a CPU)."""
+    model: Any = tiny_model("qwen2_moe", layers=3)
+    ids = torch.randint(0, 128, (3, 4), generator=torch.Generator().manual_seed(8))
+
+    def run(defer: bool) -> tuple[RecordingDomain, int]:
+        domain = RecordingDomain()
+        ins = moescope.instrument(model, domain=domain, routing="layer", defer=defer)
+        seen: list[int] = []  # events emitted when the final norm runs: after the last MoE block
+        handle = model.model.norm.register_forward_hook(lambda m, a, o: seen.append(len(domain.events)))
+        with torch.no_grad():
+            model(ids)
+        handle.remove()
+        ins.close()
+        return domain, seen[0]
+
+    (live, live_before_end), (deferred, deferred_before_end) = run(False), run(True)
+    assert live_before_end == 1 + 3 * 7 and deferred_before_end == 1  # deferred: only the step's push
+    assert [(k, m, d) for k, m, _, _, d in deferred.events] == [(k, m, d) for k, m, _, _, d in live.events]
+    for name in ("moe.layer", "moe.experts", "moe.step"):
+        assert [e[2:4] for e in deferred.named(name)] == [e[2:4] for e in live.named(name)]
+    assert [e[3].tolist() for e in deferred.named("moe.routing")] == [e[3].tolist() for e in live.named("moe.routing")]
+    for a, b in zip(deferred.named("moe.router"), live.named("moe.router"), strict=True):
+        assert a[2] == b[2] and math.isclose(a[3], b[3], abs_tol=1e-6)
+    assert deferred.named("moe.step.device") == [] and deferred.depth == 0
