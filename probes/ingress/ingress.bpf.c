@@ -4,7 +4,9 @@
  * A connection is an fd the target got from accept/accept4 (or one the loader seeded at attach).
  * A request is the first bytes read after the previous response, through the last write of its
  * response; it ends at the next read attempt on the connection or at close. One ingress_event per
- * request goes to a ring buffer without a wake-up; the agent drains it on a timer.
+ * request goes to a ring buffer without a wake-up; the agent drains it on a timer. Before that
+ * record is reserved, the request is added to its target's aggregate (the per-CPU `stats` array:
+ * count, bytes, unanswered, latency histogram), so the counts stay exact when the ring is full.
  *
  * Only syscall tracepoints are used (their argument layout comes from tracefs), so the program
  * compiles against the nearest distro headers. Every program filters on the target tgid first.
@@ -19,7 +21,7 @@
 #define MS_AF_INET  2
 #define MS_AF_INET6 10
 
-BPF_HASH(targets, u32, u8, MAX_TARGETS);
+BPF_HASH(targets, u32, u32, MAX_TARGETS); // tgid -> its slot in `stats`
 // Fast exact filter: slot (tgid mod INGRESS_TARGET_SLOTS) holds the target's tgid, 0, or
 // INGRESS_TARGET_SHARED when two targets share it (then the hash decides). An array lookup is
 // inlined by the verifier, so every other process on the machine pays almost nothing.
@@ -29,6 +31,7 @@ BPF_ARRAY(inflight, struct ingress_inflight, MAX_INFLIGHT); // MAX_INFLIGHT: a p
 BPF_PERCPU_ARRAY(drops, u64, INGRESS_DROP_NR);
 BPF_ARRAY(conn_count, u64, INGRESS_CC_NR);
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
+BPF_PERCPU_ARRAY(stats, struct ingress_stats, MAX_TARGETS);
 
 static __always_inline int is_target(u32 tgid)
 {
@@ -83,11 +86,61 @@ static __always_inline void inflight_put(u32 tgid, u32 tid, s32 fd, u32 kind, u6
 	slot->kind = kind;
 }
 
+/* floor(log2(v)) for v > 0, without a loop. */
+static __always_inline u32 log2_u64(u64 v)
+{
+	u32 r = 0;
+	if (v >> 32) { v >>= 32; r += 32; }
+	if (v >> 16) { v >>= 16; r += 16; }
+	if (v >> 8) { v >>= 8; r += 8; }
+	if (v >> 4) { v >>= 4; r += 4; }
+	if (v >> 2) { v >>= 2; r += 2; }
+	if (v >> 1) { r += 1; }
+	return r;
+}
+
+/* The log-linear bucket of a latency (ingress.h; aggregate.py mirrors it). */
+static __always_inline u32 latency_bucket(u64 ns)
+{
+	if (ns < (1ULL << INGRESS_LAT_MIN_SHIFT))
+		return 0;
+	u32 msb = log2_u64(ns);
+	if (msb >= INGRESS_LAT_MAX_SHIFT)
+		return INGRESS_LAT_BUCKETS - 1;
+	u32 sub = (ns >> (msb - INGRESS_LAT_SUB_BITS)) & (INGRESS_LAT_SUB - 1);
+	return 1 + (msb - INGRESS_LAT_MIN_SHIFT) * INGRESS_LAT_SUB + sub;
+}
+
+/* Count one completed request in its target's slot (per CPU: no atomics, no shared line). */
+static __always_inline void account(struct ingress_conn *c, u32 tgid, u64 end_ns, u32 flags)
+{
+	u32 *slot = targets.lookup(&tgid);
+	if (!slot)
+		return; // removed meanwhile: the loader has read its final counts
+	int index = *slot;
+	struct ingress_stats *s = stats.lookup(&index);
+	if (!s)
+		return;
+	s->requests += 1;
+	s->bytes_in += c->bytes_in;
+	s->bytes_out += c->bytes_out;
+	if (flags & INGRESS_F_NO_RESPONSE) {
+		s->unanswered += 1;
+		return;
+	}
+	u64 latency = end_ns > c->start_ns ? end_ns - c->start_ns : 0;
+	s->latency_sum_ns += latency;
+	u32 bucket = latency_bucket(latency);
+	if (bucket < INGRESS_LAT_BUCKETS)
+		s->latency[bucket] += 1;
+}
+
 static __always_inline void emit(struct ingress_conn *c, struct ingress_conn_key *key, u64 end_ns,
 				 u32 flags)
 {
 	// seq advances even when the record is lost, so gaps in seq show where.
 	c->seq += 1;
+	account(c, key->tgid, end_ns, flags); // first: the aggregate never depends on ring space
 	struct ingress_event *e = events.ringbuf_reserve(sizeof(struct ingress_event));
 	if (!e) {
 		count_drop(INGRESS_DROP_RINGBUF_FULL);

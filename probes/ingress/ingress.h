@@ -79,6 +79,27 @@ struct ingress_inflight {
 #define INGRESS_CC_GENERATION     4 /* last connection generation handed out by accept */
 #define INGRESS_CC_NR             5
 
+/* Per-target aggregate, one slot per target in the per-CPU `stats` array (the `targets` hash maps
+ * a tgid to its slot). Updated at every request's completion before its ring record is reserved,
+ * so a full ring never loses a count. The latency histogram is log-linear over ns: bucket 0 holds
+ * everything below 2^INGRESS_LAT_MIN_SHIFT ns (1.024 us); then INGRESS_LAT_SUB linear sub-buckets
+ * per power of two up to 2^INGRESS_LAT_MAX_SHIFT ns (137 s); the last bucket also holds anything
+ * longer. A value's bucket is at most 1/16 of its lower bound wide (probes/ingress/aggregate.py). */
+#define INGRESS_LAT_SUB_BITS  4
+#define INGRESS_LAT_SUB       (1 << INGRESS_LAT_SUB_BITS)
+#define INGRESS_LAT_MIN_SHIFT 10
+#define INGRESS_LAT_MAX_SHIFT 37
+#define INGRESS_LAT_BUCKETS   (1 + (INGRESS_LAT_MAX_SHIFT - INGRESS_LAT_MIN_SHIFT) * INGRESS_LAT_SUB)
+
+struct ingress_stats {
+	__u64 requests;          /* completed requests, answered or not */
+	__u64 unanswered;        /* of them: closed before any response byte (INGRESS_F_NO_RESPONSE) */
+	__u64 bytes_in;          /* request bytes read */
+	__u64 bytes_out;         /* response bytes written */
+	__u64 latency_sum_ns;    /* sum of end_ns - start_ns over answered requests */
+	__u64 latency[INGRESS_LAT_BUCKETS]; /* answered requests by end_ns - start_ns */
+};
+
 /* Slots of the `target_slots` filter array (a power of two), and the value of a shared slot. */
 #ifndef INGRESS_TARGET_SLOTS
 #define INGRESS_TARGET_SLOTS  16384 /* the loader passes its option as -DINGRESS_TARGET_SLOTS */

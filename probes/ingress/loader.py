@@ -5,7 +5,8 @@ ring buffer.
     probe.load()                 # compile (child process) + attach (~0.5 s); tracks nothing until a target is added
     probe.add_target(pid)        # seeds the target's established connections, then tracks it
     probe.poll(time.monotonic_ns())   # drains completed requests into on_record; call on a timer
-    probe.stats()                # drop counters, summed over CPUs
+    probe.stats()                # records, sampled_out and drop counters (summed over CPUs)
+    probe.totals()               # the in-kernel aggregate: exact request count, bytes, latency histogram
     probe.close()                # flushes answered-but-unclosed requests, drains, unloads
 
 The ctypes structures below mirror ingress.h; tests/ingress checks their sizes against gcc's.
@@ -16,8 +17,10 @@ from __future__ import annotations
 import ctypes as ct
 import ipaddress
 import logging
+import math
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +33,9 @@ from moescope import errors
 from moescope.collectors.registry import SourceHealth
 from moescope.probes import bpf
 from moescope.probes.ingress import procnet
-from moescope.probes.ingress.ring import RingReader
+from moescope.probes.ingress.aggregate import IngressStats, RequestTotals, sum_over_cpus
+from moescope.probes.ingress.ring import HEADER_BYTES, RingReader
+from moescope.probes.ingress.sampling import RecordSampler
 
 log = logging.getLogger(__name__)
 
@@ -200,49 +205,89 @@ _SCALARS = (
     "tgid", "tid", "fd", "generation", "seq", "family", "peer_port",
     "start_ns", "first_response_ns", "end_ns", "bytes_in", "bytes_out", "flags",
 )
+_PEER_WORDS = np.dtype([("low", "<u8"), ("high", "<u8")])
 
 
 def decode_events(events: np.ndarray, *, peer_cache: dict[tuple[int, bytes], str | None]) -> list[IngressRecord]:
-    """Records from a batch of ingress_event rows (column-wise, so ~1 us per record or less)."""
+    """Records from a batch of ingress_event rows, column-wise: each distinct peer address is
+    formatted once per batch (np.unique), and each record is one tuple built from its columns."""
     if events.size == 0:
         return []
-    columns = [events[name].tolist() for name in _SCALARS]
-    addrs = [row.tobytes() for row in events["peer_addr"]]
-    records = []
-    for (tgid, tid, fd, gen, seq, family, port, start, first, end, b_in, b_out, flags), raw in zip(
-        zip(*columns), addrs
-    ):
-        key = (family, raw)
-        peer = peer_cache.get(key)
-        if peer is None and key not in peer_cache:
-            peer = peer_cache[key] = _peer_text(family, raw)
+    # (family, 16 address bytes) as three integers, so the distinct peers are found in one pass
+    words = np.ascontiguousarray(events["peer_addr"]).view(_PEER_WORDS).ravel()
+    keys = np.empty(events.size, dtype=[("family", "<u2"), ("low", "<u8"), ("high", "<u8")])
+    keys["family"], keys["low"], keys["high"] = events["family"], words["low"], words["high"]
+    distinct, inverse = np.unique(keys, return_inverse=True)
+    texts: list[str | None] = []
+    for family, low, high in distinct.tolist():
+        raw = int(low).to_bytes(8, "little") + int(high).to_bytes(8, "little")
+        key = (int(family), raw)
+        if key not in peer_cache:
             if len(peer_cache) > 65536:
                 peer_cache.clear()  # bounded: many distinct peers just cost a re-format
-        records.append(
-            IngressRecord(tgid, tid, fd, gen, seq, family, peer, port, start, first, end, b_in, b_out, flags)
+            peer_cache[key] = _peer_text(int(family), raw)
+        texts.append(peer_cache[key])
+    peers = [texts[i] for i in inverse.ravel().tolist()]
+    c = {name: events[name].tolist() for name in _SCALARS}
+    make = IngressRecord._make
+    return [
+        make(row)
+        for row in zip(
+            c["tgid"], c["tid"], c["fd"], c["generation"], c["seq"], c["family"], peers, c["peer_port"],
+            c["start_ns"], c["first_response_ns"], c["end_ns"], c["bytes_in"], c["bytes_out"], c["flags"],
         )
-    return records
+    ]
+
+
+DEFAULT_RATE_HINT_PER_S = 100_000  # sizes the ring: 2 MiB (the size before the hint existed)
+# The ring holds this long at the hinted rate: four 50 ms drain periods, so a drain that runs up to
+# 150 ms late (a long tick, a busy CPU) still loses nothing.
+RING_HOLD_S = 0.2
+# `agent start`'s per-request records handed on per second before the sampling rule applies
+# (sampling.py); every request is counted in the kernel aggregate whatever this is.
+DEFAULT_RECORDS_PER_S = 200  # a kept record costs ~80 us (join, span, export): 200/s is ~1.6 % of a CPU
+EVENT_SLOT_BYTES = (HEADER_BYTES + ct.sizeof(IngressEvent) + 7) // 8 * 8
+
+
+def ring_pages_for(rate_per_s: int, *, hold_s: float = RING_HOLD_S) -> int:
+    """Ring pages (a power of two) holding `hold_s` of records at `rate_per_s` requests/s."""
+    needed = math.ceil(rate_per_s * hold_s * EVENT_SLOT_BYTES / mmap.PAGESIZE)
+    return 1 << max(0, needed - 1).bit_length()
 
 
 @dataclass(frozen=True, slots=True)
 class IngressOptions:
-    """Map sizes; they reach the program as typed -D cflags."""
+    """Map sizes (they reach the program as typed -D cflags) and the record budget."""
 
     max_targets: int = 64
     target_slots: int = TARGET_SLOTS
     max_conns: int = 65536
     max_inflight: int = 16384
-    ringbuf_pages: int = 512  # 2 MiB: ~21k records, ~430k requests/s at a 50 ms drain period
+    rate_hint_per_s: int = DEFAULT_RATE_HINT_PER_S  # requests/s the ring is sized for
+    ringbuf_pages: int = 0  # 0: from rate_hint_per_s (ring_pages_for); else a power of two
+    records_per_s: int = 0  # sampling budget (sampling.py); 0 = every record (`agent start`: DEFAULT_RECORDS_PER_S)
 
     def validate(self) -> None:
-        for name in ("max_targets", "target_slots", "max_conns", "max_inflight", "ringbuf_pages"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise errors.UsageError(f"ingress option {name} must be a positive integer, got {value!r}")
+        for name in ("max_targets", "target_slots", "max_conns", "max_inflight", "rate_hint_per_s"):
+            _check_positive(name, getattr(self, name))
+        if self.ringbuf_pages != 0:
+            _check_positive("ringbuf_pages", self.ringbuf_pages)
+        budget = self.records_per_s
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            raise errors.UsageError(f"ingress option records_per_s must be a whole number >= 0, got {budget!r}")
         for name in ("target_slots", "max_inflight", "ringbuf_pages"):
             value = getattr(self, name)
             if value & (value - 1):
                 raise errors.UsageError(f"ingress option {name} must be a power of two, got {value}")
+
+    def ring_pages(self) -> int:
+        """The ring's size in pages: the explicit one, or enough for the rate hint."""
+        return self.ringbuf_pages or ring_pages_for(self.rate_hint_per_s)
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise errors.UsageError(f"ingress option {name} must be a positive integer, got {value!r}")
 
 
 def cflags(options: IngressOptions) -> list[str]:
@@ -253,7 +298,7 @@ def cflags(options: IngressOptions) -> list[str]:
         f"-DINGRESS_TARGET_SLOTS={options.target_slots:d}",
         f"-DMAX_CONNS={options.max_conns:d}",
         f"-DMAX_INFLIGHT={options.max_inflight:d}",
-        f"-DRINGBUF_PAGES={options.ringbuf_pages:d}",
+        f"-DRINGBUF_PAGES={options.ring_pages():d}",
     ]
 
 
@@ -310,6 +355,15 @@ class IngressProbe:
         self._callback_errors = 0
         self._final_drops = {name: 0 for name in DROP_NAMES.values()}
         self._health = SourceHealth()
+        self._sampler = RecordSampler(records_per_s=self.options.records_per_s, flag_no_response=F_NO_RESPONSE)
+        self._sampled_out = 0
+        # The kernel aggregate: each target's `stats` slot, read against its value when the target
+        # was added (a reused slot keeps its old counts); removed targets' final counts, and the
+        # requests the loader itself flushed (the kernel never completed those), kept here.
+        self._totals_lock = threading.Lock()  # totals() runs on a scrape's thread too
+        self._slots: dict[int, int] = {}
+        self._baselines: dict[int, RequestTotals] = {}
+        self._retired: dict[int, RequestTotals] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -319,7 +373,7 @@ class IngressProbe:
             self._maps = _Maps(loaded.maps)
             self._ring = RingReader(
                 map_fd=loaded.maps["events"],
-                data_bytes=self.options.ringbuf_pages * mmap.PAGESIZE,
+                data_bytes=self.options.ring_pages() * mmap.PAGESIZE,
                 record=EVENT_DTYPE,
             )
             loaded.attach()
@@ -362,9 +416,17 @@ class IngressProbe:
             raise errors.UsageError("the agent cannot trace its own process")
         if tgid not in self._targets and len(self._targets) >= self.options.max_targets:
             raise errors.UsageError(f"at most {self.options.max_targets} targets (max_targets)")
+        with self._totals_lock:
+            slot = self._slots.get(tgid)
+            if slot is None:
+                used = set(self._slots.values())
+                slot = next(i for i in range(self.options.max_targets) if i not in used)  # < max_targets live
+                # the slot's counts so far are not this target's (the kernel only adds to it from now)
+                self._baselines[tgid] = self._read_slot(maps, slot)
+                self._slots[tgid] = slot
         # Target first, then seed with NOEXIST: a connection accepted in between keeps the
         # kernel's entry; seeding never overwrites it.
-        maps.targets.update(ct.c_uint32(tgid), ct.c_uint8(1))
+        maps.targets.update(ct.c_uint32(tgid), ct.c_uint32(slot))
         self._targets.add(tgid)
         self._write_target_slot(tgid)
         seeded = 0
@@ -416,6 +478,7 @@ class IngressProbe:
         self._drain()  # records the kernel already submitted come before the flushed ones
         flushed = 0
         deleted = 0
+        flushed_totals: list[IngressRecord] = []
         for key, conn in maps.conns.items():
             if key.tgid != tgid:
                 continue
@@ -425,6 +488,7 @@ class IngressProbe:
                     flags=F_FLUSHED | (conn.flags & F_SEEDED),
                 )
                 self._deliver(record)
+                flushed_totals.append(record)
                 flushed += 1
             if maps.conns.delete(key):
                 deleted += 1  # else closed meanwhile (the kernel counted that delete)
@@ -435,7 +499,22 @@ class IngressProbe:
             if slot.kind and slot.tgid == tgid:
                 maps.inflight.update(index, IngressInflight())  # free the slots of its threads
         self._flushed += flushed
+        self._retire(maps, tgid, flushed_totals)
         return flushed
+
+    def _retire(self, maps: _Maps, tgid: int, flushed: list[IngressRecord]) -> None:
+        """Keep a removed target's final counts (its slot's delta, plus its flushed requests) and
+        free its slot."""
+        extra = RequestTotals.of_latencies(
+            (r.latency_ns for r in flushed), bytes_in=sum(r.bytes_in for r in flushed),
+            bytes_out=sum(r.bytes_out for r in flushed),
+        )
+        with self._totals_lock:
+            slot = self._slots.pop(tgid, None)
+            if slot is None:
+                return
+            final = self._read_slot(maps, slot) - self._baselines.pop(tgid)
+            self._retired[tgid] = self._retired.get(tgid, RequestTotals()) + final + extra
 
     # ---- Source protocol -------------------------------------------------------------------
 
@@ -458,9 +537,33 @@ class IngressProbe:
         return self._health
 
     def stats(self) -> dict[str, int]:
-        """Counters: records delivered, and every loss (all should stay 0)."""
-        result = {"records": self._records, "flushed": self._flushed, "callback_errors": self._callback_errors}
+        """Counters: records delivered, records the sampling rule left out (not a loss: every
+        request is in totals()), and every loss (all should stay 0)."""
+        result = {
+            "records": self._records, "sampled_out": self._sampled_out, "flushed": self._flushed,
+            "callback_errors": self._callback_errors,
+        }
         return result | (self._read_drops() if self._maps is not None else self._final_drops)
+
+    def totals(self) -> RequestTotals:
+        """Every request completed since load, from the kernel aggregate (all targets, removed
+        ones included): exact whatever happened to per-request records."""
+        return sum(self.totals_by_target().values(), RequestTotals())
+
+    def totals_by_target(self) -> dict[int, RequestTotals]:
+        """The kernel aggregate per target tgid (live and removed)."""
+        with self._totals_lock:
+            result = dict(self._retired)
+            maps = self._maps
+            if maps is not None:
+                for tgid, slot in self._slots.items():
+                    live = self._read_slot(maps, slot) - self._baselines[tgid]
+                    result[tgid] = result.get(tgid, RequestTotals()) + live
+        return result
+
+    @staticmethod
+    def _read_slot(maps: _Maps, slot: int) -> RequestTotals:
+        return sum_over_cpus(maps.stats.lookup_percpu(ct.c_uint32(slot)))
 
     def _read_drops(self) -> dict[str, int]:
         maps = self._require_loaded()
@@ -489,10 +592,17 @@ class IngressProbe:
     def _drain(self) -> int:
         if self._ring is None:
             return 0
-        records = decode_events(self._ring.read(), peer_cache=self._peer_cache)
-        for record in records:
+        events = self._ring.read()
+        if events.size == 0:
+            return 0
+        kept = self._sampler.select(events, time.monotonic_ns())
+        if kept is not None:
+            self._sampled_out += events.size - kept.size
+            events = events[kept]
+        # Only the records that are handed on become Python objects.
+        for record in decode_events(events, peer_cache=self._peer_cache):
             self._deliver(record)
-        return len(records)
+        return int(events.size)
 
     def _deliver(self, record: IngressRecord) -> None:
         self._records += 1
@@ -512,9 +622,10 @@ class _Maps:
                 raise errors.ProbeLoadError(f"the ingress program has no map {name!r}")
             return bpf.BpfMap(fd=fds[name], name=name, key_type=key, value_type=value)
 
-        self.targets = typed("targets", ct.c_uint32, ct.c_uint8)
+        self.targets = typed("targets", ct.c_uint32, ct.c_uint32)
         self.target_slots = typed("target_slots", ct.c_uint32, ct.c_uint32)
         self.conns = typed("conns", IngressConnKey, IngressConn)
         self.inflight = typed("inflight", ct.c_uint32, IngressInflight)
         self.drops = typed("drops", ct.c_uint32, ct.c_uint64)
         self.conn_count = typed("conn_count", ct.c_uint32, ct.c_uint64)
+        self.stats = typed("stats", ct.c_uint32, IngressStats)

@@ -183,8 +183,10 @@ def run_agent() -> Iterator[Callable[..., AgentRun]]:
     started: list[subprocess.Popen[str]] = []
 
     def run(*args: str, wait_attach: bool = True, prefix: tuple[str, ...] = ()) -> AgentRun:
+        # /metrics off unless asked for: the default port is shared by every agent on the machine
+        metrics = () if any(a.startswith("--metrics-port") for a in args) else ("--metrics-port", "0")
         popen = subprocess.Popen(
-            [*prefix, str(AGENT), "start", *args],
+            [*prefix, str(AGENT), "start", *metrics, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -212,3 +214,34 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+KEEPALIVE_C = HERE.parent.parent / "benchmarks" / "ingress_keepalive.c"
+
+
+@dataclass
+class CPair:
+    """benchmarks/ingress_keepalive.c: a C keep-alive responder (the target) and its client, fast
+    enough (~100k requests/s) to fill the probe's ring between two drains."""
+
+    binary: Path
+    server: Server
+
+    def requests(self, count: int) -> None:
+        """`count` requests on one connection, then close (so the last one ends too)."""
+        subprocess.run([str(self.binary), "client", str(self.server.port), str(count)], check=True,
+                       stdout=subprocess.DEVNULL, timeout=WAIT_S)
+
+
+@pytest.fixture
+def c_pair(tmp_path: Path) -> Iterator[CPair]:
+    binary = tmp_path / "ingress_keepalive"
+    subprocess.run(["gcc", "-O2", "-Wall", "-Werror", "-o", str(binary), str(KEEPALIVE_C)], check=True)
+    popen = subprocess.Popen([str(binary), "server"], stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert popen.stdout is not None
+        line = popen.stdout.readline().decode()
+        assert line.startswith("PORT "), f"responder did not start: {line!r}"
+        yield CPair(binary=binary, server=Server(pid=popen.pid, port=int(line.split()[1]), popen=popen))
+    finally:
+        stop_process_group(popen)

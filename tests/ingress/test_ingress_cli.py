@@ -10,17 +10,19 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypedDict
 
-from ingress_harness import AGENT, HTTP_SERVERS, WAIT_S, AgentRun, HttpClient, Server, free_port
+from ingress_harness import AGENT, HTTP_SERVERS, WAIT_S, AgentRun, CPair, HttpClient, Server, free_port
 
 from moescope import errors
 
 SUMMARY = re.compile(
     r"^agent: summary: (?P<requests>\d+) requests \((?P<unanswered>\d+) unanswered\), "
-    r"latency p50 (?P<p50>[-\d.]+)(?: ms)? p99 (?P<p99>[-\d.]+)(?: ms)?, drops (?P<drops>\d+) \((?P<detail>[^)]*)\)",
+    r"latency p50 (?P<p50>[-\d.]+)(?: ms)? p99 (?P<p99>[-\d.]+)(?: ms)?, drops (?P<drops>\d+) \((?P<detail>[^)]*)\), "
+    r"records (?P<records>\d+), sampled out (?P<sampled>\d+), ",
     re.M,
 )
 NOBODY = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
@@ -61,14 +63,16 @@ def nearest_rank_ms(values: list[int], pct: float) -> float:
 def assert_summary_matches_records(match: re.Match[str], records: list[RecordLine]) -> None:
     """The summary's numbers, recomputed independently from the records file."""
     latencies = [r["end_ns"] - r["start_ns"] for r in records if "no_response" not in r["flags"]]
-    assert int(match["requests"]) == len(latencies)
+    assert int(match["requests"]) == len(records)  # the kernel's count, answered or not
+    assert int(match["unanswered"]) == len(records) - len(latencies)
     for pct, key in ((50, "p50"), (99, "p99")):
         exact = nearest_rank_ms(latencies, pct)
-        # The histogram reports its bucket's lower bound, within 1/128 of the exact value;
+        # The kernel histogram reports its bucket's midpoint, within 1/32 of the exact value;
         # the line prints 3 decimals.
-        assert exact * (1 - 1 / 128) - 0.0011 <= float(match[key]) <= exact + 0.0011
+        assert exact * (1 - 1 / 32) - 0.0011 <= float(match[key]) <= exact * (1 + 1 / 32) + 0.0011
     assert int(match["drops"]) == 0
     assert match["detail"] == "ringbuf_full=0 conn_evicted=0 inflight_full=0 sink_errors=0"
+    assert (int(match["records"]), int(match["sampled"])) == (len(records), 0)
 
 
 def test_pid_duration_records_and_summary(
@@ -221,6 +225,77 @@ def test_usage_errors_are_exit_2(bpf: None, run_agent: Callable[..., AgentRun]) 
     assert "not both" in one_line_error(run, errors.EXIT_USAGE)
     run = run_agent("--", "no-such-command-xyz", wait_attach=False)
     assert "command not found" in one_line_error(run, errors.EXIT_USAGE)
+
+
+def test_bad_ingress_options_are_one_line_errors(bpf: None, run_agent: Callable[..., AgentRun]) -> None:
+    for flags, text in (
+        (("--ingress-ring-pages", "3"), "--ingress-ring-pages must be a power of two, got 3"),
+        (("--ingress-ring-pages", "-4"), "--ingress-ring-pages must be >= 0, got -4"),
+        (("--ingress-rate-hint", "0"), "--ingress-rate-hint must be >= 1, got 0"),
+        (("--ingress-rate-hint", "fast"), "--ingress-rate-hint must be a whole number, got 'fast'"),
+        (("--ingress-records-per-s", "-1"), "--ingress-records-per-s must be >= 0, got -1"),
+    ):
+        run = run_agent("--pid", "1", *flags, wait_attach=False)
+        assert text in one_line_error(run, errors.EXIT_USAGE)
+
+
+def scrape_requests_total(port: int) -> float | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return None  # not serving yet
+    for line in text.splitlines():
+        if line.startswith("moescope_requests_total "):
+            return float(line.split()[1])
+    return None
+
+
+def run_c_client_under_agent(
+    c_pair: CPair, run_agent: Callable[..., AgentRun], requests: int, *flags: str
+) -> tuple[re.Match[str], float]:
+    """`agent start --pid <C responder> FLAGS`, `requests` requests from the C client, then the
+    agent's moescope_requests_total once it stops growing past `requests`, then SIGINT."""
+    metrics_port = free_port()
+    run = run_agent("--pid", str(c_pair.server.pid), "--metrics-port", str(metrics_port), "--no-policy",
+                    "--no-collector.nvtx", *flags)
+    assert f"tracing pid {c_pair.server.pid}" in run.attach_line
+    deadline = time.monotonic() + WAIT_S
+    while scrape_requests_total(metrics_port) is None:
+        assert time.monotonic() < deadline and run.popen.poll() is None, "no /metrics from the agent"
+        time.sleep(0.1)
+    c_pair.requests(requests)
+    total = scrape_requests_total(metrics_port)
+    while total is None or total < requests:
+        assert time.monotonic() < deadline, f"moescope_requests_total stayed at {total}"
+        time.sleep(0.1)
+        total = scrape_requests_total(metrics_port)
+    run.popen.send_signal(signal.SIGINT)
+    code, out, err = finish(run)
+    assert code == 0, err
+    return summary_of(out), total
+
+
+def test_counts_are_exact_when_the_ring_overflows(
+    bpf: None, c_pair: CPair, run_agent: Callable[..., AgentRun]
+) -> None:
+    # A one-page ring (42 records) against ~100k requests/s: most records are lost, no count is.
+    match, total = run_c_client_under_agent(c_pair, run_agent, 20_000, "--ingress-ring-pages", "1",
+                                            "--ingress-records-per-s", "0")
+    assert total == 20_000
+    assert (int(match["requests"]), int(match["unanswered"]), int(match["sampled"])) == (20_000, 0, 0)
+    lost = int(re.search(r"ringbuf_full=(\d+)", match["detail"])[1])  # type: ignore[index]
+    assert lost > 0 and int(match["records"]) + lost == 20_000
+    assert match["p50"] != "-" and float(match["p50"]) <= float(match["p99"])
+
+
+def test_sampled_out_is_counted_apart_from_drops(
+    bpf: None, c_pair: CPair, run_agent: Callable[..., AgentRun]
+) -> None:
+    match, total = run_c_client_under_agent(c_pair, run_agent, 20_000, "--ingress-records-per-s", "100")
+    assert total == 20_000 and int(match["requests"]) == 20_000
+    assert int(match["drops"]) == 0
+    assert int(match["sampled"]) > 0 and int(match["records"]) + int(match["sampled"]) == 20_000
 
 
 def test_bcc_missing_is_exit_4(bpf: None, tmp_path: Path, start_server: Callable[..., Server]) -> None:

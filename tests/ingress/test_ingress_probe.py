@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections import defaultdict
 from collections.abc import Callable
 
+import numpy as np
 import pytest
-from ingress_harness import ClientRequest, HttpClient, Server, Tracer
+from ingress_harness import ClientRequest, CPair, HttpClient, Server, Tracer
 
 from moescope import errors
-from moescope.probes.ingress import loader
+from moescope.probes.ingress import aggregate, loader
+from moescope.probes.ingress.aggregate import RequestTotals
 from moescope.probes.ingress.loader import IngressRecord
 
 
@@ -53,6 +56,22 @@ def assert_no_drops(tracer: Tracer) -> None:
     assert stats["callback_errors"] == 0
 
 
+def assert_totals_match(totals: RequestTotals, records: list[IngressRecord]) -> None:
+    """With nothing lost, the kernel aggregate is exactly the records: counts, bytes, the latency
+    sum, the bucket of every latency; its percentiles are within 1/32 of the exact nearest rank."""
+    answered = sorted(r.latency_ns for r in records if r.answered)
+    assert totals.requests == len(records)
+    assert totals.unanswered == len(records) - len(answered)
+    assert totals.bytes_in == sum(r.bytes_in for r in records)
+    assert totals.bytes_out == sum(r.bytes_out for r in records)
+    assert totals.latency_sum_ns == sum(answered)
+    assert np.array_equal(totals.histogram(), RequestTotals.of_latencies(answered).histogram())
+    for pct in (0, 50, 90, 99, 100):
+        exact = answered[max(1, math.ceil(pct / 100 * len(answered))) - 1]
+        reported = totals.percentile_ns(pct)
+        assert reported is not None and abs(reported - exact) <= exact / 32, (pct, exact, reported)
+
+
 def test_keepalive_and_new_connections_each_request_once(tracer: Tracer, start_server: Callable[..., Server]) -> None:
     server = start_server("threaded")
     other = start_server("threaded")  # not a target: its traffic must never appear
@@ -78,6 +97,8 @@ def test_keepalive_and_new_connections_each_request_once(tracer: Tracer, start_s
     match_records(records, [keepalive, *fresh])
     assert len(records) == 9
     assert all(r.tgid in (server.pid,) for r in tracer.records)  # nothing from `other` or from us
+    assert_totals_match(tracer.probe.totals(), records)
+    assert set(tracer.probe.totals_by_target()) == {server.pid}
     assert not any(r.tgid == os.getpid() for r in tracer.records)
     assert len({r.generation for r in records}) == 4  # four connections, four generations
     assert all(r.generation > 0 and not r.flags for r in records)
@@ -151,6 +172,7 @@ def test_asyncio_server_concurrent_clients(tracer: Tracer, start_server: Callabl
     match_records(records, clients)
     assert len(records) == 40
     assert_no_drops(tracer)
+    assert_totals_match(tracer.probe.totals(), records)
 
 
 def test_idle_keepalive_request_is_flushed_when_target_removed(
@@ -257,6 +279,59 @@ def test_small_ring_wraps_and_every_loss_is_counted(bpf: None, start_server: Cal
         lost = tracer.probe.stats()["ringbuf_full"]
         assert lost > 0 and len(delivered) + lost == 100
         assert set(delivered) <= set(range(1, 101))  # seq keeps counting across the lost ones
+        # The kernel aggregate counted every request, the lost records' included.
+        totals = tracer.probe.totals()
+        assert totals.requests == 200 and totals.unanswered == 0 and totals.answered == 200
+        assert totals.bytes_in == sum(q.sent_bytes for c in (client, flood) for q in c.requests)
+        assert totals.bytes_out == sum(q.received_bytes for c in (client, flood) for q in c.requests)
+        assert int(totals.histogram().sum()) == 200
+        assert tracer.probe.stats()["sampled_out"] == 0
+    finally:
+        tracer.probe.close()
+
+
+def test_ring_overflow_under_a_fast_client_loses_records_never_counts(bpf: None, c_pair: CPair) -> None:
+    # The C pair makes requests far faster than one page of ring (42 records) between drains.
+    tracer = Tracer(options=loader.IngressOptions(ringbuf_pages=1))
+    tracer.probe.load()
+    try:
+        tracer.probe.add_target(c_pair.server.pid)
+        c_pair.requests(5000)
+        tracer.wait_for(
+            lambda _: len(tracer.records) + tracer.probe.stats()["ringbuf_full"] >= 5000,
+            what="all 5000 requests delivered or counted lost",
+        )
+        stats = tracer.probe.stats()
+        assert stats["ringbuf_full"] > 0 and stats["records"] + stats["ringbuf_full"] == 5000
+        totals = tracer.probe.totals()
+        assert totals.requests == 5000 and totals.answered == 5000
+        assert int(totals.histogram().sum()) == 5000
+        tracer.probe.remove_target(c_pair.server.pid)  # its counts are kept once it is gone
+        assert tracer.probe.totals().requests == 5000
+    finally:
+        tracer.probe.close()
+    assert tracer.probe.totals().requests == 5000  # and after the probe is unloaded
+
+
+def test_sampling_keeps_the_slowest_and_counts_what_it_leaves_out(bpf: None, c_pair: CPair) -> None:
+    # A budget of 50 records/s and 3000 requests drained at once: an overloaded batch.
+    tracer = Tracer(options=loader.IngressOptions(records_per_s=50))
+    tracer.probe.load()
+    try:
+        tracer.probe.add_target(c_pair.server.pid)
+        c_pair.requests(3000)
+        tracer.wait_for(
+            lambda _: len(tracer.records) + tracer.probe.stats()["sampled_out"] >= 3000,
+            what="all 3000 requests delivered or sampled out",
+        )
+        stats = tracer.probe.stats()
+        assert_no_drops(tracer)  # sampled out is not a loss
+        assert stats["sampled_out"] > 0 and stats["records"] + stats["sampled_out"] == 3000
+        totals = tracer.probe.totals()
+        assert totals.requests == 3000
+        # The slowest request the kernel saw is among the kept records (its bucket is the highest).
+        top = int(np.flatnonzero(totals.histogram())[-1])
+        assert max(aggregate.bucket_of(r.latency_ns) for r in tracer.records) == top
     finally:
         tracer.probe.close()
 
