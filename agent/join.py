@@ -5,7 +5,8 @@ Sources emit typed records (the daemon hands each to ``RequestJoin.sink``):
 - ``IngressRecord`` when the kernel saw a request complete (probes/ingress);
 - ``StepBatch`` of completed ``moe.step`` trees (collectors/nvtx → collectors/moe_convention);
 - ``TelemetryRecord`` for every device/host sample (collectors/registry);
-- ``RuntimeState`` when the runtime's control-socket ``stats`` changed (agent/policy/stats_source).
+- ``RuntimeState`` when the runtime's control-socket ``stats`` changed (agent/policy/stats_source);
+- ``NetSignalRecord`` for the kernel's network signals on the targets' ports (collectors/netsig).
 
 The join turns them into ``JoinEvent``s and hands every event to every registered ``Output``
 (agent/outputs: traces, metrics, the windows the policy and the live view read). It never builds a
@@ -33,10 +34,21 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import numpy as np
+
 from moescope.agent.policy.actuator import RuntimeState
-from moescope.agent.routing_health import NAN, LayerHealth, LayerRouting, layer_health
+from moescope.agent.routing_health import (
+    NAN,
+    LayerHealth,
+    LayerRouting,
+    LayerTable,
+    counts_from_marks,
+    empty_table,
+    layer_table,
+)
 from moescope.collectors.host import HostSample, MemorySignal
 from moescope.collectors.moe_convention import StepBatch, StepEvent
+from moescope.collectors.netsig import NetSignalRecord
 from moescope.collectors.nvml import NvmlSample
 from moescope.collectors.registry import TelemetryRecord
 from moescope.probes.ingress.loader import IngressRecord
@@ -52,6 +64,7 @@ DEFAULT_MAX_BUFFERED_STEPS = 20_000
 # the buffer (steps_evicted_overflow: its metrics were counted, its trace subtree is not made).
 DEFAULT_MAX_BUFFERED_LAYERS = 50_000
 DRAIN_ALL_NS = 2**63 - 1
+INT32_MAX = 2**31 - 1  # per-step token counts per expert fit (a bigger one is a bad payload, counted)
 
 
 @dataclass(slots=True)
@@ -61,10 +74,20 @@ class BufferedStep:
     seq: int  # join-wide step number: outputs key their own per-step state by it
     step: StepEvent
     num_experts: int
-    healths: list[LayerHealth]  # computed once per step: metrics, windows and spans all use these
-    routings: list[LayerRouting]
+    # routing and health of the step's routed layers as arrays, computed once per step: metrics,
+    # windows and spans all read this
+    table: LayerTable
     batch_size: int  # distinct request keys marked in the step
     claims: int = 0
+
+    @property
+    def healths(self) -> list[LayerHealth]:
+        """Per-layer health objects (made on demand from ``table``)."""
+        return self.table.healths()
+
+    @property
+    def routings(self) -> list[LayerRouting]:
+        return self.table.routings()
 
 
 # ---------------------------------------------------------------- what outputs receive
@@ -112,7 +135,14 @@ class RuntimeSeen:
     layer_precision: dict[int, str]
 
 
-JoinEvent = StepSeen | RequestJoined | StepRetired | TelemetrySeen | RuntimeSeen
+@dataclass(frozen=True, slots=True)
+class NetSignalSeen:
+    """Kernel network signals: counter increases since the previous reading, retransmit/reset events."""
+
+    record: NetSignalRecord
+
+
+JoinEvent = StepSeen | RequestJoined | StepRetired | TelemetrySeen | RuntimeSeen | NetSignalSeen
 
 
 class Output(Protocol):
@@ -238,6 +268,8 @@ class RequestJoin:
                 self.on_telemetry(record)
             case RuntimeState():
                 self.on_runtime_state(record)
+            case NetSignalRecord():
+                self._export([NetSignalSeen(record)])
             case _:
                 with self._lock:
                     self._counts["records_unknown"] += 1
@@ -258,7 +290,7 @@ class RequestJoin:
                     # needed until it leaves the buffer, so let its layer tree go (most of the heap).
                     self._buffered_layers -= len(b.step.layers)
                     b.step = replace(b.step, layers=[])
-                    b.routings, b.healths = [], []
+                    b.table = empty_table(b.num_experts)
 
     def on_steps(self, steps: Iterable[StepEvent]) -> None:
         """Completed ``moe.step`` trees from the convention parser."""
@@ -321,8 +353,7 @@ class RequestJoin:
             for layer in step.layers:
                 router = layer.router
                 if router is not None:
-                    for expert in (*router.tokens, *router.dropped):
-                        seen = max(seen, expert + 1)
+                    seen = max(seen, router.experts_seen())
                 for load in layer.loads:
                     seen = max(seen, load.expert + 1)
                 for ffn in layer.ffns:
@@ -337,11 +368,8 @@ class RequestJoin:
     def _add_step(self, step: StepEvent) -> list[JoinEvent]:
         self._counts["steps"] += 1
         num_experts, changed = self._experts_for(step)
-        routings = self._routings(step, num_experts)
         self._seq += 1
-        buffered = BufferedStep(
-            self._seq, step, num_experts, [layer_health(r) for r in routings], routings, len(set(step.requests))
-        )
+        buffered = BufferedStep(self._seq, step, num_experts, self._table(step, num_experts), len(set(step.requests)))
         self._buffer.append(buffered)
         for key in set(step.requests):
             self._by_key.setdefault((step.pid, key), deque()).append(buffered)
@@ -354,28 +382,54 @@ class RequestJoin:
             events.append(StepRetired(self._retire_oldest_locked(), evicted=True))
         return events
 
-    def _routings(self, step: StepEvent, num_experts: int) -> list[LayerRouting]:
-        out: list[LayerRouting] = []
-        if num_experts <= 0:
-            return out
-        for layer in step.layers:
+    def _table(self, step: StepEvent, num_experts: int) -> LayerTable:
+        """The step's routed layers as [layers, E] count matrices and their health, all at once.
+
+        moe/v2 rows arrive as arrays (``RouterEvent.counts``) and are copied in; v1's per-expert
+        dicts are converted. A layer with bad counts (an expert id >= a configured E, a negative
+        count) is left out of the health and counted (``layers_bad_routing``); its timing stays."""
+        routers = [layer for layer in step.layers if layer.router is not None]
+        if num_experts <= 0 or not routers:
+            return empty_table(max(1, num_experts))
+        # one int32 [layers, 2E] block per step: tokens | over capacity. int32 halves what a
+        # buffered step holds (at DeepSeek-V3 shape 58 x 512 counts: 119 KB instead of 238 KB)
+        both = np.zeros((len(routers), 2 * num_experts), dtype=np.int32)
+        entropy = np.empty(len(routers), dtype=np.float64)
+        index = np.empty(len(routers), dtype=np.int64)
+        keep = np.ones(len(routers), dtype=bool)
+        for i, layer in enumerate(routers):
             router = layer.router
-            if router is None:
+            assert router is not None
+            index[i] = layer.layer
+            entropy[i] = NAN if router.entropy_bits is None else router.entropy_bits
+            counts = router.counts
+            if counts is not None:
+                half = len(counts) // 2
+                if half > num_experts or (half and not 0 <= counts.min() <= counts.max() <= INT32_MAX):
+                    keep[i] = False
+                    continue
+                both[i, :half] = counts[:half]
+                both[i, num_experts : num_experts + half] = counts[half:]
                 continue
             try:
-                routing = LayerRouting.from_marks(
-                    layer=layer.layer,
-                    num_experts=num_experts,
-                    tokens=router.tokens,
-                    dropped=router.dropped,
-                    router_entropy_bits=NAN if router.entropy_bits is None else router.entropy_bits,
-                )
+                tokens = counts_from_marks(router.tokens, num_experts=num_experts)
+                dropped = counts_from_marks(router.dropped, num_experts=num_experts)
             except ValueError:
-                # bad marks (expert id >= a configured E, negative count): this layer's health is left out, counted
-                self._counts["layers_bad_routing"] += 1
+                keep[i] = False
                 continue
-            out.append(routing)
-        return out
+            if max(int(tokens.max()), int(dropped.max())) > INT32_MAX:
+                keep[i] = False
+                continue
+            both[i, :num_experts], both[i, num_experts:] = tokens, dropped
+        if not keep.all():
+            self._counts["layers_bad_routing"] += int((~keep).sum())
+            both, entropy, index = both[keep], entropy[keep], index[keep]
+        for row, layer in zip(both, (layer for layer, kept in zip(routers, keep, strict=True) if kept), strict=True):
+            router = layer.router
+            if router is not None and router.counts is not None:
+                router.counts = row  # the same counts, now a view of the block: the decoded vector can go
+        return layer_table(layers=index, tokens=both[:, :num_experts], dropped=both[:, num_experts:],
+                           router_entropy_bits=entropy)
 
     def _claim_steps(self, record: IngressRecord) -> list[BufferedStep]:
         """Buffered steps of this request (same pid, key == fd, started inside its interval)."""

@@ -83,12 +83,14 @@ _REASONS = 8
 METRICS: tuple[MetricSpec, ...] = (
     # --- requests (kernel-timed ingress) ---
     MetricSpec("moescope_request_duration_seconds", "histogram",
-               "Request latency measured in the kernel: first request byte read to last response byte written.",
+               "Request latency measured in the kernel: first request byte read to last response byte written "
+               "(agent start: answered requests, from the probe's in-kernel histogram).",
                unit="seconds", buckets=LATENCY_BUCKETS_S),
     MetricSpec("moescope_request_queue_wait_seconds", "histogram",
                "Time from a request's first byte to the start of the first step that served it.",
                unit="seconds", buckets=LATENCY_BUCKETS_S),
-    MetricSpec("moescope_requests", "counter", "Requests completed (server span ended)."),
+    MetricSpec("moescope_requests", "counter",
+               "Requests completed, answered or not (under agent start: counted in the kernel, exact at any rate)."),
     MetricSpec("moescope_request_received_bytes", "counter", "Bytes read from client sockets (requests).",
                unit="bytes"),
     MetricSpec("moescope_response_sent_bytes", "counter", "Bytes written to client sockets (responses).",
@@ -164,6 +166,10 @@ METRICS: tuple[MetricSpec, ...] = (
                labels=("source",), max_series=_SOURCES),
     MetricSpec("moescope_agent_events_dropped", "counter", "Events dropped per source and reason.",
                labels=("source", "reason"), max_series=_SOURCES * _REASONS),
+    MetricSpec("moescope_agent_events_sampled_out", "counter",
+               "Events a source's sampling rule left out (counted, not lost: the ingress probe's requests are "
+               "all in moescope_requests_total).",
+               labels=("source",), max_series=_SOURCES),
     MetricSpec("moescope_agent_collector_duration_seconds", "gauge", "Duration of a collector's last run.",
                labels=("collector",), unit="seconds", max_series=_SOURCES),
     MetricSpec("moescope_agent_collector_success", "gauge", "1 if the collector's last run succeeded, else 0.",
@@ -182,6 +188,30 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("moescope_export_queue_spans", "gauge", "Spans waiting in the export queue."),
     MetricSpec("moescope_build_info", "gauge", "Always 1; the agent's version as a label.",
                labels=("version",), max_series=1),
+    # --- network signals (kernel, probes/netsig) ---
+    # port: a target's listening port (at most 1024 watched); netns: a target namespace's inode.
+    MetricSpec("moescope_tcp_retransmits", "counter",
+               "TCP data segments retransmitted on a target's listening port (tcp:tcp_retransmit_skb).",
+               labels=("port",), max_series=1024),
+    MetricSpec("moescope_tcp_synack_retransmits", "counter",
+               "SYN-ACKs retransmitted by a target's listener (tcp:tcp_retransmit_synack).",
+               labels=("port",), max_series=1024),
+    MetricSpec("moescope_tcp_resets", "counter",
+               "TCP resets on a target's listening port; direction sent or received (tcp:tcp_send_reset, "
+               "tcp:tcp_receive_reset).",
+               labels=("port", "direction"), max_series=2048),
+    MetricSpec("moescope_tcp_connections_established", "counter",
+               "TCP handshakes completed on a target's listening port (sock:inet_sock_set_state).",
+               labels=("port",), max_series=1024),
+    MetricSpec("moescope_listen_overflows", "counter",
+               "Connections refused because a listener's accept queue was full, per target network namespace "
+               "(TcpExt ListenOverflows).",
+               labels=("netns",), max_series=64),
+    MetricSpec("moescope_listen_drops", "counter",
+               "SYNs and handshake ACKs dropped by listeners, overflows included, per target network namespace "
+               "(TcpExt ListenDrops).",
+               labels=("netns",), max_series=64),
+    # --- end of network signals ---
 )
 
 SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
@@ -361,6 +391,22 @@ class Metrics:
         if not isinstance(child, Histogram):
             raise _wrong_kind(name, child, "observe")
         child.observe(value)
+
+    def observe_buckets(self, name: str, counts: Sequence[int], total: float, **labels: str) -> None:
+        """Add counts already bucketed on the family's own bounds (``counts[i]`` values in bucket i,
+        not cumulative, the last one +Inf) and their sum: an in-kernel histogram's delta."""
+        child = self._child(name, labels)
+        if child is None:
+            return
+        if not isinstance(child, Histogram):
+            raise _wrong_kind(name, child, "observe")
+        buckets = child._buckets  # prometheus_client keeps one (non-cumulative) value per bound
+        if len(counts) != len(buckets):
+            raise ValueError(f"{name}: {len(counts)} bucket counts for {len(buckets)} buckets")
+        for value, count in zip(buckets, counts, strict=True):
+            if count:
+                value.inc(count)
+        child._sum.inc(total)
 
     def set_counter_total(self, name: str, total: float, **labels: str) -> None:
         """Advance a counter to a cumulative ``total`` read from a source (NVLink, CPU time).

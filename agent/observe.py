@@ -31,6 +31,7 @@ from moescope.agent.daemon import Daemon
 from moescope.agent.export.config import ExportConfig
 from moescope.agent.export.setup import Tracing, build_tracing, stats_to_metrics
 from moescope.agent.metrics import Metrics, MetricsServer
+from moescope.agent.outputs import DEFAULT_LAYER_SPANS_PER_S
 from moescope.agent.pipeline import Pipeline, resource_attributes
 from moescope.agent.policy.rules import Signals
 from moescope.agent.policy.stats_source import RuntimeStatsSource
@@ -102,8 +103,10 @@ class Observers:
         # No metrics hook in the export worker: it publishes only between drain rounds, and a round
         # never ends while a stalled collector blocks each export; the daemon thread publishes instead.
         tracing = build_tracing(config, resource_attributes=resource_attributes(args.pid or []), metrics=None)
+        layer_rate = getattr(args, "trace_layer_spans_per_s", None)
         pipeline = Pipeline(spans=tracing.factory, metrics=metrics, num_experts=args.num_experts, defer_requests=True,
-                            span_detail=args.span_detail)
+                            span_detail=args.span_detail,
+                            layer_spans_per_s=DEFAULT_LAYER_SPANS_PER_S if layer_rate is None else layer_rate)
         daemon.add_sink(pipeline.sink)
 
         def drain_requests(now_ns: int) -> None:
@@ -456,7 +459,9 @@ class Observers:
         p = self.pipeline.stats()
         lines.append(
             f"pipeline: {p['requests']} requests ({p['requests_joined']} joined to steps), {p['steps']} steps "
-            f"({p['steps_unjoined']} unjoined), {p['spans']} spans"
+            f"({p['steps_unjoined']} unjoined), {p['spans']} spans, layer subtrees "
+            f"{p.get('layer_subtrees_kept_slow', 0)} slow + {p.get('layer_subtrees_kept_budget', 0)} kept, "
+            f"{p.get('layer_subtrees_sampled_out', 0)} sampled out"
         )
         for collector, parser in zip(self.nvtx, self.parsers, strict=True):
             s = collector.stats()
@@ -498,6 +503,7 @@ class Observers:
             seq=seq,
             publish_interval_s=self.args.interval,
             requests=requests,
+            network=self.pipeline.windows.network_panel(),
             moe=moe,
             devices=devices,
             policy=policy,

@@ -32,6 +32,7 @@ from moescope.agent.join import (
 )
 from moescope.agent.metrics import Metrics
 from moescope.agent.outputs import (
+    DEFAULT_LAYER_SPANS_PER_S,
     DEFAULT_SPAN_DETAIL,
     DEFAULT_WINDOW_NS,
     SPAN_DETAILS,
@@ -65,6 +66,7 @@ class Pipeline:
         epoch_offset_ns: int | None = None,
         defer_requests: bool = False,
         span_detail: str = DEFAULT_SPAN_DETAIL,
+        layer_spans_per_s: float = DEFAULT_LAYER_SPANS_PER_S,
     ) -> None:
         if span_detail not in SPAN_DETAILS:
             raise ValueError(f"span_detail must be one of {SPAN_DETAILS}, got {span_detail!r}")
@@ -84,7 +86,8 @@ class Pipeline:
         if self.metrics_output is not None:
             self.join.add_output(self.metrics_output)
         self.traces = (
-            TraceOutput(spans, epoch_offset_ns=self.epoch_offset_ns, span_detail=span_detail)
+            TraceOutput(spans, epoch_offset_ns=self.epoch_offset_ns, span_detail=span_detail,
+                        layer_spans_per_s=layer_spans_per_s)
             if spans is not None
             else None
         )

@@ -55,6 +55,7 @@ import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -339,6 +340,146 @@ def step_health(layers: Sequence[LayerHealth]) -> StepHealth:
     )
 
 
+# ------------------------------------------------------------------ one step's layers as arrays
+
+FloatVector = npt.NDArray[np.float64]
+CountMatrix = npt.NDArray[np.int64] | npt.NDArray[np.int32]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LayerTable:
+    """One step's routing and health as arrays over its routed layers (row ``i`` is layer
+    ``layers[i]``): the same formulas as ``load_stats`` / ``layer_health``, computed for all layers
+    at once (at E = 256, L = 58 the per-layer objects were most of the agent's CPU). Objects are
+    made only on demand (``health(i)``, ``routing(i)``)."""
+
+    layers: CountVector  # [L'] layer index of each row
+    tokens: CountMatrix  # [L', E] tokens routed per expert (c_i); int32 or int64
+    dropped: CountMatrix  # [L', E] tokens over capacity per expert (d_i), same dtype
+    router_entropy_bits: FloatVector  # [L'] H_r as reported; NaN where not
+    tokens_total: CountVector  # [L'] N
+    dropped_total: CountVector
+    entropy_bits: FloatVector
+    entropy_normalised: FloatVector
+    gini: FloatVector
+    max_share: FloatVector
+    cv: FloatVector
+    drop_fraction: FloatVector
+    router_entropy_normalised: FloatVector
+
+    def __len__(self) -> int:
+        return int(self.layers.size)
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def load(self, i: int) -> LoadStats:
+        return LoadStats(
+            num_experts=self.num_experts, tokens=int(self.tokens_total[i]), dropped=int(self.dropped_total[i]),
+            entropy_bits=float(self.entropy_bits[i]), entropy_normalised=float(self.entropy_normalised[i]),
+            gini=float(self.gini[i]), max_share=float(self.max_share[i]), cv=float(self.cv[i]),
+            drop_fraction=float(self.drop_fraction[i]),
+        )
+
+    def health(self, i: int) -> LayerHealth:
+        return LayerHealth(layer=int(self.layers[i]), load=self.load(i),
+                           router_entropy_bits=float(self.router_entropy_bits[i]),
+                           router_entropy_normalised=float(self.router_entropy_normalised[i]))
+
+    def routing(self, i: int) -> LayerRouting:
+        return LayerRouting(layer=int(self.layers[i]), tokens_per_expert=self.tokens[i].astype(np.int64),
+                            dropped_per_expert=self.dropped[i].astype(np.int64),
+                            router_entropy_bits=float(self.router_entropy_bits[i]))
+
+    def healths(self) -> list[LayerHealth]:
+        return [self.health(i) for i in range(len(self))]
+
+    def routings(self) -> list[LayerRouting]:
+        return [self.routing(i) for i in range(len(self))]
+
+    def step_health(self) -> StepHealth:
+        """``step_health`` of this step's layers (same definition; the columns as lists: a step has
+        at most ~100 layers, where numpy's per-call cost would dominate)."""
+        n = self.tokens_total.tolist()
+        tokens = sum(n)
+        dropped = int(self.dropped_total.sum())
+
+        def weighted(values: FloatVector) -> float:
+            return _weighted_mean(zip(values.tolist(), n, strict=True))
+
+        return StepHealth(
+            layers=len(self), tokens=tokens, dropped=dropped,
+            drop_fraction=(dropped / tokens) if tokens else NAN,
+            router_entropy_bits=weighted(self.router_entropy_bits),
+            router_entropy_normalised=weighted(self.router_entropy_normalised),
+            entropy_bits=weighted(self.entropy_bits), entropy_normalised=weighted(self.entropy_normalised),
+            gini=weighted(self.gini), gini_max=_nanmax(self.gini.tolist()), max_share=_nanmax(self.max_share.tolist()),
+            cv=weighted(self.cv),
+        )
+
+
+def layer_table(
+    *, layers: npt.ArrayLike, tokens: npt.ArrayLike, dropped: npt.ArrayLike | None = None,
+    router_entropy_bits: npt.ArrayLike | None = None,
+) -> LayerTable:
+    """The ``LayerTable`` of count matrices ``tokens`` / ``dropped`` ([L', E], E >= 1) for rows
+    ``layers``. ``ValueError`` on negative counts or mismatched shapes (as ``as_counts``)."""
+    c = np.asarray(tokens)
+    if c.ndim != 2 or c.shape[1] < 1:
+        raise ValueError(f"token counts must be a [layers, experts] matrix with experts >= 1, got shape {c.shape}")
+    if c.dtype.kind not in "iu":
+        raise ValueError(f"expert counts must be integers, got dtype {c.dtype}")
+    if c.dtype != np.int32:
+        c = c.astype(np.int64, copy=False)  # int32 (the join's compact blocks) is kept as it is
+    rows, e = c.shape
+    d = np.zeros_like(c) if dropped is None else np.asarray(dropped)
+    if d.dtype != c.dtype:
+        d = d.astype(np.int64)
+        c = c.astype(np.int64, copy=False)
+    index = np.asarray(layers, dtype=np.int64).reshape(-1)
+    h_r = np.full(rows, NAN) if router_entropy_bits is None else np.asarray(router_entropy_bits, dtype=np.float64)
+    if d.shape != c.shape or index.shape != (rows,) or h_r.shape != (rows,):
+        raise ValueError(
+            f"shapes differ: tokens {c.shape}, dropped {d.shape}, layers {index.shape}, entropy {h_r.shape}"
+        )
+    if rows and (c.min() < 0 or d.min() < 0):
+        raise ValueError("expert counts must be >= 0")
+    n = c.sum(axis=1, dtype=np.int64)
+    n_drop = d.sum(axis=1, dtype=np.int64)
+    has = n > 0
+    safe = np.where(has, n, 1).astype(np.float64)
+    p = c / safe[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        plogp = np.where(c > 0, p * np.log2(np.where(c > 0, p, 1.0)), 0.0)
+    entropy = np.where(has, np.maximum(-plogp.sum(axis=1), 0.0), NAN)
+    if e == 1:
+        entropy_norm = np.where(has, 1.0, NAN)
+        router_norm = np.full(rows, NAN)
+    else:
+        entropy_norm = entropy / math.log2(e)
+        router_norm = h_r / math.log2(e)
+    # exact integer rank sums, as _load_stats_small
+    rank_sum = (np.sort(c, axis=1) * np.arange(1, e + 1, dtype=np.int64)).sum(axis=1)
+    g = np.clip(2.0 * rank_sum / (e * safe) - (e + 1) / e, 0.0, 1.0)
+    mu = safe / e
+    cv = np.sqrt(((c - mu[:, None]) ** 2).sum(axis=1) / e) / mu
+    return LayerTable(
+        layers=index, tokens=c, dropped=d, router_entropy_bits=h_r, tokens_total=n, dropped_total=n_drop,
+        entropy_bits=entropy, entropy_normalised=entropy_norm,
+        gini=np.where(has, g, NAN), max_share=np.where(has, c.max(axis=1, initial=0) / safe, NAN),
+        cv=np.where(has, cv, NAN), drop_fraction=np.where(has, n_drop / safe, NAN),
+        router_entropy_normalised=router_norm,
+    )
+
+
+def empty_table(num_experts: int = 1) -> LayerTable:
+    """A table with no layers (a step with no routed layer, or one whose layer tree was let go)."""
+    zeros = np.zeros((0, max(1, num_experts)), dtype=np.int64)
+    return layer_table(layers=np.zeros(0, dtype=np.int64), tokens=zeros, dropped=zeros,
+                       router_entropy_bits=np.zeros(0))
+
+
 def _check_duration(duration_ns: int) -> int:
     if duration_ns <= 0:
         raise ValueError(f"window duration must be > 0 ns, got {duration_ns}")
@@ -439,66 +580,158 @@ class SlidingMean:
         return self._num / self._den if self._entries else NAN
 
 
+def add_rows(into: npt.NDArray[Any], rows: CountVector, values: npt.NDArray[Any], *, sign: int = 1) -> None:
+    """``into[rows] += sign * values`` where ``rows`` may repeat (two routers reporting one layer):
+    a fancy-indexed add when they are distinct (the usual case; ``np.add.at`` costs ~10x)."""
+    if rows.size < 2 or len(set(rows.tolist())) == rows.size:
+        if sign > 0:
+            into[rows] += values
+        else:
+            into[rows] -= values
+    elif sign > 0:
+        np.add.at(into, rows, values)
+    else:
+        np.subtract.at(into, rows, values)
+
+
 class RoutingHealthWindow:
     """Per-layer sliding windows of expert counts and router entropy (the policy's routing signals).
 
-    ``add_step`` takes one step's ``LayerRouting``s; ``layer_stats`` answers "Gini per layer over
-    10 s" and ``router_entropy_normalised`` the token-weighted mean router entropy over the window.
+    ``add_table`` takes one step's ``LayerTable`` (``add_step`` its ``LayerRouting``s);
+    ``layer_stats`` answers "Gini per layer over 10 s" and ``router_entropy_normalised`` the
+    token-weighted mean router entropy over the window. All layers are one [layers, E] running sum:
+    a step costs a few array operations whatever L is (the same sums ``SlidingCounts`` and
+    ``SlidingMean`` keep per layer).
     """
 
     def __init__(self, *, duration_ns: int, num_experts: int) -> None:
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
         self.duration_ns = _check_duration(duration_ns)
         self.num_experts = num_experts
-        self._counts: dict[int, SlidingCounts] = {}
-        self._router: dict[int, SlidingMean] = {}
+        # per step: (t, layer rows, tokens [L', E], dropped [L', E], entropy x weight, weight, entropy valid)
+        self._entries: deque[tuple[int, CountVector, CountMatrix, CountMatrix, FloatVector, FloatVector,
+                                   npt.NDArray[np.bool_]]] = deque()
+        self._tokens = np.zeros((0, num_experts), dtype=np.int64)
+        self._dropped = np.zeros((0, num_experts), dtype=np.int64)
+        self._entropy_num = np.zeros(0)
+        self._entropy_den = np.zeros(0)
+        self._entropy_n = np.zeros(0, dtype=np.int64)  # valid entropy entries per layer (reset drift at 0)
+        self._seen = np.zeros(0, dtype=bool)
+        self._last_ns: int | None = None
+
+    def _grow(self, rows: int) -> None:
+        have = self._tokens.shape[0]
+        if rows <= have:
+            return
+        extra = rows - have
+        self._tokens = np.vstack([self._tokens, np.zeros((extra, self.num_experts), dtype=np.int64)])
+        self._dropped = np.vstack([self._dropped, np.zeros((extra, self.num_experts), dtype=np.int64)])
+        self._entropy_num = np.concatenate([self._entropy_num, np.zeros(extra)])
+        self._entropy_den = np.concatenate([self._entropy_den, np.zeros(extra)])
+        self._entropy_n = np.concatenate([self._entropy_n, np.zeros(extra, dtype=np.int64)])
+        self._seen = np.concatenate([self._seen, np.zeros(extra, dtype=bool)])
 
     def add_step(self, t_ns: int, layers: Iterable[LayerRouting]) -> None:
-        for routing in layers:
-            counts = self._counts.get(routing.layer)
-            if counts is None:
-                counts = self._counts[routing.layer] = SlidingCounts(
-                    duration_ns=self.duration_ns, num_experts=self.num_experts
-                )
-                self._router[routing.layer] = SlidingMean(duration_ns=self.duration_ns)
-            counts.add(t_ns, routing.tokens_per_expert, dropped=routing.dropped_per_expert)
-            self._router[routing.layer].add(
-                t_ns, routing.router_entropy_bits, weight=float(routing.tokens_per_expert.sum())
-            )
+        routings = list(layers)
+        if not routings:
+            self.evict(t_ns)
+            return
+        tokens = np.stack([as_counts(r.tokens_per_expert, num_experts=self.num_experts) for r in routings])
+        dropped = np.stack([as_counts(r.dropped_per_expert, num_experts=self.num_experts) for r in routings])
+        self.add_table(t_ns, layer_table(layers=[r.layer for r in routings], tokens=tokens, dropped=dropped,
+                                         router_entropy_bits=[r.router_entropy_bits for r in routings]))
+
+    def add_table(self, t_ns: int, table: LayerTable) -> None:
+        """One step's routed layers (``ValueError`` if its E is not the window's)."""
+        if len(table) and table.num_experts != self.num_experts:
+            raise ValueError(f"expected {self.num_experts} experts, got {table.num_experts}")
+        t = t_ns if self._last_ns is None else max(t_ns, self._last_ns)
+        self._last_ns = t
+        if len(table):
+            rows = table.layers
+            if rows.min() < 0:
+                raise ValueError("layer indices must be >= 0")
+            self._grow(int(rows.max()) + 1)
+            weight = table.tokens_total.astype(np.float64)
+            valid = ~np.isnan(table.router_entropy_bits) & (weight > 0)
+            weighted = np.where(valid, table.router_entropy_bits * weight, 0.0)
+            weight = np.where(valid, weight, 0.0)
+            add_rows(self._tokens, rows, table.tokens)
+            add_rows(self._dropped, rows, table.dropped)
+            add_rows(self._entropy_num, rows, weighted)
+            add_rows(self._entropy_den, rows, weight)
+            add_rows(self._entropy_n, rows, valid.astype(np.int64))
+            self._seen[rows] = True
+            self._entries.append((t, rows, table.tokens, table.dropped, weighted, weight, valid))
+        self.evict(t)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def evict(self, now_ns: int) -> None:
+        """Drop steps at or before ``now_ns - duration_ns``."""
+        horizon = now_ns - self.duration_ns
+        emptied = False
+        while self._entries and self._entries[0][0] <= horizon:
+            _, rows, tokens, dropped, weighted, weight, valid = self._entries.popleft()
+            add_rows(self._tokens, rows, tokens, sign=-1)
+            add_rows(self._dropped, rows, dropped, sign=-1)
+            add_rows(self._entropy_num, rows, weighted, sign=-1)
+            add_rows(self._entropy_den, rows, weight, sign=-1)
+            add_rows(self._entropy_n, rows, valid.astype(np.int64), sign=-1)
+            emptied = True
+        if emptied:
+            empty = self._entropy_n == 0  # reset float drift wherever a layer's entropy window emptied
+            self._entropy_num[empty] = 0.0
+            self._entropy_den[empty] = 0.0
 
     def layers(self) -> list[int]:
-        return sorted(self._counts)
+        return [int(i) for i in np.flatnonzero(self._seen)]
 
     def layer_totals(self, layer: int, now_ns: int) -> CountVector:
         """Tokens per expert of ``layer`` summed over the window (zeros for an unseen layer)."""
-        counts = self._counts.get(layer)
-        if counts is None:
+        self.evict(now_ns)
+        if not 0 <= layer < len(self._seen) or not self._seen[layer]:
             return np.zeros(self.num_experts, dtype=np.int64)
-        return counts.totals(now_ns)
+        return self._tokens[layer].copy()
 
     def layer_stats(self, layer: int, now_ns: int) -> LoadStats:
-        counts = self._counts.get(layer)
-        if counts is None:
+        self.evict(now_ns)
+        if not 0 <= layer < len(self._seen) or not self._seen[layer]:
             return load_stats(np.zeros(self.num_experts, dtype=np.int64))
-        return counts.stats(now_ns)
+        return load_stats(self._tokens[layer], dropped=self._dropped[layer])
+
+    def table(self, now_ns: int) -> LayerTable:
+        """The window's summed counts of every seen layer as one ``LayerTable`` (router entropy:
+        the window's token-weighted mean per layer)."""
+        self.evict(now_ns)
+        rows = np.flatnonzero(self._seen)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            entropy = np.where(self._entropy_n[rows] > 0, self._entropy_num[rows] / self._entropy_den[rows], NAN)
+        return layer_table(layers=rows, tokens=self._tokens[rows], dropped=self._dropped[rows],
+                           router_entropy_bits=entropy)
 
     def max_gini(self, now_ns: int) -> tuple[int, float]:
         """The layer with the highest windowed Gini and that Gini; ``(-1, NaN)`` with no data."""
-        best = (-1, NAN)
-        for layer in self.layers():
-            g = self.layer_stats(layer, now_ns).gini
-            if not math.isnan(g) and (math.isnan(best[1]) or g > best[1]):
-                best = (layer, g)
-        return best
+        table = self.table(now_ns)
+        finite = ~np.isnan(table.gini)
+        if not finite.any():
+            return (-1, NAN)
+        at = int(np.flatnonzero(finite)[np.argmax(table.gini[finite])])  # the first layer of the highest
+        return (int(table.layers[at]), float(table.gini[at]))
 
     def router_entropy_bits(self, layer: int, now_ns: int) -> float:
-        mean = self._router.get(layer)
-        return NAN if mean is None else mean.mean(now_ns)
+        self.evict(now_ns)
+        if not 0 <= layer < len(self._seen) or self._entropy_n[layer] <= 0:
+            return NAN
+        return float(self._entropy_num[layer] / self._entropy_den[layer])
 
     def router_entropy_normalised(self, now_ns: int) -> float:
         """Token-weighted mean over layers and window of ``H_r / log2 E``."""
         pairs = []
         for layer in self.layers():
             bits = self.router_entropy_bits(layer, now_ns)
-            weight = int(self._counts[layer].totals(now_ns).sum())
+            weight = int(self._tokens[layer].sum())
             pairs.append((normalised_router_entropy(bits, self.num_experts), weight))
         return _weighted_mean(pairs)

@@ -17,9 +17,15 @@ process to listen on that port (systemd or Kubernetes restarting the server) and
 by itself — ingress, NVTX, telemetry and policy — saying so on stderr. A --pid target is gone for
 good when it exits (use --port to follow a server across restarts).
 
+Request counts, bytes and kernel latency (the summary, /metrics, the live view) come from the
+probe's in-kernel aggregate, exact at any rate. Per-request records (traces, --records) are sized
+by --ingress-rate-hint and, past --ingress-records-per-s, sampled: unanswered and the slowest
+requests kept, then 1 in N (probes/ingress/README.md); what is sampled out is counted apart from
+what is lost.
+
 Stops on SIGINT/SIGTERM, after --duration, or when every target has exited and none is awaited
 (--pid targets, -- CMD, or --port with --exit-on-target-exit); then prints one summary line
-(requests, p50/p99 kernel latency, drops). Exit status: 0, or 8 when the targets exited
+(requests, p50/p99 kernel latency, drops, records, sampled out). Exit status: 0, or 8 when the targets exited
 (--pid, or --port with --exit-on-target-exit), or the command's own status (-- CMD).
 """
 
@@ -32,18 +38,24 @@ import os
 import signal
 import sys
 import time
+from dataclasses import replace
 from types import FrameType
 from typing import IO, Any
 
 from moescope import errors
 from moescope.agent import privileges
+from moescope.agent import state as st
 from moescope.agent.allocator import Allocator
 from moescope.agent.daemon import STOP_SIGNAL, Daemon
 from moescope.agent.export.config import ExportConfig, add_export_arguments, flags_from_args, resolve_export_config
 from moescope.agent.metrics import add_metrics_arguments
 from moescope.agent.observe import Observers
+from moescope.agent.outputs import DEFAULT_WINDOW_NS
+from moescope.agent.outputs.kernel_requests import KernelRequestWindow
+from moescope.agent.policy.rules import Signals
 from moescope.agent.policy.wiring import add_policy_arguments
 from moescope.agent.targets import LaunchedCommand, Target, successors_on_port, target_for_pid, targets_for_port
+from moescope.collectors.netsig import NetSignalSource, start_netsig
 from moescope.collectors.registry import (
     add_collector_alias,
     add_collector_flags,
@@ -51,8 +63,8 @@ from moescope.collectors.registry import (
     enabled_collectors,
     sampled_names,
 )
-from moescope.latency import LatencyHistogram
 from moescope.probes.ingress import loader
+from moescope.probes.ingress.aggregate import RequestTotals
 from moescope.probes.ingress.loader import IngressOptions, IngressProbe, IngressRecord
 
 log = logging.getLogger(__name__)
@@ -74,8 +86,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "the port and re-attaching to it",
     )
     parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
-    parser.add_argument("--records", metavar="FILE", help="write one JSON line per request to FILE ('-': stdout)")
+    parser.add_argument("--records", metavar="FILE",
+                        help="write one JSON line per request record to FILE ('-': stdout); past "
+                             "--ingress-records-per-s records are sampled (0: every request)")
     parser.add_argument("--ebpf", action="store_true", help="print the eBPF program and its cflags, then exit")
+    ingress = parser.add_argument_group("ingress records (counts and latency are exact whatever these say)")
+    ingress.add_argument(
+        "--ingress-rate-hint", metavar="N", default=str(loader.DEFAULT_RATE_HINT_PER_S),
+        help=f"requests/s the per-request ring is sized for: it holds {loader.RING_HOLD_S:g} s of records "
+             f"(default {loader.DEFAULT_RATE_HINT_PER_S}: 2 MiB)",
+    )
+    ingress.add_argument("--ingress-ring-pages", metavar="N", default="0",
+                         help="ring size in pages, a power of two (overrides --ingress-rate-hint)")
+    ingress.add_argument(
+        "--ingress-records-per-s", metavar="N", default=str(loader.DEFAULT_RECORDS_PER_S),
+        help=f"per-request records (spans, --records) handed on per second before sampling (default "
+             f"{loader.DEFAULT_RECORDS_PER_S}; 0 = every record): past it unanswered and the slowest 1 %% are "
+             "kept, then 1 in N",
+    )
     parser.add_argument("--tui", action="store_true", help="show the live view (as `agent top`) in the foreground")
     parser.add_argument("--interval", type=float, default=None, metavar="S",
                         help="live view and state file refresh period (default 0.25 s with --tui, else 1 s: "
@@ -107,30 +135,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class RequestSummary:
-    """Sink that counts requests and keeps their kernel latency distribution."""
+    """The exit summary line, from the probe's in-kernel totals (exact whatever happened to
+    per-request records) and its record counters."""
 
-    def __init__(self) -> None:
-        self.latency = LatencyHistogram()
-        self.unanswered = 0
-
-    def __call__(self, record: Any) -> None:
-        if not isinstance(record, IngressRecord):
-            return
-        if record.answered:
-            self.latency.add(record.latency_ns)
-        else:
-            self.unanswered += 1
-
-    def line(self, *, drops: dict[str, int], elapsed_s: float) -> str:
-        def ms(value: int | None) -> str:
+    @staticmethod
+    def line(*, totals: RequestTotals, drops: dict[str, int], records: int, sampled_out: int,
+             elapsed_s: float) -> str:
+        def ms(value: float | None) -> str:
             return "-" if value is None else f"{value / 1e6:.3f} ms"
 
         drop_text = " ".join(f"{name}={count}" for name, count in drops.items())
         return (
-            f"agent: summary: {self.latency.count} requests ({self.unanswered} unanswered), "
-            f"latency p50 {ms(self.latency.percentile(50))} p99 {ms(self.latency.percentile(99))}, "
-            f"drops {sum(drops.values())} ({drop_text}), {elapsed_s:.1f} s"
+            f"agent: summary: {totals.requests} requests ({totals.unanswered} unanswered), "
+            f"latency p50 {ms(totals.percentile_ns(50))} p99 {ms(totals.percentile_ns(99))}, "
+            f"drops {sum(drops.values())} ({drop_text}), records {records}, sampled out {sampled_out}, "
+            f"{elapsed_s:.1f} s"
         )
+
+
+class KernelObservers(Observers):
+    """Observers whose live view and policy read request rate and latency from the kernel
+    aggregate (the window below) instead of from per-request records, which may be sampled."""
+
+    requests_window: KernelRequestWindow | None = None
+
+    def snapshot(self) -> st.Snapshot:
+        snapshot = super().snapshot()
+        window = self.requests_window
+        return snapshot if window is None else replace(snapshot, requests=window.panel())
+
+    def policy_signals(self) -> Signals:
+        signals = super().policy_signals()
+        window = self.requests_window
+        return signals if window is None else replace(signals, request_p99_ms=window.p99_ms())
 
 
 class JsonLinesSink:
@@ -154,6 +191,30 @@ class JsonLinesSink:
         self.flush()
         if self._owned:
             self._file.close()
+
+
+def _whole_number(option: str, text: str, *, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise errors.UsageError(f"{option} must be a whole number, got {text!r}") from None
+    if value < minimum:
+        raise errors.UsageError(f"{option} must be >= {minimum}, got {value}")
+    return value
+
+
+def ingress_options(args: argparse.Namespace) -> IngressOptions:
+    """The probe's options from the --ingress-* flags; a bad value is a one-line usage error."""
+    pages = _whole_number("--ingress-ring-pages", args.ingress_ring_pages, minimum=0)
+    if pages & (pages - 1):
+        raise errors.UsageError(f"--ingress-ring-pages must be a power of two, got {pages}")
+    options = IngressOptions(
+        rate_hint_per_s=_whole_number("--ingress-rate-hint", args.ingress_rate_hint, minimum=1),
+        ringbuf_pages=pages,
+        records_per_s=_whole_number("--ingress-records-per-s", args.ingress_records_per_s, minimum=0),
+    )
+    options.validate()
+    return options
 
 
 def _validate(args: argparse.Namespace) -> list[str]:
@@ -193,8 +254,10 @@ class TargetFollower:
     """Tick hook: notices targets that exited and, for --port targets, re-attaches to the next process
     listening on the port. Returns STOP_TARGETS_EXITED once nothing is traced and nothing awaited."""
 
-    def __init__(self, probe: IngressProbe, observers: Observers, *, targets: list[Target], follow_ports: bool) -> None:
+    def __init__(self, probe: IngressProbe, observers: Observers, *, targets: list[Target], follow_ports: bool,
+                 netsig: NetSignalSource | None = None) -> None:
         self.probe = probe
+        self.netsig = netsig
         self.observers = observers
         self.live = list(targets)
         self.follow_ports = follow_ports
@@ -218,6 +281,8 @@ class TargetFollower:
         for target in [t for t in self.live if not t.alive()]:
             self.live.remove(target)
             self.probe.remove_target(target.pid)  # drains and flushes its last requests first
+            if self.netsig is not None:
+                self.netsig.remove_target(target.pid)
             try:
                 self.observers.detach(target.pid)
             except Exception:  # a tick hook that raises would end the agent: say it, go on
@@ -241,6 +306,8 @@ class TargetFollower:
                 except errors.MoescopeError as exc:  # e.g. the target limit: say it, keep waiting
                     print(f"agent: cannot re-attach to {target.describe()}: {exc}", file=sys.stderr, flush=True)
                     continue
+                if self.netsig is not None:
+                    self.netsig.add_target(target.pid)
                 self.live.append(target)
                 self.reattached += 1
                 self.waiting.pop(port, None)
@@ -275,7 +342,7 @@ def privileges_to_keep(args: argparse.Namespace) -> tuple[str, ...]:
 def run(args: argparse.Namespace) -> int:
     command = _validate(args)
     export_config = resolve_export_config(flags_from_args(args))  # a bad flag fails before anything loads
-    options = IngressOptions()
+    options = ingress_options(args)
     if args.ebpf:
         sys.stdout.write(loader.ebpf_listing(options))
         return errors.EXIT_OK
@@ -293,7 +360,6 @@ def run(args: argparse.Namespace) -> int:
     records_sink = JsonLinesSink(args.records) if args.records else None
     summary = RequestSummary()
     daemon = Daemon()
-    daemon.add_sink(summary)
     if records_sink is not None:
         daemon.add_sink(records_sink)
         daemon.add_tick_hook(lambda now_ns: records_sink.flush(now_ns))
@@ -326,12 +392,23 @@ def _observe(
     probe = IngressProbe(on_record=daemon.emit, options=options)
     launched: LaunchedCommand | None = None
     observers: Observers | None = None
+    netsig: NetSignalSource | None = None
+    # Loads eBPF, so before the privilege drop below; compiles beside the ingress probe.
+    pending_netsig = start_netsig(emit=daemon.emit) if "netsig" in enabled_collectors(args) else None
     try:
         probe.load()
         if command:
             launched = LaunchedCommand(command, extra_env=child_env(args))
             targets.append(launched.target)
         seeded = sum(probe.add_target(t.pid) for t in targets)
+        if pending_netsig is not None:
+            try:
+                netsig = pending_netsig.wait()  # joined here: no thread may outlive the privilege drop
+            except errors.SourceUnavailable as exc:  # the agent runs on without network signals
+                print(f"agent: network signals off: {exc}", file=sys.stderr, flush=True)
+            else:
+                for t in targets:
+                    netsig.add_target(t.pid)
         attach_s = (time.monotonic_ns() - started_ns) / 1e9
         names = ", ".join(t.describe() for t in targets)
         print(f"agent: tracing {names}; {seeded} open connections seeded; attached in {attach_s:.2f} s",
@@ -342,8 +419,18 @@ def _observe(
         allocator = Allocator()
         allocator.limit_arenas()  # before the threads: see agent/allocator.py
         daemon.add_tick_hook(allocator.trim)
-        observers = Observers.build(args, daemon=daemon, config=export_config)
-        observers.attach([t.pid for t in targets], probe_names=["ingress"])
+        observers = KernelObservers.build(args, daemon=daemon, config=export_config)
+        assert isinstance(observers, KernelObservers)  # build() is typed as returning the base class
+        # Counts, bytes and latency from the kernel aggregate: exact whatever happens to records.
+        if observers.pipeline.metrics_output is not None:
+            observers.pipeline.metrics_output.use_kernel_totals(probe.totals)
+        metrics = observers.metrics
+        metrics.add_refresh_hook(lambda: metrics.set_counter_total(
+            "moescope_agent_events_sampled_out", float(probe.stats()["sampled_out"]), source=probe.name))
+        window = KernelRequestWindow(probe.totals, window_ns=DEFAULT_WINDOW_NS)
+        observers.requests_window = window
+        daemon.add_tick_hook(window.tick)
+        observers.attach([t.pid for t in targets], probe_names=["ingress"] + (["netsig"] if netsig else []))
         if launched is not None:
             launched.release()
         for line in observers.describe():
@@ -352,14 +439,21 @@ def _observe(
         if launched is not None:
             launched.stop()
         probe.close()
+        if netsig is not None:
+            netsig.close()
+        elif pending_netsig is not None:
+            pending_netsig.cancel()
         if observers is not None:
             observers.close()
         if records_sink is not None:
             records_sink.close()
         raise
     daemon.add_source(probe)
+    if netsig is not None:
+        daemon.add_source(netsig)  # daemon.close() closes it (its last counts are emitted first)
 
-    follower = TargetFollower(probe, observers, targets=targets, follow_ports=not args.exit_on_target_exit)
+    follower = TargetFollower(probe, observers, targets=targets, follow_ports=not args.exit_on_target_exit,
+                              netsig=netsig)
     daemon.add_tick_hook(follower.tick)
     duration_ns = None if args.duration is None else int(args.duration * 1e9)
     observers.start()
@@ -376,7 +470,9 @@ def _observe(
             records_sink.close()
         if launched is not None:
             launched.stop()  # the agent launched it, so it does not outlive the agent
-    print(summary.line(drops=_drop_counts(daemon, probe), elapsed_s=observed_s), flush=True)
+    stats = probe.stats()
+    print(summary.line(totals=probe.totals(), drops=_drop_counts(daemon, probe), records=stats["records"],
+                       sampled_out=stats["sampled_out"], elapsed_s=observed_s), flush=True)
     for line in observers.summary_lines():
         print(f"agent: {line}", flush=True)
     if daemon.cpu_ns:

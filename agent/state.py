@@ -89,6 +89,18 @@ class Requests:
 
 
 @dataclass(frozen=True, slots=True)
+class Network:
+    """Kernel network signals on the targets' ports and namespaces over a sliding window (None:
+    the netsig source is off or has not read yet)."""
+
+    window_s: float | None = None
+    listen_overflows_per_s: float | None = None
+    retransmits_per_s: float | None = None
+    resets_per_s: float | None = None
+    listen_overflows_total: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class HotExpert:
     expert: int
     share: float  # fraction of the layer's routed tokens
@@ -211,6 +223,7 @@ class Snapshot:
     seq: int = 0
     publish_interval_s: float | None = None
     requests: Requests = field(default_factory=Requests)
+    network: Network = field(default_factory=Network)
     moe: Moe = field(default_factory=Moe)
     devices: Devices = field(default_factory=Devices)
     policy: Policy = field(default_factory=Policy)

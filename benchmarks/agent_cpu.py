@@ -304,9 +304,13 @@ class Receiver:
 
 def run_worker(tree: Path, variant: str, *, batches: int, endpoint: str | None) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(tree))
-    cmd = [PYTHON, str(Path(__file__).resolve()), "--worker", variant, "--batches", str(batches)]
+    argv = [str(Path(__file__).resolve()), "--worker", variant, "--batches", str(batches)]
     if endpoint:
-        cmd += ["--endpoint", endpoint]
+        argv += ["--endpoint", endpoint]
+    # moescope's code from `tree` itself: the editable install maps moescope.* onto this checkout
+    cmd = [PYTHON, "-c", f"import runpy, sys; sys.path.insert(0, {str(REPO)!r}); "
+           f"from pathlib import Path; from benchmarks.step_path import pin_tree; pin_tree(Path({str(tree)!r})); "
+           f"sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')"]
     out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise SystemExit(f"worker {variant} in {tree} failed ({out.returncode}): {out.stderr.strip()[-2000:]}")

@@ -326,6 +326,9 @@ def one_run(config: Config, arm: str, *, duration_s: float, workdir: Path, nvtx_
             run["agent_cpu_pct"] = 100.0 * (cpu_s(agent.pid) - agent_cpu0) / window_s
             run["agent_rss_bytes"] = status_bytes(agent.pid, "VmHWM")
             run["agent_rss_end_bytes"] = status_bytes(agent.pid, "VmRSS")
+            # of which private (heap, arrays) vs the producers' rings mapped in (shared memory)
+            run["agent_rss_anon_bytes"] = status_bytes(agent.pid, "RssAnon")
+            run["agent_rss_shmem_bytes"] = status_bytes(agent.pid, "RssShmem")
             try:
                 run["metrics_before_stop"] = scrape(metrics_port)
             except OSError as exc:
@@ -403,6 +406,8 @@ def measure(config: Config, *, rounds: int, duration_s: float, workdir: Path, nv
         "agent_cpu_pct": median_of(attached, "agent_cpu_pct"),
         "agent_rss_bytes": median_of(attached, "agent_rss_bytes"),
         "agent_rss_bytes_max": max(int(r["agent_rss_bytes"]) for r in attached),
+        "agent_rss_anon_bytes": median_of(attached, "agent_rss_anon_bytes"),
+        "agent_rss_shmem_bytes": median_of(attached, "agent_rss_shmem_bytes"),
         # totals over the attached rounds: a drop in any round counts
         "steps_emitted": sum(int(r["steps_emitted"]) for r in attached),
         "steps_seen": sum(int(r["steps_seen"]) for r in attached),

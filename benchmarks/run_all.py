@@ -90,6 +90,23 @@ def read_moe_scale(doc: dict[str, Any]) -> tuple[bool, str]:
     return bool(doc["bar_met"]), "; ".join(parts)
 
 
+def read_ingress_load(doc: dict[str, Any]) -> tuple[bool, str]:
+    fast = next(r for r in doc["runs"] if r["label"] == doc["highest_rate_run"])
+    return bool(doc["pass"]), (
+        f"{fast['rate_per_s']:.0f} req/s: metric {fast['metric_requests']} vs wrk {fast['client_requests']}, "
+        f"ring drops {fast['ringbuf_full']}; agent {doc['paced_agent_cpu_us_per_request']:.1f} us/request "
+        "at 10k/s (bar 10)"
+    )
+
+
+def read_hf_instrument(doc: dict[str, Any]) -> tuple[bool, str]:
+    return bool(doc["bar_met"]), "; ".join(
+        f"{r['shape']} ({r['step_tokens']} tokens) instrumented/plain CPU {r['ratio']:.4f} (bar {r['bar_ratio']}), "
+        f"wall {r['wall_ratio']:.4f}"
+        for r in doc["runs"]
+    )
+
+
 BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("ingress_overhead", (), ("--pairs", "2", "--requests", "20000"), "ingress_overhead_live.json",
               read_ingress),
@@ -99,6 +116,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               "policy_latency.json", read_policy),
     Benchmark("e2e_overhead", (), ("--quick",), "e2e_overhead.json", read_e2e),
     Benchmark("moe_scale", (), ("--quick",), "moe_scale.json", read_moe_scale),
+    Benchmark("hf_instrument_cost", (), ("--quick",), "hf_instrument_cost.json", read_hf_instrument),
+    Benchmark("ingress_load", (), ("--seconds", "2", "--connections", "1", "64"), "ingress_load.json",
+              read_ingress_load),
 )
 
 

@@ -27,8 +27,9 @@ stats(), never raised.
 | moe.step.device (v2) | mark inside moe.step    | -          | float vector [L]: µs per layer |
 | moe.step.routing (v2)| mark inside moe.step    | -          | int vector [L·2E]: moe.routing of every layer |
 
-v2's routing vector becomes the same RouterEvent a v1 producer's per-expert marks make (the
-experts with a non-zero count), so both conventions give identical numbers downstream.
+v2's routing vector stays an array (``RouterEvent.counts``, [2E]); a v1 producer's per-expert
+marks are summed into dicts. ``RouterEvent.tokens_by_expert()`` reads either the same way, and the
+agent turns both into the same count matrices, so both conventions give identical numbers.
 """
 
 from __future__ import annotations
@@ -92,11 +93,47 @@ class RouterEvent:
     start_ns: int
     end_ns: int
     entropy_bits: float | None
-    tokens: dict[int, int] = field(default_factory=dict)  # expert -> tokens routed (before capacity)
-    dropped: dict[int, int] = field(default_factory=dict)  # expert -> tokens over capacity
+    # moe/v1: the per-expert marks summed (expert -> tokens routed before capacity / over it)
+    tokens: dict[int, int] = field(default_factory=dict)
+    dropped: dict[int, int] = field(default_factory=dict)
     # v2: the moe.routing vector as sent ([2E]: tokens, then over capacity); its layer checks the
-    # length against E and turns it into `tokens` / `dropped`
+    # length against E and moves it to `counts`
     vector: np.ndarray | None = None
+    # v2: the checked routing row, int64 [2E] (tokens routed per expert, then over capacity); kept
+    # as an array end to end (the agent's step path works on [layers, E] matrices of these)
+    counts: np.ndarray | None = None
+
+    def routed(self) -> int:
+        """Tokens routed in this layer (sum over experts, before capacity)."""
+        if self.counts is not None:
+            return int(self.counts[: len(self.counts) // 2].sum())
+        return sum(self.tokens.values())
+
+    def over_capacity(self) -> int:
+        if self.counts is not None:
+            return int(self.counts[len(self.counts) // 2 :].sum())
+        return sum(self.dropped.values())
+
+    def experts_seen(self) -> int:
+        """1 + the largest expert id with a count (v1), or E of the vector (v2); 0 with neither."""
+        if self.counts is not None:
+            return len(self.counts) // 2
+        return 1 + max((*self.tokens, *self.dropped), default=-1)
+
+    def tokens_by_expert(self) -> dict[int, int]:
+        """{expert: tokens routed} for the experts with a non-zero count, whichever convention."""
+        if self.counts is not None:
+            return _nonzero_counts(self.counts[: len(self.counts) // 2])
+        return {e: n for e, n in self.tokens.items() if n}
+
+    def dropped_by_expert(self) -> dict[int, int]:
+        if self.counts is not None:
+            return _nonzero_counts(self.counts[len(self.counts) // 2 :])
+        return {e: n for e, n in self.dropped.items() if n}
+
+    @property
+    def has_routing(self) -> bool:
+        return self.counts is not None or bool(self.tokens) or bool(self.dropped)
 
 
 @dataclass(slots=True)
@@ -359,8 +396,8 @@ class MoeConventionParser:
 
     def _vector_marks(self, batch: NvtxBatch, rows: np.ndarray, codes: np.ndarray, parents: np.ndarray) -> None:
         """v2 vector marks: decoded once each (there are O(layers) of them per step)."""
-        for row, code, parent in zip(rows.tolist(), codes.tolist(), parents.tolist(), strict=True):
-            vector = batch.mark_array(row)
+        vectors = batch.mark_arrays(rows)
+        for vector, code, parent in zip(vectors, codes.tolist(), parents.tolist(), strict=True):
             want_int = code in _INT_VECTOR_CODES
             if vector is None or vector.ndim != 1 or (
                 want_int and vector.dtype.kind not in "iu") or (not want_int and vector.dtype.kind not in "fiu"):
@@ -371,7 +408,7 @@ class MoeConventionParser:
             self._file(parent, ("vector", code, vector))
 
     def _routing_from_vector(self, layer: LayerEvent) -> None:
-        """v2: the router's [2E] vector -> the per-expert dicts a v1 producer's marks give."""
+        """v2: the router's [2E] vector, checked against the layer's E, as its routing counts."""
         router = layer.router
         if router is None or router.vector is None:
             return
@@ -396,7 +433,7 @@ class MoeConventionParser:
         for layer, size in zip(layers, sizes, strict=True):
             router = layer.router
             row, at = counts[at : at + size], at + size
-            if router is None or router.tokens or router.dropped:
+            if router is None or router.has_routing:
                 continue  # a layer with no router has no routing; one with its own keeps it
             _set_routing(router, row)
 
@@ -532,10 +569,8 @@ _MARK_CODES = {
 
 
 def _set_routing(router: RouterEvent, row: np.ndarray) -> None:
-    """A [2E] routing row (tokens routed per expert, then over capacity) as the per-expert counts a
-    v1 producer's marks give: only the experts with a non-zero count."""
-    half = len(row) // 2
-    router.tokens, router.dropped = _nonzero_counts(row[:half]), _nonzero_counts(row[half:])
+    """A [2E] int64 routing row (tokens routed per expert, then over capacity) as the router's counts."""
+    router.counts = row
 
 
 def _nonzero_counts(counts: np.ndarray) -> dict[int, int]:

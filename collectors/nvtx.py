@@ -249,6 +249,15 @@ def _namespace_pid(pid: int) -> int:
     return pid
 
 
+def _maps_library(pid: int) -> bool:
+    """Whether pid has the injection library mapped (/proc/PID/maps names the file)."""
+    try:
+        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+            return any(line.rstrip().endswith("/" + LIBRARY_NAME) for line in f)
+    except OSError:
+        return False
+
+
 def _read_environ(pid: int) -> dict[str, str] | None:
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
@@ -432,6 +441,37 @@ class SchemaTable:
         return buf[start : start + length * dtype.itemsize].view(dtype).copy()
 
 
+    def decode_arrays(self, schema_id: int, blob: np.ndarray, offsets: np.ndarray, size: int) -> np.ndarray | None:
+        """``decode_array`` of many payloads at once: ``size`` bytes at each of ``offsets`` in
+        ``blob``, all of schema ``schema_id`` -> a [payloads, length] array (a copy), or None when
+        one decode_array would refuse, or when their lengths differ (the caller decodes them one
+        by one then). One gather for all of them: a step's routing vectors share schema and size."""
+        n = len(offsets)
+        if n == 0 or size <= 0:
+            return None
+        first = self.decode_array(schema_id, blob[int(offsets[0]) : int(offsets[0]) + size])
+        if first is None:
+            return None
+        dtype = first.dtype
+        if schema_id < SCHEMA_ID_STATIC_START or len(self.schemas[schema_id].fields) == 1:
+            start, length = 0, len(first)
+        else:
+            size_field, data_field = self.schemas[schema_id].fields
+            length_dtype = ENTRY_TYPE_DTYPES[size_field.type]
+            heads = np.lib.stride_tricks.sliding_window_view(blob, length_dtype.itemsize)[offsets]
+            lengths = heads.view(length_dtype).reshape(n)
+            if (lengths != lengths[0]).any():
+                return None
+            length = len(first)
+            start = data_field.offset or -(-length_dtype.itemsize // dtype.itemsize) * dtype.itemsize
+        width = length * dtype.itemsize
+        if width == 0:
+            return np.zeros((n, 0), dtype=dtype)
+        # every payload's bytes as one row: a strided window view of the blob, rows picked by offset
+        gathered = np.lib.stride_tricks.sliding_window_view(blob, width)[offsets + start]
+        return gathered.view(dtype).reshape(n, length)
+
+
 # --- string tables ------------------------------------------------------------------------------
 
 
@@ -559,6 +599,33 @@ class NvtxBatch:
 
     def decode_array(self, schema_id: int, raw: bytes | memoryview | np.ndarray) -> np.ndarray | None:
         return self.strings.schemas.decode_array(schema_id, raw)
+
+    def mark_arrays(self, indices: np.ndarray) -> list[np.ndarray | None]:
+        """payload_array of each of marks[indices], decoded in groups of one schema and size (one
+        gather per group instead of one decode per mark)."""
+        out: list[np.ndarray | None] = [None] * len(indices)
+        if not len(indices):
+            return out
+        schema_ids, offsets, sizes = self.ext_entries(self.marks[indices])
+        has = sizes > 0
+        keys = np.stack([schema_ids.astype(np.int64), sizes]).T[has] if has.any() else np.zeros((0, 2), np.int64)
+        rows = np.flatnonzero(has)
+        if not len(rows):
+            return out
+        groups, inverse = np.unique(keys, axis=0, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        schemas = self.strings.schemas
+        for g, (schema_id, size) in enumerate(groups.tolist()):
+            members = rows[inverse == g]
+            block = schemas.decode_arrays(int(schema_id), self.blob, offsets[members], int(size))
+            if block is not None:
+                for at, array in zip(members.tolist(), block, strict=True):
+                    out[at] = array
+            else:
+                for at in members.tolist():
+                    start = int(offsets[at])
+                    out[at] = schemas.decode_array(int(schema_id), self.blob[start : start + int(sizes[at])])
+        return out
 
     def range_names(self) -> np.ndarray:
         return self.strings.names(self.ranges["string_id"])
@@ -915,6 +982,10 @@ class NvtxCollector:
         env = _read_environ(pid)
         if env is not None:
             injected = env.get(INJECTION_ENV)
+            if not injected and _maps_library(pid):
+                # set in-process (moescope.instrument() puts it in os.environ before the first
+                # NVTX call), which /proc/PID/environ never shows: the library is loaded, so it is ours
+                injected = LIBRARY_NAME
             if not injected:
                 raise NvtxUnavailable(
                     f"pid {pid} was not started with {INJECTION_ENV}, so its NVTX events cannot be "

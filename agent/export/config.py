@@ -258,6 +258,23 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
                    help="layer (default): one moe.layer span per layer, its router, expert loads and FFNs as "
                         "array attributes (moe.layer.ffn.*); expert: a span for each of them too (~4x the spans, "
                         "more agent CPU)")
+    g.add_argument("--trace-layer-spans-per-s", type=_layer_rate, default=None, metavar="N",
+                   help="layer spans kept per second on average (default 2000; 'all': every step's layers). "
+                        "Every step gets its moe.step span; its layer subtree is kept when the step is slow "
+                        "(>= the p99 of the last 10 s), then as this budget allows; the rest are counted "
+                        "as sampled out (docs/traces-and-metrics.md, \"Sampling\")")
+
+
+def _layer_rate(text: str) -> float:
+    if text == "all":
+        return float("inf")
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 or 'all', got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 or 'all', got {text!r}")
+    return value
 
 
 def add_state_dir_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

@@ -10,7 +10,16 @@ A new output is a class with those methods, registered with ``RequestJoin.add_ou
 """
 
 from moescope.agent.outputs.metrics import MetricsOutput
-from moescope.agent.outputs.traces import DEFAULT_SPAN_DETAIL, SPAN_DETAILS, TraceOutput
+from moescope.agent.outputs.traces import (
+    DEFAULT_LAYER_SPANS_PER_S,
+    DEFAULT_SPAN_DETAIL,
+    SPAN_DETAILS,
+    LayerSampler,
+    TraceOutput,
+)
 from moescope.agent.outputs.windows import DEFAULT_WINDOW_NS, WindowsOutput
 
-__all__ = ["DEFAULT_SPAN_DETAIL", "DEFAULT_WINDOW_NS", "SPAN_DETAILS", "MetricsOutput", "TraceOutput", "WindowsOutput"]
+__all__ = [
+    "DEFAULT_LAYER_SPANS_PER_S", "DEFAULT_SPAN_DETAIL", "DEFAULT_WINDOW_NS", "SPAN_DETAILS", "LayerSampler",
+    "MetricsOutput", "TraceOutput", "WindowsOutput",
+]

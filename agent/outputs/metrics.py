@@ -4,22 +4,81 @@ Per-step metrics that need no per-step precision are held here and written by ``
 refresh hook: the daemon's publish tick and every scrape): per-expert token counters summed,
 routing-health gauges at their latest value. Writing ~80 labelled series per step was a fifth of
 the agent's CPU under load.
+
+Request counts, bytes and the latency histogram come from one of two places. By default from each
+joined request record (a pipeline fed records: tests, benchmarks). Under `agent start`,
+``use_kernel_totals`` switches them to the ingress probe's in-kernel aggregate, read at every
+refresh (delta since the last read), so they are exact whatever happens to per-request records
+(ring full, sampled out); queue wait stays per record (it needs the join). The kernel's log-linear
+buckets map onto ``moescope_request_duration_seconds``'s bounds by each kernel bucket's midpoint
+(probes/ingress/aggregate.py: a request within 3.1 % of a bound may land on its other side);
+``_sum`` is the kernel's exact latency sum.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from moescope.agent.join import BufferedStep, JoinEvent, RequestJoined, StepSeen, TelemetrySeen
-from moescope.agent.metrics import Metrics
+import numpy as np
+
+from moescope.agent.join import BufferedStep, JoinEvent, NetSignalSeen, RequestJoined, StepSeen, TelemetrySeen
+from moescope.agent.metrics import SPECS, Metrics
 from moescope.agent.outputs.values import finite
 from moescope.agent.outputs.windows import WindowsOutput
-from moescope.agent.routing_health import LayerHealth, step_health
+from moescope.agent.routing_health import LayerTable, add_rows
 from moescope.collectors.host import HostSample
+from moescope.collectors.netsig import publish_net_signals
 from moescope.collectors.nvml import NvmlSample
+from moescope.probes.ingress.aggregate import RequestTotals
 
 WINDOW_GAUGE_PERIOD_NS = 1_000_000_000  # the windowed Gini sums the whole window per layer
+
+
+class PendingCounts:
+    """Tokens and drops per (layer, expert) summed between flushes, as [layers, E] matrices: one
+    array add per step (per-expert dicts cost ~2 ms a step at E = 256, L = 58)."""
+
+    def __init__(self) -> None:
+        self._tokens = np.zeros((0, 0), dtype=np.int64)
+        self._dropped = np.zeros((0, 0), dtype=np.int64)
+        self._layers_seen = np.zeros(0, dtype=bool)
+        self._batches: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # E changed: kept apart
+
+    def add(self, table: LayerTable) -> None:
+        rows, experts = int(table.layers.max()) + 1, table.num_experts
+        if self._tokens.shape[1] not in (0, experts):
+            self._batches.extend(self._drain())  # another E: the sums so far are flushed as they are
+        if rows > self._tokens.shape[0] or self._tokens.shape[1] != experts:
+            grown = np.zeros((max(rows, self._tokens.shape[0]), experts), dtype=np.int64)
+            grown_dropped = grown.copy()
+            seen = np.zeros(grown.shape[0], dtype=bool)
+            have = self._tokens.shape[0]
+            if self._tokens.shape[1] == experts:
+                grown[:have], grown_dropped[:have], seen[:have] = self._tokens, self._dropped, self._layers_seen
+            self._tokens, self._dropped, self._layers_seen = grown, grown_dropped, seen
+        add_rows(self._tokens, table.layers, table.tokens)
+        add_rows(self._dropped, table.layers, table.dropped)
+        self._layers_seen[table.layers] = True
+
+    def _drain(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        rows = np.flatnonzero(self._layers_seen)
+        out = [(rows, self._tokens[rows], self._dropped[rows])] if rows.size else []
+        self._tokens = np.zeros((0, 0), dtype=np.int64)
+        self._dropped = np.zeros((0, 0), dtype=np.int64)
+        self._layers_seen = np.zeros(0, dtype=bool)
+        return out
+
+    def take(self) -> list[tuple[int, dict[int, int], dict[int, int]]]:
+        """(layer, {expert: tokens}, {expert: dropped}) of every layer with counts since the last take."""
+        out: list[tuple[int, dict[int, int], dict[int, int]]] = []
+        for rows, tokens, dropped in [*self._batches, *self._drain()]:
+            for layer, t, d in zip(rows.tolist(), tokens, dropped, strict=True):
+                nz, nzd = np.flatnonzero(t), np.flatnonzero(d)
+                out.append((layer, dict(zip(nz.tolist(), t[nz].tolist(), strict=True)),
+                            dict(zip(nzd.tolist(), d[nzd].tolist(), strict=True))))
+        self._batches = []
+        return out
 
 
 class MetricsOutput:
@@ -29,12 +88,39 @@ class MetricsOutput:
         self.metrics = metrics
         self.windows = windows  # for the windowed gauges (moescope_expert_load_gini_window)
         self._lock = threading.Lock()  # export on the daemon thread, force_flush on a scrape's
-        self._pending_tokens: dict[int, dict[int, int]] = {}
-        self._pending_dropped: dict[int, dict[int, int]] = {}
-        self._latest_layer_health: dict[int, LayerHealth] = {}
-        self._latest_step_health: list[LayerHealth] | None = None
+        self._pending_counts = PendingCounts()
+        self._latest_layer_health: dict[int, tuple[LayerTable, int]] = {}
+        self._latest_step_health: LayerTable | None = None
         self._window_gauges_ns = 0
+        self._kernel_totals: Callable[[], RequestTotals] | None = None
+        self._kernel_published = RequestTotals()
+        self._kernel_lock = threading.Lock()  # a scrape's refresh and the daemon's publish may overlap
         metrics.add_refresh_hook(self.force_flush)
+
+    def use_kernel_totals(self, read: Callable[[], RequestTotals]) -> None:
+        """Count requests, bytes and latency from `read()` (cumulative in-kernel totals, e.g.
+        IngressProbe.totals) at every refresh, instead of from request records."""
+        self._kernel_totals = read
+        self.metrics.add_refresh_hook(self.publish_kernel_totals)
+
+    def publish_kernel_totals(self) -> None:
+        """Add what the kernel counted since the last call (any thread)."""
+        read = self._kernel_totals
+        if read is None:
+            return
+        with self._kernel_lock:
+            current = read()
+            delta = current - self._kernel_published
+            self._kernel_published = current
+        if delta.requests <= 0 and delta.bytes_in <= 0 and delta.bytes_out <= 0:
+            return
+        m = self.metrics
+        m.inc("moescope_requests", delta.requests)
+        m.inc("moescope_request_received_bytes", delta.bytes_in)
+        m.inc("moescope_response_sent_bytes", delta.bytes_out)
+        if delta.answered > 0:
+            name = "moescope_request_duration_seconds"
+            m.observe_buckets(name, delta.prometheus_buckets(SPECS[name].buckets), delta.latency_sum_ns / 1e9)
 
     # ------------------------------------------------------------------ Output
     def export(self, batch: Sequence[JoinEvent]) -> None:
@@ -46,6 +132,8 @@ class MetricsOutput:
                     self._step(b)
                 case TelemetrySeen(sample=sample):
                     self._telemetry(sample)
+                case NetSignalSeen(record=record):
+                    publish_net_signals(self.metrics, record)
                 case _:
                     pass
 
@@ -53,17 +141,16 @@ class MetricsOutput:
         """Write the per-step metrics kept since the last flush into the registry (any thread)."""
         m = self.metrics
         with self._lock:
-            tokens, dropped = self._pending_tokens, self._pending_dropped
+            pending = self._pending_counts.take()
             healths = list(self._latest_layer_health.values())
-            step_healths = self._latest_step_health
-            self._pending_tokens, self._pending_dropped = {}, {}
+            step_table = self._latest_step_health
             self._latest_layer_health, self._latest_step_health = {}, None
-        for layer in sorted(tokens.keys() | dropped.keys()):
-            m.record_expert_counts(layer=layer, tokens=tokens.get(layer, {}), dropped=dropped.get(layer))
-        for h in healths:
-            m.set_layer_health(h)
-        if step_healths:
-            m.set_step_health(step_health(step_healths))
+        for layer, tokens, dropped in pending:
+            m.record_expert_counts(layer=layer, tokens=tokens, dropped=dropped)
+        for table, row in healths:
+            m.set_layer_health(table.health(row))
+        if step_table is not None:
+            m.set_step_health(step_table.step_health())
 
     def shutdown(self, deadline_ns: int) -> None:
         self.force_flush()
@@ -75,10 +162,11 @@ class MetricsOutput:
     def _request(self, event: RequestJoined) -> None:
         m = self.metrics
         record = event.record
-        m.observe("moescope_request_duration_seconds", (record.end_ns - record.start_ns) / 1e9)
-        m.inc("moescope_requests")
-        m.inc("moescope_request_received_bytes", record.bytes_in)
-        m.inc("moescope_response_sent_bytes", record.bytes_out)
+        if self._kernel_totals is None:  # else counted in the kernel (use_kernel_totals)
+            m.observe("moescope_request_duration_seconds", (record.end_ns - record.start_ns) / 1e9)
+            m.inc("moescope_requests")
+            m.inc("moescope_request_received_bytes", record.bytes_in)
+            m.inc("moescope_response_sent_bytes", record.bytes_out)
         if event.steps:
             wait_s = max(0, event.steps[0].step.start_ns - record.start_ns) / 1e9
             m.observe("moescope_request_queue_wait_seconds", wait_s)
@@ -95,19 +183,13 @@ class MetricsOutput:
                 m.observe("moescope_expert_load_duration_seconds", load.duration_ns / 1e9)
                 if load.bytes_moved is not None and load.bytes_moved > 0:
                     m.inc("moescope_expert_load_bytes", load.bytes_moved)
-        with self._lock:
-            for layer in step.layers:
-                router = layer.router
-                if router is None:
-                    continue
-                for pending, counts in ((self._pending_tokens, router.tokens), (self._pending_dropped, router.dropped)):
-                    acc = pending.setdefault(layer.layer, {})
-                    for expert, n in counts.items():
-                        acc[expert] = acc.get(expert, 0) + n
-            for h in b.healths:
-                self._latest_layer_health[h.layer] = h
-            if b.healths:
-                self._latest_step_health = b.healths
+        table = b.table
+        if len(table):
+            with self._lock:
+                self._pending_counts.add(table)
+                for row, layer in enumerate(table.layers.tolist()):
+                    self._latest_layer_health[layer] = (table, row)  # objects made at flush, not per step
+                self._latest_step_health = table
         if b.num_experts:
             m.set("moescope_experts", b.num_experts)
         windows = self.windows

@@ -9,10 +9,17 @@ oldest: a request's record arrives only when it completes, and spans are exporte
 end, so the owner cannot wait for older batch-mates.) A step no request claimed before it left the
 buffer by retention becomes its own trace (``moe.step.unjoined = true``); one pushed out early by
 the buffer bound is dropped and counted by the join.
+
+Sampling under load (``LayerSampler``): every step gets its ``moe.step`` span (with the step's
+routing-health aggregates); its layer subtree is kept for a slow step always, then as a budget of
+layer spans per second allows. A step whose subtree was left out says so
+(``moe.step.layers_sampled_out = true``) and is counted (``layer_subtrees_sampled_out``), apart from
+export drops. Metrics and the policy see every step whatever is sampled.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -23,23 +30,80 @@ from moescope.agent.export.spans import SpanEvent, SpanFactory, SpanLink
 from moescope.agent.join import (
     BufferedStep,
     JoinEvent,
+    NetSignalSeen,
     RequestJoined,
     RuntimeSeen,
     StepRetired,
+    StepSeen,
     TelemetrySeen,
 )
-from moescope.agent.routing_health import step_health
 from moescope.collectors.host import MemorySignal
 from moescope.collectors.moe_convention import LayerEvent, StepEvent
+from moescope.collectors.netsig import NetEventIndex, span_event_fields
+from moescope.latency import SlidingQuantile
 from moescope.probes.ingress.loader import IngressRecord
+from moescope.probes.netsig.loader import reset_reason_name
 
-MAX_ARRAY_EXPERTS = 256  # above this, per-expert arrays become top-16 id/token lists on spans
+# Above this, per-expert arrays on spans become top-16 id/value lists: at E = 256 four 256-long arrays
+# per layer span made each cost ~0.5 ms to build and encode (benchmarks/step_path.py).
+MAX_ARRAY_EXPERTS = 64
 TOP_EXPERTS_ON_SPANS = 16
 
 # How much of the forward pass becomes spans: "layer" (default) puts the router, expert loads and
 # FFNs of a layer into array attributes of its moe.layer span; "expert" gives each its own span.
 SPAN_DETAILS = ("layer", "expert")
 DEFAULT_SPAN_DETAIL = "layer"
+# Layer spans per second kept on average (token bucket, burst of one second's worth): 2000 is every
+# step of the reference model (L=4) up to 500 steps/s, or ~34 DeepSeek-V3 steps/s (L=58).
+DEFAULT_LAYER_SPANS_PER_S = 2000.0
+SLOW_STEP_QUANTILE = 0.99  # a step at or above the window's p99 duration is "slow": always kept
+SLOW_STEP_MIN_SAMPLES = 100  # ... once the window holds this many steps (before: the budget alone)
+SLOW_STEP_WINDOW_NS = 10_000_000_000
+
+
+class LayerSampler:
+    """Which steps keep their layer subtree in traces (docs/traces-and-metrics.md, "Sampling").
+
+    Per step, in the order steps complete: (1) a slow step (duration at or above the p99 of the last
+    10 s of steps and above their median, once 100 are in) is kept; (2) otherwise it is kept if a
+    token bucket of layer spans (``layer_spans_per_s`` per second, holding at most one second's
+    worth) has room for its layers, which it then spends; (3) otherwise its subtree is sampled
+    out. Time is the steps' own clock (their end), so the decision does not depend on when the
+    agent gets to them.
+    ``layer_spans_per_s = inf`` keeps every subtree; ``0`` keeps only slow ones.
+    """
+
+    def __init__(self, *, layer_spans_per_s: float = DEFAULT_LAYER_SPANS_PER_S) -> None:
+        if math.isnan(layer_spans_per_s) or layer_spans_per_s < 0:
+            raise ValueError(f"layer_spans_per_s must be >= 0, got {layer_spans_per_s}")
+        self.rate = layer_spans_per_s
+        self._tokens = layer_spans_per_s  # a full bucket at start
+        self._last_ns: int | None = None
+        self._durations = SlidingQuantile(duration_ns=SLOW_STEP_WINDOW_NS, max_samples=20_000)
+        self.kept_slow = 0
+        self.kept_budget = 0
+        self.sampled_out = 0
+
+    def keep(self, *, end_ns: int, duration_ns: int, layers: int) -> bool:
+        durations = self._durations
+        slow = (len(durations) >= SLOW_STEP_MIN_SAMPLES and duration_ns >= durations.quantile(SLOW_STEP_QUANTILE)
+                and duration_ns > durations.quantile(0.5))  # with equal durations no step is "slow"
+        durations.add(end_ns, float(duration_ns))
+        if math.isinf(self.rate):
+            self.kept_budget += 1
+            return True
+        if self._last_ns is not None and end_ns > self._last_ns:
+            self._tokens = min(self.rate, self._tokens + self.rate * (end_ns - self._last_ns) / 1e9)
+        self._last_ns = end_ns if self._last_ns is None else max(self._last_ns, end_ns)
+        if slow:
+            self.kept_slow += 1
+            return True
+        if layers <= self._tokens:
+            self._tokens -= layers
+            self.kept_budget += 1
+            return True
+        self.sampled_out += 1
+        return False
 
 Attributes = dict[str, AttributeValue]
 
@@ -49,32 +113,45 @@ class TraceOutput:
 
     name = "traces"
 
-    def __init__(self, spans: SpanFactory, *, epoch_offset_ns: int, span_detail: str = DEFAULT_SPAN_DETAIL) -> None:
+    def __init__(
+        self, spans: SpanFactory, *, epoch_offset_ns: int, span_detail: str = DEFAULT_SPAN_DETAIL,
+        layer_spans_per_s: float = DEFAULT_LAYER_SPANS_PER_S,
+    ) -> None:
         if span_detail not in SPAN_DETAILS:
             raise ValueError(f"span_detail must be one of {SPAN_DETAILS}, got {span_detail!r}")
         self.spans = spans
         self.span_detail = span_detail
+        self.sampler = LayerSampler(layer_spans_per_s=layer_spans_per_s)
+        self._keep_layers: dict[int, bool] = {}  # step seq -> its subtree is kept (decided at StepSeen)
         # Sources stamp CLOCK_MONOTONIC; OTLP wants ns since the Unix epoch: span times are shifted by this.
         self.epoch_offset_ns = epoch_offset_ns
         self._owners: dict[int, SpanContext] = {}  # step seq -> the owner's step span
         self._memory: MemorySignal | None = None
         self._layer_precision: dict[int, str] = {}
+        self._net_events = NetEventIndex()  # retransmits/resets by connection, for the server spans
         self._counts: dict[str, int] = dict.fromkeys(("spans", "stub_spans", "owner_subtrees"), 0)
 
     # ------------------------------------------------------------------ Output
     def export(self, batch: Sequence[JoinEvent]) -> None:
         for event in batch:
             match event:
+                case StepSeen(step=b):
+                    step = b.step
+                    self._keep_layers[b.seq] = self.sampler.keep(
+                        end_ns=step.end_ns, duration_ns=step.duration_ns, layers=len(step.layers))
                 case RequestJoined():
                     self._request_trace(event)
                 case StepRetired(step=b, evicted=evicted):
                     owner = self._owners.pop(b.seq, None)
                     if owner is None and not b.claims and not evicted:
                         self._step_tree(b, parent=None, extra={"moe.step.unjoined": True})
+                    self._keep_layers.pop(b.seq, None)
                 case TelemetrySeen(memory=memory):
                     self._memory = memory
                 case RuntimeSeen(layer_precision=precision):
                     self._layer_precision = dict(precision)
+                case NetSignalSeen(record=net) if net.events:
+                    self._net_events.add(net.events)
                 case _:
                     pass
 
@@ -83,9 +160,12 @@ class TraceOutput:
 
     def shutdown(self, deadline_ns: int) -> None:
         self._owners.clear()
+        self._keep_layers.clear()
 
     def stats(self) -> dict[str, int]:
-        return dict(self._counts)
+        return {**self._counts, "layer_subtrees_kept_slow": self.sampler.kept_slow,
+                "layer_subtrees_kept_budget": self.sampler.kept_budget,
+                "layer_subtrees_sampled_out": self.sampler.sampled_out}
 
     # ------------------------------------------------------------------ requests
     def _request_trace(self, event: RequestJoined) -> None:
@@ -140,7 +220,12 @@ class TraceOutput:
             if b.claims >= b.batch_size:
                 self._owners.pop(b.seq, None)  # every request of the batch has its span now
         error = None if record.answered else "connection closed before a response was written"
-        spans.end(server, end_ns=record.end_ns + off, error=error)
+        net_events = []
+        for net in self._net_events.for_request(peer_addr=record.peer_addr, peer_port=record.peer_port,
+                                                 start_ns=record.start_ns, end_ns=record.end_ns):
+            name, net_attrs = span_event_fields(net, reset_reasons=reset_reason_name)
+            net_events.append(SpanEvent(name, net.ts_ns + off, net_attrs))
+        spans.end(server, end_ns=record.end_ns + off, events=net_events, error=error)
         self._counts["spans"] += n
 
     # ------------------------------------------------------------------ steps
@@ -154,36 +239,48 @@ class TraceOutput:
             "thread.id": step.tid,
         }
 
-    def _health_attributes(self, b: BufferedStep) -> tuple[Attributes, dict[int, Attributes]]:
+    def _layer_health_attributes(self, b: BufferedStep) -> dict[int, Attributes]:
         num_experts = b.num_experts
-        healths = b.healths
+        t = b.table
         per_layer: dict[int, Attributes] = {}
-        for routing, h in zip(b.routings, healths, strict=True):
+        # whole columns to Python at once (per-element numpy scalars cost ~10x)
+        columns = zip(
+            t.layers.tolist(), t.router_entropy_bits.tolist(), t.router_entropy_normalised.tolist(),
+            t.gini.tolist(), t.entropy_bits.tolist(), t.entropy_normalised.tolist(), t.max_share.tolist(),
+            t.cv.tolist(), t.tokens_total.tolist(), t.dropped_total.tolist(), t.drop_fraction.tolist(),
+            strict=True,
+        )
+        for i, (layer, h_r, h_rn, gini, h, hn, share, cv, routed, dropped, drop_fraction) in enumerate(columns):
             attrs: Attributes = {
                 "moe.layer.experts": num_experts,
-                "moe.router.entropy_bits": h.router_entropy_bits,
-                "moe.router.entropy_normalized": h.router_entropy_normalised,
-                "moe.expert_load.gini": h.load.gini,
-                "moe.expert_load.entropy_bits": h.load.entropy_bits,
-                "moe.expert_load.entropy_normalized": h.load.entropy_normalised,
-                "moe.expert_load.max_share": h.load.max_share,
-                "moe.expert_load.cv": h.load.cv,
-                "moe.tokens.routed": h.load.tokens,
-                "moe.tokens.dropped": h.load.dropped,
-                "moe.tokens.drop_fraction": h.load.drop_fraction,
+                "moe.router.entropy_bits": h_r,
+                "moe.router.entropy_normalized": h_rn,
+                "moe.expert_load.gini": gini,
+                "moe.expert_load.entropy_bits": h,
+                "moe.expert_load.entropy_normalized": hn,
+                "moe.expert_load.max_share": share,
+                "moe.expert_load.cv": cv,
+                "moe.tokens.routed": routed,
+                "moe.tokens.dropped": dropped,
+                "moe.tokens.drop_fraction": drop_fraction,
             }
-            tokens = routing.tokens_per_expert
+            tokens = t.tokens[i]
             if num_experts <= MAX_ARRAY_EXPERTS:
-                attrs["moe.expert.tokens"] = [int(x) for x in tokens]
-                attrs["moe.expert.dropped"] = [int(x) for x in routing.dropped_per_expert]
+                attrs["moe.expert.tokens"] = tokens.tolist()
+                attrs["moe.expert.dropped"] = t.dropped[i].tolist()
             else:
                 top = _top_experts(tokens)
                 attrs["moe.expert.top_ids"] = top
-                attrs["moe.expert.top_tokens"] = [int(tokens[i]) for i in top]
-            per_layer[routing.layer] = attrs
+                attrs["moe.expert.top_tokens"] = tokens[top].tolist()
+            per_layer[layer] = attrs
+        return per_layer
+
+    @staticmethod
+    def _step_health_attributes(b: BufferedStep) -> Attributes:
+        t = b.table
         step_attrs: Attributes = {}
-        if healths:
-            s = step_health(healths)
+        if len(t):
+            s = t.step_health()
             step_attrs = {
                 "moe.router.entropy_bits": s.router_entropy_bits,
                 "moe.router.entropy_normalized": s.router_entropy_normalised,
@@ -193,7 +290,7 @@ class TraceOutput:
                 "moe.tokens.dropped": s.dropped,
                 "moe.tokens.drop_fraction": s.drop_fraction,
             }
-        return step_attrs, per_layer
+        return step_attrs
 
     def _device_events(self, step: StepEvent) -> list[SpanEvent]:
         memory = self._memory
@@ -216,7 +313,11 @@ class TraceOutput:
     def _step_tree(self, b: BufferedStep, *, parent: SpanContext | None, extra: Attributes) -> SpanContext:
         spans = self.spans
         step = b.step
-        step_attrs, per_layer = self._health_attributes(b)
+        with_layers = self._keep_layers.get(b.seq, True)
+        step_attrs = self._step_health_attributes(b)
+        per_layer = self._layer_health_attributes(b) if with_layers else {}
+        if not with_layers and step.layers:
+            step_attrs["moe.step.layers_sampled_out"] = True
         off = self.epoch_offset_ns
         span = spans.start(
             "moe.step",
@@ -226,8 +327,9 @@ class TraceOutput:
         )
         ctx = span.get_span_context()
         n = 1
-        for layer in step.layers:
-            n += self._layer(layer, parent=ctx, attrs=per_layer.get(layer.layer, {}))
+        if with_layers:
+            for layer in step.layers:
+                n += self._layer(layer, parent=ctx, attrs=per_layer.get(layer.layer, {}))
         spans.end(span, end_ns=step.end_ns + off, events=self._device_events(step))
         self._counts["spans"] += n
         return ctx
@@ -258,8 +360,8 @@ class TraceOutput:
                     "moe.layer": layer.layer,
                     "moe.router.entropy_bits": r.entropy_bits,
                     "moe.router.entropy_normalized": attrs.get("moe.router.entropy_normalized"),
-                    "moe.tokens.routed": sum(r.tokens.values()),
-                    "moe.tokens.dropped": sum(r.dropped.values()),
+                    "moe.tokens.routed": r.routed(),
+                    "moe.tokens.dropped": r.over_capacity(),
                 },
             )
             n += 1
@@ -316,10 +418,10 @@ class TraceOutput:
             return {}
         time_us = experts.time_us
         if len(time_us) <= MAX_ARRAY_EXPERTS:
-            return {"moe.layer.experts.time_us": [float(x) for x in time_us]}
+            return {"moe.layer.experts.time_us": time_us.astype(np.float64).tolist()}
         top = _top_experts(time_us)
-        return {"moe.layer.experts.slowest_ids": [int(i) for i in top],
-                "moe.layer.experts.slowest_time_us": [float(time_us[i]) for i in top]}
+        return {"moe.layer.experts.slowest_ids": top,
+                "moe.layer.experts.slowest_time_us": time_us[top].astype(np.float64).tolist()}
 
     def _folded_layer_attributes(self, layer: LayerEvent) -> Attributes:
         """--span-detail layer: what the router, expert-load and FFN child spans would carry, as
@@ -344,4 +446,14 @@ class TraceOutput:
 
 def _top_experts(values: np.ndarray) -> list[int]:
     """The TOP_EXPERTS_ON_SPANS experts with the largest values, largest first, ties by expert id."""
-    return [int(i) for i in np.argsort(-np.asarray(values, dtype=np.float64), kind="stable")[:TOP_EXPERTS_ON_SPANS]]
+    v = np.asarray(values, dtype=np.float64)
+    n = TOP_EXPERTS_ON_SPANS
+    if v.size > 2 * n:
+        # the n-th largest value bounds the candidates; every expert tied with it stays a candidate,
+        # so ties still go by expert id (a full stable sort of E values per layer cost ~5x)
+        cut = np.partition(v, v.size - n)[v.size - n]
+        candidates = np.flatnonzero(v >= cut)
+        order = candidates[np.argsort(-v[candidates], kind="stable")][:n]
+    else:
+        order = np.argsort(-v, kind="stable")[:n]
+    return [int(i) for i in order.tolist()]

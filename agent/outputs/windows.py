@@ -14,9 +14,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from moescope.agent import state as st
 from moescope.agent.join import (
     JoinEvent,
+    NetSignalSeen,
     RequestJoined,
     RuntimeSeen,
     StepSeen,
@@ -29,6 +32,7 @@ from moescope.agent.policy.actuator import RuntimeState
 from moescope.agent.policy.rules import Signals
 from moescope.agent.routing_health import NAN, RoutingHealthWindow
 from moescope.collectors.host import MemorySignal
+from moescope.collectors.netsig import NetSignalWindow
 from moescope.collectors.nvml import NvmlSample
 from moescope.latency import SlidingQuantile
 
@@ -74,6 +78,7 @@ class WindowsOutput:
         self._nvml: NvmlSample | None = None
         self._layer_precision: dict[int, str] = {}
         self._runtime: RuntimeState | None = None
+        self._net = NetSignalWindow(window_ns=window_ns)
 
     # ------------------------------------------------------------------ Output
     def export(self, batch: Sequence[JoinEvent]) -> None:
@@ -101,7 +106,7 @@ class WindowsOutput:
                                 self._routing = RoutingHealthWindow(
                                     duration_ns=self.window_ns, num_experts=b.num_experts
                                 )
-                            self._routing.add_step(step.end_ns, b.routings)
+                            self._routing.add_table(step.end_ns, b.table)
                     case TelemetrySeen(sample=sample, memory=memory):
                         if isinstance(sample, NvmlSample):
                             self._nvml = sample
@@ -109,6 +114,8 @@ class WindowsOutput:
                     case RuntimeSeen(state=runtime, layer_precision=precision):
                         self._runtime = runtime
                         self._layer_precision = dict(precision)
+                    case NetSignalSeen(record=record):
+                        self._net.add(record)
                     case _:
                         pass
 
@@ -130,21 +137,37 @@ class WindowsOutput:
             entropy_ratio: dict[int, float] = {}
             routing = self._routing
             if routing is not None:
-                for layer in routing.layers():
-                    gini[layer] = routing.layer_stats(layer, now).gini
-                    bits = routing.router_entropy_bits(layer, now)
-                    e = routing.num_experts
-                    entropy_ratio[layer] = bits / math.log2(e) if e > 1 and not math.isnan(bits) else NAN
+                table = routing.table(now)  # every layer's window at once
+                gini = dict(zip(table.layers.tolist(), table.gini.tolist(), strict=True))
+                entropy_ratio = dict(zip(table.layers.tolist(), table.router_entropy_normalised.tolist(), strict=True))
             memory = self._memory
+            net = self._net.rates(now)
             return Signals(
                 t_s=now / 1e9 if t_s is None else t_s,
                 step_p99_ms=self._step_ms.p99(now),
                 device_memory_used_ratio=memory.ratio if memory is not None else NAN,
                 expert_load_p99_ms=self._load_ms.p99(now),
                 request_p99_ms=self._request_latency_ms.p99(now),
+                listen_overflows_per_s=net.listen_overflows_per_s,
+                tcp_retransmits_per_s=net.retransmits_per_s,
+                tcp_resets_per_s=net.resets_per_s,
                 expert_load_gini={k: v for k, v in gini.items() if not math.isnan(v)},
                 router_entropy_ratio={k: v for k, v in entropy_ratio.items() if not math.isnan(v)},
             )
+
+    def network_panel(self) -> st.Network:
+        """The live view's network line: the same rates the policy reads."""
+        with self._lock:
+            net = self._net.rates(self.clock())
+        if math.isnan(net.retransmits_per_s):
+            return st.Network(window_s=net.window_s)
+        return st.Network(
+            window_s=net.window_s,
+            listen_overflows_per_s=net.listen_overflows_per_s,
+            retransmits_per_s=net.retransmits_per_s,
+            resets_per_s=net.resets_per_s,
+            listen_overflows_total=net.listen_overflows_total,
+        )
 
     def layer_gini(self, now_ns: int) -> dict[int, float]:
         """Expert-load Gini per layer over the window (the metrics output's windowed gauge)."""
@@ -152,7 +175,8 @@ class WindowsOutput:
             routing = self._routing
             if routing is None:
                 return {}
-            return {layer: routing.layer_stats(layer, now_ns).gini for layer in routing.layers()}
+            table = routing.table(now_ns)
+            return dict(zip(table.layers.tolist(), table.gini.tolist(), strict=True))
 
     def memory_source(self) -> str | None:
         """Where the latest memory signal came from ("nvml", "cgroup", "budget", "rss"), or None."""
@@ -182,9 +206,9 @@ class WindowsOutput:
             layers = []
             routing = self._routing
             if routing is not None:
-                for layer in routing.layers():
-                    stats = routing.layer_stats(layer, now)
-                    tokens = [float(x) for x in routing.layer_totals(layer, now)]
+                table = routing.table(now)
+                for i, layer in enumerate(table.layers.tolist()):
+                    tokens = table.tokens[i].astype(np.float64).tolist()
                     share_bins, per_bin = st.bin_expert_shares(tokens)
                     layers.append(
                         st.MoeLayer(
@@ -193,10 +217,10 @@ class WindowsOutput:
                             experts_per_bin=per_bin,
                             expert_token_share=share_bins,
                             hot_experts=st.hottest_experts(tokens),
-                            tokens_total=stats.tokens,
-                            entropy_bits=float_or_none(routing.router_entropy_bits(layer, now)),
-                            gini=float_or_none(stats.gini),
-                            capacity_drops=stats.dropped,
+                            tokens_total=int(table.tokens_total[i]),
+                            entropy_bits=float_or_none(float(table.router_entropy_bits[i])),
+                            gini=float_or_none(float(table.gini[i])),
+                            capacity_drops=int(table.dropped_total[i]),
                             precision=self._layer_precision.get(layer),
                         )
                     )

@@ -30,7 +30,7 @@ Expert = tuple[int, int]
 
 
 class CommandFailed(ControlError):
-    """One command did not succeed; `outcome` is refused | unreachable | timeout | protocol-error."""
+    """One command did not succeed; `outcome` is refused | unsupported | unreachable | timeout | protocol-error."""
 
     def __init__(self, message: str, *, outcome: str) -> None:
         super().__init__(message)
@@ -138,7 +138,10 @@ class ControlConnection:
                 raise CommandFailed(f"{cmd}: reply is not a protocol object: {line[:80]!r}", outcome="protocol-error")
             record.answer = answer
             if answer.get("ok") is not True:
-                raise CommandFailed(f"{cmd} refused: {answer.get('error', 'no error text')}", outcome="refused")
+                error = str(answer.get("error", "no error text"))
+                # "unsupported: ..." (docs/control-protocol.md): the runtime cannot do this at all
+                outcome = "unsupported" if error.startswith("unsupported") else "refused"
+                raise CommandFailed(f"{cmd} {outcome}: {error}", outcome=outcome)
             result = answer.get("result")
             if not isinstance(result, dict):
                 raise CommandFailed(f"{cmd}: reply has no result object", outcome="protocol-error")
@@ -146,7 +149,7 @@ class ControlConnection:
         except CommandFailed as exc:
             record.latency_ms = (time.monotonic() - started) * 1000.0
             record.error = str(exc)
-            if exc.outcome != "refused":  # a refusal leaves the connection usable
+            if exc.outcome not in ("refused", "unsupported"):  # a refusal leaves the connection usable
                 self._broken = exc
                 self.close()
             raise

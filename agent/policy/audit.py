@@ -27,6 +27,7 @@ OUTCOMES = (
     "already-applied",  # the runtime's state already shows it: nothing sent
     "nothing-to-do",  # the planner found nothing to act on (e.g. no resident expert to offload)
     "refused",  # the runtime answered ok=false
+    "unsupported",  # the runtime answered "unsupported: ...": it cannot do this action; not retried
     "unreachable",  # no control socket / connection refused / runtime gone
     "timeout",  # no answer within command_timeout_ms
     "protocol-error",  # the answer was not the protocol's JSON

@@ -101,6 +101,7 @@ class PolicyEngine:
         self.evaluations = 0
         self.bad_signals = 0
         self.decisions: Counter[str] = Counter()  # every decision, audited or not
+        self._unsupported_actions: set[str] = set()  # actions the runtime answered "unsupported" to
         # rule -> engine time of its last audited rate-limit suppression (see _suppress)
         self._rate_limit_audited_t_s: dict[str, float] = {}
         self.runtime_state_read = False
@@ -257,6 +258,10 @@ class PolicyEngine:
         claims = action_claims(spec, inst.target)
         d = _Decision(inst, intent, t_s, decided_mono_s, inst.last_value, list(inst.window_values), claims)
         fire = intent is Intent.FIRE
+        if fire and spec.action in self._unsupported_actions:
+            # the runtime said it cannot do this action: counted, never sent or audited again
+            self.decisions["skipped-unsupported"] += 1
+            return
         sends = action.sends_commands if fire else (action.revert_sends_commands and spec.revert and inst.applied)
         if not sends:
             if fire:  # an alert: raised, no command
@@ -322,6 +327,8 @@ class PolicyEngine:
         with self._lock:
             inst.in_flight = False
             self._claims.subtract(d.claims)
+            if out.outcome == "unsupported":
+                self._unsupported_actions.add(inst.spec.action)
             if d.intent is Intent.FIRE:
                 if out.done:
                     inst.applied = True

@@ -59,6 +59,12 @@ SIGNALS: Mapping[str, SignalSpec] = {
         ),
         SignalSpec("expert_load_p99_ms", TargetKind.GLOBAL, "ms", "p99 of moe.expert.load latency, sliding 10 s"),
         SignalSpec("request_p99_ms", TargetKind.GLOBAL, "ms", "p99 request latency measured by the kernel, 10 s"),
+        SignalSpec("listen_overflows_per_s", TargetKind.GLOBAL, "1/s",
+                   "connections refused by a full accept queue in the targets' namespaces, 10 s"),
+        SignalSpec("tcp_retransmits_per_s", TargetKind.GLOBAL, "1/s",
+                   "TCP data segments retransmitted on the targets' listening ports, 10 s"),
+        SignalSpec("tcp_resets_per_s", TargetKind.GLOBAL, "1/s",
+                   "TCP resets sent and received on the targets' listening ports, 10 s"),
     )
 }
 
@@ -203,6 +209,9 @@ class Signals:
     device_memory_used_ratio: float = NAN
     expert_load_p99_ms: float = NAN
     request_p99_ms: float = NAN
+    listen_overflows_per_s: float = NAN
+    tcp_retransmits_per_s: float = NAN
+    tcp_resets_per_s: float = NAN
     expert_queue_tokens: Mapping[tuple[int, int], float] = field(default_factory=dict)
     expert_load_gini: Mapping[int, float] = field(default_factory=dict)
     router_entropy_ratio: Mapping[int, float] = field(default_factory=dict)

@@ -98,7 +98,7 @@ class Dashboard:
             moe.height, devices.height, policy.height = moe_h, dev_h, pol_h
         return [
             self.header(),
-            RequestsPanel(None if s is None else s.requests),
+            RequestsPanel(None if s is None else s.requests, network=None if s is None else s.network),
             moe,
             devices,
             policy,
@@ -113,7 +113,7 @@ class Dashboard:
             taken_unix_s=None if s is None else s.taken_unix_s,
             side_by_side=width >= POLICY_SIDE_BY_SIDE_MIN_COLUMNS,
         )
-        requests = RequestsPanel(None if s is None else s.requests)
+        requests = RequestsPanel(None if s is None else s.requests, network=None if s is None else s.network)
         top_natural = max(RequestsPanel.natural_rows(), devices.natural_rows())
         top_min = max(RequestsPanel.natural_rows(), devices.min_rows())
         top_h: int | None = None

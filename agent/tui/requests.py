@@ -1,4 +1,5 @@
-"""Requests panel: kernel-measured request rate, p50/p95/p99 latency, errors, in flight."""
+"""Requests panel: kernel-measured request rate, p50/p95/p99 latency, errors, in flight; the
+kernel's network signals (listen overflows, retransmits, resets per second) in its title."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from moescope.agent.state import Requests
+from moescope.agent.state import Network, Requests
 from moescope.agent.tui import fmt
 
 # p99 above the slo_latency rule's default fire threshold is shown as bad.
@@ -17,8 +18,11 @@ REQUESTS_ROWS = 4  # border 2 + header + values
 
 
 class RequestsPanel:
-    def __init__(self, requests: Requests | None, *, height: int | None = None) -> None:
+    def __init__(
+        self, requests: Requests | None, *, network: Network | None = None, height: int | None = None
+    ) -> None:
         self.requests = requests if requests is not None else Requests()
+        self.network = network if network is not None else Network()
         self.height = height
 
     @staticmethod
@@ -44,6 +48,13 @@ class RequestsPanel:
         title = "Requests · kernel"
         if r.window_s is not None:
             title += f" · {fmt.num(r.window_s, 'g')} s window"
+        n = self.network
+        if n.retransmits_per_s is not None:  # only where the netsig source reads
+            overflow = f"overflow {fmt.num(n.listen_overflows_per_s, '.1f')}/s"
+            if n.listen_overflows_per_s:  # the kernel is refusing connections: shown as bad
+                overflow = f"[{fmt.STYLE_BAD}]{overflow}[/]"
+            title += (f" · {overflow} retrans {fmt.num(n.retransmits_per_s, '.1f')}/s "
+                      f"reset {fmt.num(n.resets_per_s, '.1f')}/s")
         yield Panel(
             table,
             title=title,

@@ -84,9 +84,10 @@ def test_v2_steps_equal_what_the_producer_sent(run_producer: Any, routing: str) 
             assert layer.num_experts == EXPERTS
             router = layer.router
             assert router is not None and router.entropy_bits == wl["entropy"]
-            assert router.tokens == _nonzero(wl["demand"])
-            assert router.dropped == _nonzero(wl["dropped"])
-            assert router.vector is None  # turned into the per-expert dicts, then let go
+            assert router.tokens_by_expert() == _nonzero(wl["demand"])
+            assert router.dropped_by_expert() == _nonzero(wl["dropped"])
+            assert router.vector is None and router.counts is not None  # checked, kept as one array
+            assert not router.tokens and not router.dropped  # no per-expert dicts made for v2
             experts = layer.experts
             assert experts is not None and experts.tokens == wl["computed"]
             assert router.end_ns <= experts.start_ns < experts.end_ns <= layer.end_ns
@@ -111,7 +112,7 @@ def test_malformed_v2_vectors_are_counted_and_the_steps_kept(run_producer: Any) 
     assert all(r is not None for r in routers)
     # float and short routing vectors, and a step vector of the wrong length: counted, left out
     assert stats["malformed_vectors"] == 3
-    assert [bool(r.tokens) for r in routers if r is not None] == [False, False, True, False]
+    assert [r.has_routing for r in routers if r is not None] == [False, False, True, False]
     assert stats["misplaced"] == stats["orphans"] == 0
 
 
@@ -144,8 +145,8 @@ def test_v1_and_v2_give_identical_metrics_for_the_same_routing(run_producer: Any
     for a, b in zip(v1_steps, v2_steps, strict=True):
         for la, lb in zip(a.layers, b.layers, strict=True):
             assert la.router is not None and lb.router is not None
-            assert (la.router.tokens, la.router.dropped, la.router.entropy_bits) == (
-                lb.router.tokens, lb.router.dropped, lb.router.entropy_bits)
+            assert (la.router.tokens_by_expert(), la.router.dropped_by_expert(), la.router.entropy_bits) == (
+                lb.router.tokens_by_expert(), lb.router.dropped_by_expert(), lb.router.entropy_bits)
     v1_metrics, v2_metrics = _metrics_of(v1_steps), _metrics_of(v2_steps)
     assert any(k.startswith("moescope_expert_tokens_total") for k in v1_metrics)
     assert v1_metrics == v2_metrics == _metrics_of(per_step)

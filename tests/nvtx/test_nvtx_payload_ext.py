@@ -14,11 +14,17 @@ from abi_harness import build_c_harness
 from nvtx_helpers import WAIT_S, Capture, Producer, drain_until_finished
 
 from moescope.collectors.nvtx import (
+    ENTRY_FLAG_ARRAY_LENGTH_INDEX,
+    MARK_DTYPE,
     MAX_SCHEMAS,
     PAYLOAD_EXT,
     PAYLOAD_EXT_LOST,
+    RANGE_DTYPE,
+    SCHEMA_TYPE_DYNAMIC,
     NvtxBatch,
     NvtxCollector,
+    Schema,
+    SchemaField,
     StringTable,
     injection_library_path,
 )
@@ -181,3 +187,41 @@ def test_decode_array_refuses_what_it_cannot_read() -> None:
     assert doubles is not None and doubles.tolist() == [0.0]  # trailing bytes ignored
     assert batch.decode_array(32, b"\x01\x02") is None  # BYTE: not a numeric array
     assert batch.decode_array(1 << 32, b"\x00" * 16) is None  # unknown schema
+
+
+def test_grouped_decoding_equals_decoding_one_by_one() -> None:
+    """NvtxBatch.mark_arrays (one gather per schema and size) gives exactly what mark_array gives
+    per mark: arrays of one length, of another, a truncated one, an unknown schema, no payload."""
+    array_schema = 1 << 24
+    fields = (SchemaField(0, 8, 0, 0, "size"), SchemaField(ENTRY_FLAG_ARRAY_LENGTH_INDEX, 7, 0, 0, "data"))
+    strings = StringTable()
+    strings.schemas.schemas[array_schema] = Schema(array_schema, SCHEMA_TYPE_DYNAMIC, 0, 0, "vec", 1, fields)
+    blob = bytearray()
+    marks = np.zeros(8, dtype=MARK_DTYPE)
+
+    def put(row: int, schema_id: int, body: bytes) -> None:
+        marks[row]["payload_type"] = PAYLOAD_EXT
+        marks[row]["payload"] = len(blob)
+        blob.extend(np.array([schema_id], dtype="<u8").tobytes() + np.array([len(body), 0], dtype="<u4").tobytes())
+        blob.extend(body)
+
+    def vec(values: list[int], *, claimed: int | None = None) -> bytes:
+        n = len(values) if claimed is None else claimed
+        return np.array([n], dtype="<u8").tobytes() + np.array(values, dtype="<i8").tobytes()
+
+    put(0, array_schema, vec([1, 2, 3, 4]))
+    put(1, array_schema, vec([5, 6, 7, 8]))
+    put(2, array_schema, vec([9, 9]))
+    put(3, array_schema, vec([1, 2], claimed=3)[:-8] + b"\x00" * 8)  # same size as row 2, claims 3: truncated
+    put(4, 1 << 40, vec([1]))  # unknown schema
+    put(5, 15, np.arange(4, dtype=np.int32).tobytes())  # a predefined type as the schema id
+    put(6, 15, np.arange(4, 8, dtype=np.int32).tobytes())
+    batch = NvtxBatch(pid=1, ranges=np.zeros(0, dtype=RANGE_DTYPE), marks=marks, strings=strings,
+                      blob=np.frombuffer(bytes(blob), dtype=np.uint8))
+    rows = np.arange(8)
+    grouped = batch.mark_arrays(rows)
+    single = [batch.mark_array(int(i)) for i in rows]
+    assert [None if a is None else a.tolist() for a in grouped] == [None if a is None else a.tolist() for a in single]
+    assert [None if a is None else a.dtype for a in grouped] == [None if a is None else a.dtype for a in single]
+    assert single[0] is not None and single[0].tolist() == [1, 2, 3, 4]
+    assert single[3] is None and single[4] is None and single[7] is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from moescope.examples.moe_runtime.launch import LaunchError, launch, runtime_ar
 
 # Small enough for 2 shared cores: 2 layers x 8 experts of 24 KiB (fp32) each.
 SMALL_MODEL = ("--layers", "2", "--experts", "8", "--d-model", "32", "--d-ff", "64", "--n-heads", "2")
+HF_TINY = ("--arch", "qwen3_moe", "--tiny", "--layers", "2", "--experts", "8", "--top-k", "2")
 
 
 @pytest.fixture
@@ -23,10 +25,14 @@ def start_runtime() -> Iterator[StartRuntime]:
     # A short directory: UNIX socket paths are limited to 108 bytes.
     workdir = Path(tempfile.mkdtemp(prefix="mspol-"))
 
-    def start(*extra: str) -> RuntimeProc:
+    def start(*extra: str, hf: bool = False) -> RuntimeProc:
         sock = workdir / f"rt{len(started)}.sock"
-        cmd = runtime_argv("--port", "0", "--no-nvtx", "--threads", "1", "--control-socket", str(sock),
-                           *SMALL_MODEL, *extra)
+        if hf:  # the transformers server (examples/hf_server): same protocol, fewer capabilities
+            cmd = [sys.executable, "-m", "moescope.examples.hf_server", *HF_TINY, "--port", "0",
+                   "--threads", "1", "--control-socket", str(sock), *extra]
+        else:
+            cmd = runtime_argv("--port", "0", "--no-nvtx", "--threads", "1", "--control-socket", str(sock),
+                               *SMALL_MODEL, *extra)
         err_path = workdir / f"rt{len(started)}.err"
         with err_path.open("w") as stderr:
             try:

@@ -16,7 +16,7 @@ import pytest
 from peer_probe import connect_as_nobody
 from policy_helpers import PERIOD_S, EngineKeys, Feeder, RuntimeProc, SignalValues, StartRuntime, levels
 
-from moescope.agent.policy.actuator import Actuator
+from moescope.agent.policy.actuator import Actuator, CommandFailed, ControlConnection
 from moescope.agent.policy.audit import AuditLog
 from moescope.agent.policy.config import load_policy
 from moescope.agent.policy.engine import PolicyEngine
@@ -402,3 +402,22 @@ def test_control_connection_from_another_uid_is_refused(start_runtime: StartRunt
     assert rt.call("ping")["protocol"] == "moescope-control/1"  # root is served
     os.chmod(rt.socket_path, 0o600)  # the default mode: the file itself keeps other uids out
     assert connect_as_nobody(rt.socket_path) == "EACCES"
+
+
+def test_unsupported_command_is_told_from_a_refusal_and_keeps_the_connection(
+    start_runtime: StartRuntime,
+) -> None:
+    """The transformers server cannot migrate an expert (its experts are one fused tensor): it
+    answers "unsupported: ...", which the actuator reports as outcome "unsupported" (the engine
+    then never sends that action again) while an out-of-range penalty stays "refused"; neither
+    breaks the connection."""
+    rt = start_runtime(hf=True)
+    with ControlConnection(rt.socket_path, timeout_s=10.0) as conn:
+        with pytest.raises(CommandFailed) as unsupported:
+            conn.call("migrate_expert", {"layer": 0, "expert": 1, "device": "cpu"})
+        assert unsupported.value.outcome == "unsupported" and "unsupported:" in str(unsupported.value)
+        with pytest.raises(CommandFailed) as refused:
+            conn.call("set_router_penalty", {"layer": 0, "expert": 99, "penalty": 1.0})
+        assert refused.value.outcome == "refused"
+        assert "unsupported" not in str(refused.value)
+        assert conn.call("ping")["capabilities"]  # still usable, and it says what it can do

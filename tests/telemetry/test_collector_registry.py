@@ -100,7 +100,7 @@ def _thread_alive(name: str) -> bool:
 def test_builtin_sources_register_themselves() -> None:
     specs = registered()
     assert {name: spec.kind for name, spec in specs.items()} == {
-        "nvml": "sampled", "host": "sampled", "ingress": "stream", "nvtx": "stream",
+        "nvml": "sampled", "host": "sampled", "ingress": "stream", "nvtx": "stream", "netsig": "stream",
     }
     assert specs["nvml"].memory_signal_priority < specs["host"].memory_signal_priority
     assert all(spec.help for spec in specs.values())
@@ -237,7 +237,7 @@ def test_build_with_fake_gpus_and_without_driver(fake_nvml: FakeNvml, child: Chi
 
 
 def test_unknown_collector_names_are_a_usage_error() -> None:
-    with pytest.raises(UsageError, match=r"^unknown collector\(s\): gpu \(known: host, ingress, nvml, nvtx\)$"):
+    with pytest.raises(UsageError, match=r"^unknown collector\(s\): gpu \(known: host, ingress, netsig, nvml, nvtx\)$"):
         build_sampled_sources(CollectorConfig(target_pid=1), emit=lambda _r: None, enabled=["nvml", "gpu"])
     with pytest.raises(UsageError, match="unknown collector"):
         check_names(["nvtx", "gpus"])
@@ -249,7 +249,7 @@ def test_unknown_collector_names_are_a_usage_error() -> None:
     )
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.splitlines() == [
-        "collectors: error: unknown collector(s): gpu (known: host, ingress, nvml, nvtx)"
+        "collectors: error: unknown collector(s): gpu (known: host, ingress, netsig, nvml, nvtx)"
     ]
 
 
@@ -342,8 +342,9 @@ def test_flags_are_generated_for_every_registered_source() -> None:
 
 def test_no_nvtx_and_no_telemetry_are_aliases_with_one_meaning() -> None:
     parser = _start_parser()
-    assert _enabled("--no-nvtx") == _enabled("--no-collector.nvtx") == {"ingress", "host", "nvml"}
-    assert _enabled("--no-telemetry") == _enabled("--no-collector.nvml", "--no-collector.host") == {"ingress", "nvtx"}
-    assert _enabled("--no-telemetry", "--collector.host") == {"ingress", "nvtx", "host"}
+    assert _enabled("--no-nvtx") == _enabled("--no-collector.nvtx") == {"ingress", "host", "nvml", "netsig"}
+    assert _enabled("--no-telemetry") == _enabled("--no-collector.nvml", "--no-collector.host") == {
+        "ingress", "nvtx", "netsig"}
+    assert _enabled("--no-telemetry", "--collector.host") == {"ingress", "nvtx", "host", "netsig"}
     assert start.child_env(parser.parse_args(["--no-collector.nvtx"])) == {}
     assert start.child_env(parser.parse_args([])) != {}

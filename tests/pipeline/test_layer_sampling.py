@@ -1,0 +1,105 @@
+"""Layer subtrees in traces under load (agent/outputs/traces.py LayerSampler): slow steps always,
+then a budget of layer spans per second; every step still gets its step span, every step counts in
+metrics, and sampled-out subtrees are counted apart from export drops. Steps carry moe/v2 routing
+rows (arrays) at DeepSeek-V3's shape, as the parser hands them over."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moescope.agent.export import ExportFlags, build_tracing, resolve_export_config
+from moescope.agent.export.store import TraceStore
+from moescope.agent.metrics import Metrics
+from moescope.agent.outputs import LayerSampler
+from moescope.agent.pipeline import Pipeline
+from moescope.collectors.moe_convention import LayerEvent, RouterEvent, StepEvent
+
+LAYERS, EXPERTS, TOP_K, TOKENS = 58, 256, 8, 64
+MS = 1_000_000
+T0 = 10_000 * MS
+
+
+def v2_step(
+    rng: np.random.Generator, *, index: int, duration_ns: int, period_ns: int, layers: int = LAYERS
+) -> StepEvent:
+    start = T0 + index * period_ns
+    step = StepEvent(pid=7, tid=7, start_ns=start, end_ns=start + duration_ns, tokens=TOKENS)
+    span = duration_ns // (layers + 1)
+    for layer in range(layers):
+        t = start + layer * span
+        tokens = np.bincount(rng.integers(0, EXPERTS, TOP_K * TOKENS), minlength=EXPERTS).astype(np.int64)
+        router = RouterEvent(layer=layer, start_ns=t, end_ns=t + span // 4, entropy_bits=5.0,
+                             counts=np.concatenate([tokens, np.zeros(EXPERTS, dtype=np.int64)]))
+        step.layers.append(LayerEvent(layer=layer, start_ns=t, end_ns=t + span, router=router, num_experts=EXPERTS))
+    return step
+
+
+def run(tmp_path: Path, steps: list[StepEvent], *, layer_spans_per_s: float) -> tuple[Pipeline, Metrics, list]:
+    tracing = build_tracing(resolve_export_config(ExportFlags(state_dir=str(tmp_path), queue_spans=1 << 18), env={}))
+    metrics = Metrics()
+    pipeline = Pipeline(spans=tracing.factory, metrics=metrics, epoch_offset_ns=0, clock=lambda: steps[-1].end_ns,
+                        layer_spans_per_s=layer_spans_per_s)
+    for step in steps:
+        pipeline.on_steps([step])
+    pipeline.shutdown()
+    stats = tracing.shutdown(timeout_s=60)
+    assert stats.dropped == 0 and stats.failed == 0
+    store = TraceStore.load(tmp_path / "traces")
+    return pipeline, metrics, [s for t in store.trace_ids() for s in store.spans(t)]
+
+
+def test_over_budget_steps_keep_their_step_span_and_are_counted_as_sampled_out(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    # 200 steps/s for 2 s, one in 40 ten times slower; a budget of 580 layer spans/s = 10 steps/s
+    steps = [v2_step(rng, index=i, duration_ns=(20 if i % 40 == 39 else 2) * MS, period_ns=5 * MS)
+             for i in range(400)]
+    pipeline, metrics, spans = run(tmp_path, steps, layer_spans_per_s=10 * LAYERS)
+    stats = pipeline.stats()
+    kept = stats["layer_subtrees_kept_slow"] + stats["layer_subtrees_kept_budget"]
+    assert kept + stats["layer_subtrees_sampled_out"] == len(steps)
+    # budget: one second's worth at start, then 10 steps/s over the ~2 s of steps; the slow steps
+    # after the first 100 (the p99 needs them) are kept whatever the budget
+    slow_after_warmup = sum(1 for i in range(100, 400) if i % 40 == 39)
+    assert stats["layer_subtrees_kept_slow"] == slow_after_warmup
+    assert 10 + 19 <= stats["layer_subtrees_kept_budget"] <= 10 + 21
+    step_spans = [s for s in spans if s.name == "moe.step"]
+    layer_spans = [s for s in spans if s.name == "moe.layer"]
+    assert len(step_spans) == len(steps)  # every step has its span
+    out = [s for s in step_spans if s.attributes.get("moe.step.layers_sampled_out")]
+    assert len(out) == stats["layer_subtrees_sampled_out"]
+    assert len(layer_spans) == kept * LAYERS
+    parents_with_layers = {s.parent_span_id for s in layer_spans}
+    assert not parents_with_layers & {s.span_id for s in out}  # a sampled-out step has no layer child
+    # the step span keeps the step's routing health either way
+    assert all("moe.expert_load.gini" in s.attributes for s in step_spans)
+    # every step counts in metrics whatever was sampled
+    assert metrics.get("moescope_steps") == len(steps)
+    routed = sum(layer.router.routed() for s in steps for layer in s.layers if layer.router is not None)
+    metrics.refresh()
+    counted = sum(sample.value for family in metrics.registry.collect() for sample in family.samples
+                  if sample.name == "moescope_expert_tokens_total")
+    assert counted == routed  # top-N experts per layer plus "other": all tokens, whatever the labels
+
+
+@pytest.mark.parametrize(("rate", "kept_all"), [(float("inf"), True), (0.0, False)])
+def test_all_keeps_every_subtree_and_zero_only_slow_ones(tmp_path: Path, rate: float, kept_all: bool) -> None:
+    rng = np.random.default_rng(4)
+    steps = [v2_step(rng, index=i, duration_ns=(30 if i == 150 else 2) * MS, period_ns=5 * MS, layers=4)
+             for i in range(160)]
+    pipeline, _metrics, spans = run(tmp_path, steps, layer_spans_per_s=rate)
+    stats = pipeline.stats()
+    layer_spans = [s for s in spans if s.name == "moe.layer"]
+    if kept_all:
+        assert stats["layer_subtrees_sampled_out"] == 0 and len(layer_spans) == len(steps) * 4
+    else:
+        assert stats["layer_subtrees_kept_slow"] == 1 and stats["layer_subtrees_kept_budget"] == 0
+        assert len(layer_spans) == 4  # the one slow step's
+
+
+def test_sampler_rejects_a_negative_or_nan_budget() -> None:
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="layer_spans_per_s"):
+            LayerSampler(layer_spans_per_s=bad)
