@@ -15,7 +15,6 @@ The ctypes structures below mirror ingress.h; tests/ingress checks their sizes a
 from __future__ import annotations
 
 import ctypes as ct
-import ipaddress
 import logging
 import math
 import mmap
@@ -171,15 +170,6 @@ def flag_names(flags: int) -> list[str]:
     return [name for bit, name in names if flags & bit]
 
 
-def _peer_text(family: int, raw: bytes) -> str | None:
-    if family == procnet.AF_INET:
-        return str(ipaddress.IPv4Address(raw[:4]))
-    if family == procnet.AF_INET6:
-        address = ipaddress.IPv6Address(raw[:16])
-        return str(address.ipv4_mapped or address)
-    return None
-
-
 def _record_from(
     raw: IngressEvent | IngressConn, *, tgid: int, fd: int, end_ns: int, seq: int, flags: int
 ) -> IngressRecord:
@@ -190,7 +180,7 @@ def _record_from(
         generation=raw.generation,
         seq=seq,
         family=raw.family,
-        peer_addr=_peer_text(raw.family, bytes(raw.peer_addr)),
+        peer_addr=procnet.address_text(raw.family, bytes(raw.peer_addr)),
         peer_port=raw.peer_port,
         start_ns=raw.start_ns,
         first_response_ns=raw.first_response_ns,
@@ -225,7 +215,7 @@ def decode_events(events: np.ndarray, *, peer_cache: dict[tuple[int, bytes], str
         if key not in peer_cache:
             if len(peer_cache) > 65536:
                 peer_cache.clear()  # bounded: many distinct peers just cost a re-format
-            peer_cache[key] = _peer_text(int(family), raw)
+            peer_cache[key] = procnet.address_text(int(family), raw)
         texts.append(peer_cache[key])
     peers = [texts[i] for i in inverse.ravel().tolist()]
     c = {name: events[name].tolist() for name in _SCALARS}

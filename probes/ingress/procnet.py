@@ -6,6 +6,7 @@ processes holding a listening socket). `proc_root` lets tests point the parsers 
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,17 @@ TCP_LISTEN = 0x0A
 
 AF_INET = 2
 AF_INET6 = 10
+
+
+def address_text(family: int, raw: bytes) -> str | None:
+    """A socket address from its raw bytes as the probes write it (IPv4-mapped IPv6 as IPv4);
+    None for a family that is neither."""
+    if family == AF_INET:
+        return str(ipaddress.IPv4Address(raw[:4]))
+    if family == AF_INET6:
+        address = ipaddress.IPv6Address(raw[:16])
+        return str(address.ipv4_mapped or address)
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import ctypes as ct
 import functools
-import ipaddress
 import mmap
 import re
 import sys
@@ -31,7 +30,9 @@ import numpy as np
 
 from moescope import errors
 from moescope.probes import bpf
+from moescope.probes.ingress import procnet
 from moescope.probes.ingress.loader import load_program
+from moescope.probes.ingress.procnet import address_text
 from moescope.probes.ingress.ring import RingReader
 
 PROBE_DIR = Path(__file__).resolve().parent
@@ -49,8 +50,7 @@ DROP_COUNTS_FULL = 0
 DROP_RINGBUF_FULL = 1
 DROP_NR = 2
 PORTS = 65536
-AF_INET = 2
-AF_INET6 = 10
+AF_INET, AF_INET6 = procnet.AF_INET, procnet.AF_INET6  # the families an event carries
 
 KIND_NAMES = {
     K_RETRANSMIT: "retransmit",
@@ -128,16 +128,6 @@ class NetEvent:
             "local_addr": self.local_addr, "local_port": self.local_port,
             "remote_addr": self.remote_addr, "remote_port": self.remote_port,
         }
-
-
-def address_text(family: int, raw: bytes) -> str | None:
-    """The address as the ingress probe's records write a peer (IPv4-mapped IPv6 as IPv4)."""
-    if family == AF_INET:
-        return str(ipaddress.IPv4Address(raw[:4]))
-    if family == AF_INET6:
-        address = ipaddress.IPv6Address(raw[:16])
-        return str(address.ipv4_mapped or address)
-    return None
 
 
 def decode_events(rows: np.ndarray) -> list[NetEvent]:
