@@ -39,8 +39,6 @@ import numpy as np
 from moescope.agent.policy.actuator import RuntimeState
 from moescope.agent.routing_health import (
     NAN,
-    LayerHealth,
-    LayerRouting,
     LayerTable,
     counts_from_marks,
     empty_table,
@@ -79,15 +77,6 @@ class BufferedStep:
     table: LayerTable
     batch_size: int  # distinct request keys marked in the step
     claims: int = 0
-
-    @property
-    def healths(self) -> list[LayerHealth]:
-        """Per-layer health objects (made on demand from ``table``)."""
-        return self.table.healths()
-
-    @property
-    def routings(self) -> list[LayerRouting]:
-        return self.table.routings()
 
 
 # ---------------------------------------------------------------- what outputs receive

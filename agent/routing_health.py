@@ -351,7 +351,7 @@ class LayerTable:
     """One step's routing and health as arrays over its routed layers (row ``i`` is layer
     ``layers[i]``): the same formulas as ``load_stats`` / ``layer_health``, computed for all layers
     at once (at E = 256, L = 58 the per-layer objects were most of the agent's CPU). Objects are
-    made only on demand (``health(i)``, ``routing(i)``)."""
+    made only on demand (``health(i)``)."""
 
     layers: CountVector  # [L'] layer index of each row
     tokens: CountMatrix  # [L', E] tokens routed per expert (c_i); int32 or int64
@@ -386,17 +386,6 @@ class LayerTable:
         return LayerHealth(layer=int(self.layers[i]), load=self.load(i),
                            router_entropy_bits=float(self.router_entropy_bits[i]),
                            router_entropy_normalised=float(self.router_entropy_normalised[i]))
-
-    def routing(self, i: int) -> LayerRouting:
-        return LayerRouting(layer=int(self.layers[i]), tokens_per_expert=self.tokens[i].astype(np.int64),
-                            dropped_per_expert=self.dropped[i].astype(np.int64),
-                            router_entropy_bits=float(self.router_entropy_bits[i]))
-
-    def healths(self) -> list[LayerHealth]:
-        return [self.health(i) for i in range(len(self))]
-
-    def routings(self) -> list[LayerRouting]:
-        return [self.routing(i) for i in range(len(self))]
 
     def step_health(self) -> StepHealth:
         """``step_health`` of this step's layers (same definition; the columns as lists: a step has
