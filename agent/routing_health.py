@@ -438,21 +438,32 @@ def layer_table(
     n_drop = d.sum(axis=1, dtype=np.int64)
     has = n > 0
     safe = np.where(has, n, 1).astype(np.float64)
-    p = c / safe[:, None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        plogp = np.where(c > 0, p * np.log2(np.where(c > 0, p, 1.0)), 0.0)
-    entropy = np.where(has, np.maximum(-plogp.sum(axis=1), 0.0), NAN)
+    top = int(c.max()) if c.size else 0
+    # H = log2 N - sum c log2 c / N (the same sum as -sum p log2 p); c log2 c read from a table for
+    # counts below TABLE_COUNTS (a gather instead of a log per entry: most of this function's time)
+    if top < _CLOG_COUNTS:
+        clogc = _CLOG2C[c].sum(axis=1)
+    else:
+        x = c.astype(np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            clogc = np.where(c > 0, x * np.log2(np.where(c > 0, x, 1.0)), 0.0).sum(axis=1)
+    entropy = np.where(has, np.maximum(np.log2(safe) - clogc / safe, 0.0), NAN)
     if e == 1:
         entropy_norm = np.where(has, 1.0, NAN)
         router_norm = np.full(rows, NAN)
     else:
         entropy_norm = entropy / math.log2(e)
         router_norm = h_r / math.log2(e)
-    # exact integer rank sums, as _load_stats_small
-    rank_sum = (np.sort(c, axis=1) * np.arange(1, e + 1, dtype=np.int64)).sum(axis=1)
+    rank_sum = _rank_sums(c, top)
     g = np.clip(2.0 * rank_sum / (e * safe) - (e + 1) / e, 0.0, 1.0)
     mu = safe / e
-    cv = np.sqrt(((c - mu[:, None]) ** 2).sum(axis=1) / e) / mu
+    # sigma^2 = (E sum c^2 - N^2) / E^2, exact in int64 for counts below 2^24 (E <= 2^16)
+    if top < 1 << 24 and e <= 1 << 16:
+        c64 = c.astype(np.int64)
+        spread = np.einsum("ij,ij->i", c64, c64) * e - n * n
+        cv = np.sqrt(spread.astype(np.float64)) / e / mu
+    else:
+        cv = np.sqrt(((c - mu[:, None]) ** 2).sum(axis=1) / e) / mu
     return LayerTable(
         layers=index, tokens=c, dropped=d, router_entropy_bits=h_r, tokens_total=n, dropped_total=n_drop,
         entropy_bits=entropy, entropy_normalised=entropy_norm,
@@ -460,6 +471,29 @@ def layer_table(
         cv=np.where(has, cv, NAN), drop_fraction=np.where(has, n_drop / safe, NAN),
         router_entropy_normalised=router_norm,
     )
+
+
+_CLOG_COUNTS = 1 << 16  # counts with a precomputed c log2 c (512 KB of float64)
+_CLOG2C = np.zeros(_CLOG_COUNTS)
+_CLOG2C[1:] = np.arange(1, _CLOG_COUNTS) * np.log2(np.arange(1, _CLOG_COUNTS))
+
+
+def _rank_sums(c: CountMatrix, top: int) -> CountVector:
+    """Per row, ``sum_k k x_(k)`` over the ascending order statistics (exact integers, as
+    _load_stats_small). Counts per expert are small next to E at decode shapes (k x tokens / E), so
+    a per-row histogram of values stands in for the sort: n_v entries of value v after R_v smaller
+    ones hold ranks R_v+1 .. R_v+n_v, i.e. add v (n_v R_v + n_v (n_v + 1) / 2)."""
+    rows, e = c.shape
+    if rows == 0 or top >= 4 * e:  # large counts: the histogram would outgrow the sort
+        ranked: CountVector = (np.sort(c, axis=1) * np.arange(1, e + 1, dtype=np.int64)).sum(axis=1)
+        return ranked
+    width = top + 1
+    flat = (np.arange(rows, dtype=np.int64)[:, None] * width + c).reshape(-1)
+    n_v = np.bincount(flat, minlength=rows * width).reshape(rows, width)
+    below = np.cumsum(n_v, axis=1) - n_v
+    values = np.arange(width, dtype=np.int64)
+    summed: CountVector = ((n_v * below + n_v * (n_v + 1) // 2) @ values).astype(np.int64)
+    return summed
 
 
 def empty_table(num_experts: int = 1) -> LayerTable:
@@ -571,8 +605,16 @@ class SlidingMean:
 
 def add_rows(into: npt.NDArray[Any], rows: CountVector, values: npt.NDArray[Any], *, sign: int = 1) -> None:
     """``into[rows] += sign * values`` where ``rows`` may repeat (two routers reporting one layer):
-    a fancy-indexed add when they are distinct (the usual case; ``np.add.at`` costs ~10x)."""
-    if rows.size < 2 or len(set(rows.tolist())) == rows.size:
+    an in-place add on a slice when the rows are consecutive (a step's layers 0..L-1, the usual
+    case), a fancy-indexed add when they are distinct (``np.add.at`` costs ~10x)."""
+    listed = rows.tolist()
+    if listed and listed == list(range(listed[0], listed[0] + len(listed))):
+        part = into[listed[0] : listed[0] + len(listed)]  # a view: no gather, no scatter
+        if sign > 0:
+            part += values
+        else:
+            part -= values
+    elif len(listed) < 2 or len(set(listed)) == len(listed):
         if sign > 0:
             into[rows] += values
         else:

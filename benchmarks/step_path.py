@@ -9,11 +9,13 @@ into OTLP-JSON files), timestamps shifted to "now" so retention and windows beha
 
 Variants:
   parse     the parser alone (CPU per step)
+  nospans   parser + pipeline with no trace output (join, windows, metrics), the two parts' CPU apart
   unjoined  parser + pipeline, no requests: every step retires as its own trace (moe_scale's case)
   joined    parser + pipeline + one kernel request per `moe.request` mark, claiming its step
 
 A/B: `--baseline-tree DIR` (e.g. `git archive HEAD | tar -x -C /tmp/base`) replays the same batches
-with another checkout's code, alternating A (baseline) and B (this tree), medians and ratios.
+with another checkout's code, alternating A (baseline) and B (this tree, or `--tree DIR`: e.g. a copy
+with a candidate patch), medians and ratios.
 
     sudo .venv/bin/python -m benchmarks.step_path --shape deepseek-v3 --convention v2
     sudo .venv/bin/python -m benchmarks.step_path --baseline-tree /tmp/base --runs 5
@@ -41,7 +43,7 @@ PYTHON = sys.executable
 PRODUCER = REPO / "benchmarks" / "moe_scale_producer.py"
 SHAPES = {"reference": (4, 16, 2), "qwen3-30b-a3b": (48, 128, 8), "deepseek-v3": (58, 256, 8)}
 CONVENTIONS = {"v1": ("v1", None), "v2": ("v2", None), "v2-step": ("v2", "step")}
-VARIANTS = ("parse", "unjoined", "joined")
+VARIANTS = ("parse", "nospans", "unjoined", "joined")
 NAMESPACED = ("agent", "collectors", "probes", "examples")
 REQUEST_HALF_WINDOW_NS = 20_000_000  # a request spans its step's mark +-20 ms (steps are ~1 ms apart here)
 
@@ -161,6 +163,25 @@ def worker(variant: str, recording: Path) -> dict[str, float]:
             parser(batch)
         cpu_s = time.process_time() - cpu0
         return {"cpu_us_per_step": cpu_s * 1e6 / max(1, len(parsed)), "steps": float(len(parsed))}
+    if variant == "nospans":
+        # the trace export thread is the noisiest part on a shared machine: without it, the
+        # parser's and the rest of the pipeline's CPU (this thread only) apart
+        bare = Pipeline(spans=None, metrics=Metrics())
+        in_pipeline = [0.0]
+
+        def timed_sink(steps: list[Any]) -> None:
+            t0 = time.thread_time()
+            bare.on_steps(steps)
+            in_pipeline[0] += time.thread_time() - t0
+
+        parser = MoeConventionParser(sink=timed_sink)
+        cpu0 = time.thread_time()
+        for batch in batches:
+            parser(batch)
+        cpu_s = time.thread_time() - cpu0
+        n = max(1, bare.stats()["steps"])
+        return {"cpu_us_per_step": cpu_s * 1e6 / n, "parse_us_per_step": (cpu_s - in_pipeline[0]) * 1e6 / n,
+                "pipeline_us_per_step": in_pipeline[0] * 1e6 / n, "steps": float(n)}
     requests = requests_of(batches) if variant == "joined" else [[] for _ in batches]
     with tempfile.TemporaryDirectory(prefix="moescope-steppath-") as tmp:
         wanted: dict[str, Any] = dict(queue_spans=1 << 20, batch_spans=512, schedule_delay_ms=500,
@@ -215,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated of {', '.join(VARIANTS)}")
     parser.add_argument("--runs", type=int, default=3, help="runs per side and variant (A/B alternating)")
     parser.add_argument("--baseline-tree", type=Path, help="another checkout to compare against (A)")
+    parser.add_argument("--tree", type=Path, default=REPO,
+                        help="the checkout measured as B (default: this one; e.g. one with a candidate patch)")
     parser.add_argument("--recording", type=Path, help="reuse a saved recording (default: record one)")
     parser.add_argument("--name", default="step_path", help="bench-results/<name>.json")
     args = parser.parse_args(argv)
@@ -223,9 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     if bad or args.runs < 1 or args.steps < 1 or not args.record_steps_per_s > 0:
         print(f"step_path: bad options (variants {bad or 'ok'}; runs, steps >= 1; pace > 0)", file=sys.stderr)
         return 2
-    if args.baseline_tree is not None and not (args.baseline_tree / "agent" / "join.py").is_file():
-        print(f"step_path: --baseline-tree {args.baseline_tree} is not a moescope checkout", file=sys.stderr)
-        return 2
+    for option, tree in (("--baseline-tree", args.baseline_tree), ("--tree", args.tree)):
+        if tree is not None and not (tree / "agent" / "join.py").is_file():
+            print(f"step_path: {option} {tree} is not a moescope checkout", file=sys.stderr)
+            return 2
     sys.path.insert(0, str(REPO))
     from benchmarks.common import RESULTS_DIR, alternate_ab, write_result
 
@@ -241,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     for variant in variants:
         def run_b(variant: str = variant) -> dict[str, float]:
-            return run_worker(REPO, variant, recording)
+            return run_worker(args.tree.resolve(), variant, recording)
 
         if args.baseline_tree is None:
             runs = [run_b() for _ in range(args.runs)]
@@ -262,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{variant}: {json.dumps(shown)}", file=sys.stderr)
     path = write_result(args.name, {"shape": args.shape, "convention": args.convention, "recorded": recorded,
                                     "baseline_tree": str(args.baseline_tree) if args.baseline_tree else None,
+                                    "tree": str(args.tree),
                                     "variants": results})
     print(f"wrote {path}", file=sys.stderr)
     return 0

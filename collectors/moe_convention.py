@@ -26,6 +26,13 @@ stats(), never raised.
 | moe.experts.time (v2)| mark inside moe.experts | layer + 1  | float vector [E]: µs per expert |
 | moe.step.device (v2) | mark inside moe.step    | -          | float vector [L]: µs per layer |
 | moe.step.routing (v2)| mark inside moe.step    | -          | int vector [L·2E]: moe.routing of every layer |
+| moe.step.requests (v2.1) | mark inside moe.step | -        | int vector [3R]: keys, input, output tokens |
+
+Whole batches: a step whose tree is complete in one batch and well formed (known names in their
+places, one router and one experts range per layer, no v1 per-expert marks, nothing of it pending
+from an earlier batch) is assembled column-wise (`_fast_steps`: nesting resolved with numpy,
+payloads and vectors decoded per batch, then one small loop per layer); every other event takes the
+per-event path below, which keeps every count. Both give the same StepEvents (tests/nvtx).
 
 v2's routing vector stays an array (``RouterEvent.counts``, [2E]); a v1 producer's per-expert
 marks are summed into dicts. ``RouterEvent.tokens_by_expert()`` reads either the same way, and the
@@ -50,6 +57,7 @@ from moescope.collectors.nvtx import (
     PAYLOAD_U32,
     PAYLOAD_U64,
     NvtxBatch,
+    StringTable,
 )
 
 DOMAIN = "moe"
@@ -66,8 +74,10 @@ EXPERTS = "moe.experts"
 EXPERTS_TIME = "moe.experts.time"
 STEP_DEVICE = "moe.step.device"
 STEP_ROUTING = "moe.step.routing"
+STEP_REQUESTS = "moe.step.requests"
 RANGE_NAMES = frozenset({STEP, LAYER, ROUTER, EXPERT_LOAD, EXPERT_FFN, EXPERTS})
-MARK_NAMES = frozenset({REQUEST, EXPERT_TOKENS, EXPERT_DROPPED, ROUTING, EXPERTS_TIME, STEP_DEVICE, STEP_ROUTING})
+MARK_NAMES = frozenset({REQUEST, EXPERT_TOKENS, EXPERT_DROPPED, ROUTING, EXPERTS_TIME, STEP_DEVICE, STEP_ROUTING,
+                        STEP_REQUESTS})
 
 # Children waiting for a parent that never completes (e.g. the process died mid-step) are bounded.
 MAX_PENDING_PARENTS = 100_000
@@ -78,9 +88,11 @@ _INT_TYPES = frozenset({PAYLOAD_U64, PAYLOAD_I64, PAYLOAD_U32, PAYLOAD_I32})
 _INT_TYPE_LIST = sorted(_INT_TYPES)
 _SIGNED_TYPES = frozenset({PAYLOAD_I64, PAYLOAD_I32})
 # mark names as small codes, for the column-wise mark pass
-_OTHER, _UNKNOWN, _REQUEST, _TOKENS, _DROPPED, _ROUTING, _EXPERTS_TIME, _STEP_DEVICE, _STEP_ROUTING = range(9)
-_VECTOR_CODES = (_ROUTING, _EXPERTS_TIME, _STEP_DEVICE, _STEP_ROUTING)
-_INT_VECTOR_CODES = (_ROUTING, _STEP_ROUTING)
+(_OTHER, _UNKNOWN, _REQUEST, _TOKENS, _DROPPED, _ROUTING, _EXPERTS_TIME, _STEP_DEVICE, _STEP_ROUTING,
+ _STEP_REQUESTS) = range(10)
+_VECTOR_CODES = (_ROUTING, _EXPERTS_TIME, _STEP_DEVICE, _STEP_ROUTING, _STEP_REQUESTS)
+_INT_VECTOR_CODES = (_ROUTING, _STEP_ROUTING, _STEP_REQUESTS)
+_ROUTING_CODES = (_ROUTING, _STEP_ROUTING)  # counted as routing_vectors
 _FLOAT_TYPES = frozenset({PAYLOAD_DOUBLE, PAYLOAD_FLOAT})
 _U64_AS_DOUBLE = struct.Struct("<Q"), struct.Struct("<d")  # the payload's 64 bits read as a double
 # Columns read once per batch as Python lists: per-row numpy field access costs ~10x a list index.
@@ -99,8 +111,8 @@ class RouterEvent:
     # v2: the moe.routing vector as sent ([2E]: tokens, then over capacity); its layer checks the
     # length against E and moves it to `counts`
     vector: np.ndarray | None = None
-    # v2: the checked routing row, int64 [2E] (tokens routed per expert, then over capacity); kept
-    # as an array end to end (the agent's step path works on [layers, E] matrices of these)
+    # v2: the checked routing row, [2E] of the integer type sent (tokens routed per expert, then over
+    # capacity); kept as an array end to end (the agent's step path works on [layers, E] matrices)
     counts: np.ndarray | None = None
 
     def routed(self) -> int:
@@ -198,6 +210,9 @@ class StepEvent:
     end_ns: int
     tokens: int | None
     requests: list[int] = field(default_factory=list)  # request keys marked inside the step
+    # moe.step.requests (moe/v2.1): request key -> (input tokens, output tokens) in this step; None
+    # when the producer does not report per-request tokens
+    request_tokens: dict[int, tuple[int, int]] | None = None
     layers: list[LayerEvent] = field(default_factory=list)
     device_time_us: np.ndarray | None = None  # v2 moe.step.device: per layer, where the runtime has it
 
@@ -219,7 +234,36 @@ _STAT_NAMES = (
     "steps", "layers", "routers", "expert_loads", "expert_ffns", "request_marks", "expert_marks",
     "unknown_names", "malformed_payloads", "malformed_categories", "misplaced", "orphans",
     "pending_overflow", "sink_errors", "routing_vectors", "experts_ranges", "malformed_vectors",
+    "steps_columnar",  # of `steps`: built by the whole-batch path
 )
+
+
+# range names as small codes, for the column-wise step pass
+_R_OTHER, _R_UNKNOWN, _R_STEP, _R_LAYER, _R_ROUTER, _R_EXPERTS, _R_LOAD, _R_FFN = range(8)
+_RANGE_CODES = {STEP: _R_STEP, LAYER: _R_LAYER, ROUTER: _R_ROUTER, EXPERTS: _R_EXPERTS, EXPERT_LOAD: _R_LOAD,
+                EXPERT_FFN: _R_FFN}
+_NO_PARENT = 8  # the parent column of the tables below for "parent not in this batch"
+
+
+def _parent_table(rows: int, allowed: dict[int, tuple[int, ...]]) -> np.ndarray:
+    table = np.zeros((rows, 9), dtype=bool)
+    for child, parents in allowed.items():
+        table[child, list(parents)] = True
+    return table
+
+
+_ANY = tuple(range(9))
+# Where each range may sit in a column-wise step ([child code, parent code]); anything else sends
+# the whole step to the per-event path, which counts it. Non-moe ranges are ignored (as there).
+_RANGE_PARENT_OK = _parent_table(8, {
+    _R_STEP: _ANY, _R_OTHER: _ANY, _R_LAYER: (_R_STEP,), _R_ROUTER: (_R_LAYER,), _R_EXPERTS: (_R_LAYER,),
+    _R_LOAD: (_R_LAYER, _R_EXPERTS), _R_FFN: (_R_LAYER, _R_EXPERTS),
+})
+_MARK_PARENT_OK = _parent_table(10, {
+    _OTHER: _ANY, _REQUEST: (_R_STEP,), _STEP_DEVICE: (_R_STEP,), _STEP_ROUTING: (_R_STEP,),
+    _STEP_REQUESTS: (_R_STEP,), _ROUTING: (_R_ROUTER,), _EXPERTS_TIME: (_R_EXPERTS,),
+})
+_MAX_NESTING = 64  # parent hops resolved per batch; deeper (never well formed) -> per-event path
 
 
 class _RangeRow(NamedTuple):
@@ -236,8 +280,11 @@ class _RangeRow(NamedTuple):
 class MoeConventionParser:
     """An NvtxCollector sink: feed it NvtxBatch objects; completed steps go to `sink` per batch."""
 
-    def __init__(self, *, sink: StepSink) -> None:
+    def __init__(self, *, sink: StepSink, fast: bool = True) -> None:
         self._sink = sink
+        self.fast = fast  # False: every event takes the per-event path (tests compare the two)
+        # string id -> range / mark code, for the last string table seen (see _code_tables)
+        self._luts: tuple[StringTable, int, np.ndarray, np.ndarray] | None = None
         self._pending: dict[int, list[Any]] = {}  # parent uid -> completed children
         self._pending_events: dict[int, int] = {}  # parent uid -> events its children stand for
         self._pending_children = 0  # events waiting (a grouped expert-count entry counts its events)
@@ -256,9 +303,12 @@ class MoeConventionParser:
         steps: list[StepEvent] = []
         name_of = batch.strings.strings.get  # string id -> text (None: unknown)
         mark_rows = np.flatnonzero(batch.marks["domain_id"] == domain_id)
+        range_rows = np.flatnonzero(batch.ranges["domain_id"] == domain_id)
+        if len(range_rows) and self.fast:
+            steps, range_rows, mark_rows = self._fast_steps(batch, range_rows, mark_rows)
         if len(mark_rows):
             self._marks(batch, mark_rows, name_of)
-        ranges = batch.ranges[batch.ranges["domain_id"] == domain_id]
+        ranges = batch.ranges[range_rows]
         if len(ranges):
             # deepest first: within one batch a child is filed before its parent collects it
             ranges = ranges[np.argsort(-ranges["depth"].astype(np.int64), kind="stable")]
@@ -329,6 +379,214 @@ class MoeConventionParser:
         self._pending_children -= events
         return children, events
 
+    # -- whole steps, column-wise
+
+    def _fast_steps(self, batch: NvtxBatch, range_rows: np.ndarray,
+                    mark_rows: np.ndarray) -> tuple[list[StepEvent], np.ndarray, np.ndarray]:
+        """The batch's complete, well-formed steps built column-wise; returns them and the range and
+        mark rows left for the per-event path."""
+        ranges = batch.ranges[range_rows]
+        n = len(ranges)
+        range_lut, mark_lut = self._code_tables(batch)
+        code = range_lut[np.minimum(ranges["string_id"], len(range_lut) - 1)]
+        is_step = code == _R_STEP
+        if not is_step.any():
+            return [], range_rows, mark_rows
+        uid = ranges["uid"]
+        by_uid = np.argsort(uid, kind="stable")
+        sorted_uid = uid[by_uid]
+
+        def row_of(uids: np.ndarray) -> np.ndarray:
+            """Index in `ranges` of each uid, -1 where it is not in this batch (or is 0: no parent)."""
+            at = np.minimum(np.searchsorted(sorted_uid, uids), n - 1)
+            return np.where((sorted_uid[at] == uids) & (uids != 0), by_uid[at], -1)
+
+        parent = row_of(ranges["parent_uid"])
+        # each range's enclosing step (itself for a step), by pointer jumping
+        top = np.arange(n)
+        for _ in range(_MAX_NESTING):
+            up = parent[top]
+            move = (up >= 0) & ~is_step[top]
+            if not move.any():
+                break
+            top = np.where(move, up, top)
+        else:
+            return [], range_rows, mark_rows  # nesting too deep to be ours: every event the slow way
+        root = np.where(is_step[top], top, -1)
+        rooted = root >= 0
+        parent_code = np.where(parent >= 0, code[parent], _NO_PARENT)
+        category = ranges["category"]
+        bad_range = ~_RANGE_PARENT_OK[code, parent_code] | ((category == 0) & (code > _R_STEP))
+        if self._pending:
+            waiting = np.fromiter(self._pending, dtype=np.uint64, count=len(self._pending))
+            bad_range |= np.isin(uid, waiting)  # children of it came in an earlier batch
+        marks = batch.marks[mark_rows]
+        mcode = mark_lut[np.minimum(marks["string_id"], len(mark_lut) - 1)]
+        mparent = row_of(marks["parent_uid"])
+        mroot = np.where(mparent >= 0, root[mparent], -1)
+        mparent_code = np.where(mparent >= 0, code[mparent], _NO_PARENT)
+        mptype = marks["payload_type"]
+        bad_mark = ~_MARK_PARENT_OK[mcode, mparent_code] | ((mcode == _REQUEST) & ~np.isin(mptype, _INT_TYPE_LIST))
+        bad = np.zeros(n, dtype=bool)  # per step row: sent the per-event way
+        bad[root[bad_range & rooted]] = True
+        bad[mroot[bad_mark & (mroot >= 0)]] = True
+        # one router and one experts range per layer, one vector of each kind per parent
+        for kind in (_R_ROUTER, _R_EXPERTS):
+            rows = np.flatnonzero((code == kind) & rooted)
+            bad[root[rows[_repeated(parent[rows])]]] = True
+        vector_rows = np.flatnonzero(np.isin(mcode, _VECTOR_CODES) & (mroot >= 0))
+        bad[mroot[vector_rows[_repeated(mparent[vector_rows] * 16 + mcode[vector_rows])]]] = True
+        fast_step = is_step & ~bad
+        in_fast = rooted & fast_step[root]
+        if not in_fast.any():
+            return [], range_rows, mark_rows
+        in_fast_mark = (mroot >= 0) & fast_step[np.maximum(mroot, 0)]
+        stats = self._stats
+
+        payload, ptype = ranges["payload"], ranges["payload_type"]
+        unsigned, signed, floats = payload.tolist(), payload.view(np.int64).tolist(), payload.view(np.float64).tolist()
+        ptypes = ptype.tolist()
+
+        def int_of(i: int) -> int | None:
+            t = ptypes[i]
+            if t in _SIGNED_TYPES:
+                return signed[i]
+            if t in _INT_TYPES:
+                return unsigned[i]
+            stats["malformed_payloads"] += 1
+            return None
+
+        start, end, cat = ranges["start_ns"].tolist(), ranges["end_ns"].tolist(), category.tolist()
+        tid = ranges["tid"].tolist()
+        steps: dict[int, StepEvent] = {}
+        for i in np.flatnonzero(fast_step).tolist():
+            steps[i] = StepEvent(batch.pid, tid[i], start[i], end[i], int_of(i), [], None, [], None)
+        stats["steps"] += len(steps)
+        stats["steps_columnar"] += len(steps)
+        # marks: request keys in mark order; vectors decoded per batch, checked as the per-event path does
+        mpar = mparent.tolist()
+        requests = np.flatnonzero(in_fast_mark & (mcode == _REQUEST))
+        stats["request_marks"] += len(requests)
+        for at, value, payload_type in zip(requests.tolist(), marks["payload"][requests].tolist(),
+                                           mptype[requests].tolist(), strict=True):
+            steps[mpar[at]].requests.append(_signed(value, payload_type))
+        vectors: dict[tuple[int, int], np.ndarray] = {}
+        fast_vectors = vector_rows[in_fast_mark[vector_rows]]
+        vector_codes, vector_parents = mcode[fast_vectors], mparent[fast_vectors]
+        found = 0
+        for members, block in batch.mark_blocks(mark_rows[fast_vectors]):
+            codes_in = vector_codes[members].tolist()
+            parents_in = vector_parents[members].tolist()
+            found += len(codes_in)
+            if isinstance(block, np.ndarray):  # one dtype for the block's rows: checked once
+                dtype_kind = block.dtype.kind
+                fits = {code: dtype_kind in ("iu" if code in _INT_VECTOR_CODES else "fiu") for code in set(codes_in)}
+                for parent_row, code_at, vector in zip(parents_in, codes_in, block, strict=True):
+                    if fits[code_at]:
+                        vectors[(parent_row, code_at)] = vector
+                    else:
+                        stats["malformed_vectors"] += 1
+                continue
+            for parent_row, code_at, decoded in zip(parents_in, codes_in, block, strict=True):
+                if decoded is not None and _vector_ok(decoded, code_at):
+                    vectors[(parent_row, code_at)] = decoded
+                else:
+                    stats["malformed_vectors"] += 1
+        stats["routing_vectors"] += sum(1 for (_, code_at) in vectors if code_at in _ROUTING_CODES)
+        stats["malformed_vectors"] += len(fast_vectors) - found  # no payload recorded (EXT lost, not EXT)
+        # per layer: its router, its experts range, its loads and FFNs (rows in `ranges`)
+        router_at = np.full(n, -1, dtype=np.int64)
+        experts_at = np.full(n, -1, dtype=np.int64)
+        for kind, into, stat in ((_R_ROUTER, router_at, "routers"), (_R_EXPERTS, experts_at, "experts_ranges")):
+            rows = np.flatnonzero(in_fast & (code == kind))
+            into[parent[rows]] = rows
+            stats[stat] += len(rows)
+        loads_of: dict[int, list[ExpertLoadEvent]] = {}
+        ffns_of: dict[int, list[ExpertFfnEvent]] = {}
+        leaves = np.flatnonzero(in_fast & ((code == _R_LOAD) | (code == _R_FFN)))
+        if len(leaves):
+            owner = np.where(parent_code[leaves] == _R_LAYER, parent[leaves], parent[parent[leaves]])
+            order = np.lexsort((ranges["start_ns"][leaves], owner))
+            for i, layer_row, kind in zip(leaves[order].tolist(), owner[order].tolist(),
+                                          code[leaves][order].tolist(), strict=True):
+                if kind == _R_LOAD:
+                    stats["expert_loads"] += 1
+                    loads_of.setdefault(layer_row, []).append(
+                        ExpertLoadEvent(expert=cat[i] - 1, start_ns=start[i], end_ns=end[i], bytes_moved=int_of(i)))
+                else:
+                    stats["expert_ffns"] += 1
+                    ffns_of.setdefault(layer_row, []).append(
+                        ExpertFfnEvent(expert=cat[i] - 1, start_ns=start[i], end_ns=end[i], tokens=int_of(i)))
+        layer_rows = np.flatnonzero(in_fast & (code == _R_LAYER))
+        layer_rows = layer_rows[np.lexsort((ranges["start_ns"][layer_rows], root[layer_rows]))]
+        stats["layers"] += len(layer_rows)
+        roots = root.tolist()
+        # one small loop per layer, positional construction (keyword arguments cost twice as much)
+        for i, r, x in zip(layer_rows.tolist(), router_at[layer_rows].tolist(), experts_at[layer_rows].tolist(),
+                           strict=True):
+            experts = None if ptypes[i] == PAYLOAD_NONE else int_of(i)
+            if experts is not None and experts <= 0:
+                experts = None
+            router = None
+            if r >= 0:
+                if ptypes[r] in _FLOAT_TYPES:
+                    entropy: float | None = floats[r]
+                else:
+                    stats["malformed_payloads"] += 1
+                    entropy = None
+                router = RouterEvent(cat[r] - 1, start[r], end[r], entropy, {}, {}, vectors.get((r, _ROUTING)), None)
+            fused = None
+            if x >= 0:
+                fused = ExpertsEvent(start[x], end[x], int_of(x), vectors.get((x, _EXPERTS_TIME)))
+                if fused.time_us is not None and experts is not None and len(fused.time_us) != experts:
+                    stats["malformed_vectors"] += 1
+                    fused.time_us = None
+            layer = LayerEvent(cat[i] - 1, start[i], end[i], router, experts, loads_of.get(i) or [],
+                               ffns_of.get(i) or [], fused)
+            if router is not None and router.vector is not None:  # _routing_from_vector, inline
+                vector, router.vector = router.vector, None
+                if len(vector) == 2 * (experts or len(vector) // 2) and len(vector):
+                    router.counts = vector
+                else:
+                    stats["malformed_vectors"] += 1  # routing left out; the layer's timing still counts
+            steps[roots[i]].layers.append(layer)
+        for i, step in steps.items():
+            step.device_time_us = vectors.get((i, _STEP_DEVICE))
+            self._finish_step(step, vectors.get((i, _STEP_ROUTING)), vectors.get((i, _STEP_REQUESTS)))
+        return list(steps.values()), range_rows[~in_fast], mark_rows[~in_fast_mark]
+
+    def _code_tables(self, batch: NvtxBatch) -> tuple[np.ndarray, np.ndarray]:
+        """Range and mark codes indexed by string id (the last entry: any id past the table, not ours),
+        rebuilt only when the batch's string table is another one or has grown."""
+        strings = batch.strings
+        key = len(strings.strings)  # the table only grows (collectors/nvtx.py StringTable)
+        cached = self._luts
+        if cached is not None and cached[0] is strings and cached[1] == key:
+            return cached[2], cached[3]
+        size = max(strings.strings, default=0) + 2
+        range_lut = np.full(size, _R_OTHER, dtype=np.int64)
+        mark_lut = np.full(size, _OTHER, dtype=np.int64)
+        for sid, text in strings.strings.items():
+            if text.startswith("moe."):
+                range_lut[sid], mark_lut[sid] = _range_code(text), _mark_code(text)
+        self._luts = (strings, key, range_lut, mark_lut)
+        return range_lut, mark_lut
+
+    def _finish_layer(self, layer: LayerEvent) -> None:
+        """A layer's checks once its children are in: routing vector against E, experts.time length."""
+        self._routing_from_vector(layer)
+        fused = layer.experts
+        if (fused is not None and fused.time_us is not None and layer.num_experts is not None
+                and len(fused.time_us) != layer.num_experts):
+            self._stats["malformed_vectors"] += 1
+            fused.time_us = None
+
+    def _finish_step(self, step: StepEvent, routing: np.ndarray | None, requests: np.ndarray | None) -> None:
+        if routing is not None:
+            self._routing_from_step_vector(step, routing)
+        if requests is not None:
+            self._requests_from_step_vector(step, requests)
+
     # -- marks and ranges
 
     def _marks(self, batch: NvtxBatch, mark_rows: np.ndarray, name_of: Callable[[int], str | None]) -> None:
@@ -398,12 +656,10 @@ class MoeConventionParser:
         """v2 vector marks: decoded once each (there are O(layers) of them per step)."""
         vectors = batch.mark_arrays(rows)
         for vector, code, parent in zip(vectors, codes.tolist(), parents.tolist(), strict=True):
-            want_int = code in _INT_VECTOR_CODES
-            if vector is None or vector.ndim != 1 or (
-                want_int and vector.dtype.kind not in "iu") or (not want_int and vector.dtype.kind not in "fiu"):
+            if not _vector_ok(vector, code):
                 self._stats["malformed_vectors"] += 1
                 continue
-            if code in _INT_VECTOR_CODES:
+            if code in _ROUTING_CODES:
                 self._stats["routing_vectors"] += 1
             self._file(parent, ("vector", code, vector))
 
@@ -418,7 +674,7 @@ class MoeConventionParser:
         if n != 2 * experts or n == 0:
             self._stats["malformed_vectors"] += 1  # routing left out; the layer's timing still counts
             return
-        _set_routing(router, vector.astype(np.int64, copy=False))
+        _set_routing(router, vector)
 
     def _routing_from_step_vector(self, step: StepEvent, vector: np.ndarray) -> None:
         """moe.step.routing: one [2E] row per moe.layer of the step, in order, all layers at once
@@ -428,7 +684,7 @@ class MoeConventionParser:
         if not layers or 0 in sizes or sum(sizes) != len(vector):
             self._stats["malformed_vectors"] += 1
             return
-        counts = vector.astype(np.int64, copy=False)
+        counts = vector
         at = 0
         for layer, size in zip(layers, sizes, strict=True):
             router = layer.router
@@ -436,6 +692,24 @@ class MoeConventionParser:
             if router is None or router.has_routing:
                 continue  # a layer with no router has no routing; one with its own keeps it
             _set_routing(router, row)
+
+    def _requests_from_step_vector(self, step: StepEvent, vector: np.ndarray) -> None:
+        """moe.step.requests: [R keys | R input tokens | R output tokens] -> ``request_tokens``, and
+        its keys united with the step's ``moe.request`` keys. A length that is not 3·R, or negative
+        token counts, is counted as malformed and the vector left out (the marks' keys still count)."""
+        n = len(vector)
+        r = n // 3
+        if n % 3 or (r and int(vector[r:].min()) < 0):
+            self._stats["malformed_vectors"] += 1
+            return
+        tokens: dict[int, tuple[int, int]] = {}
+        for key, n_in, n_out in zip(vector[:r].tolist(), vector[r : 2 * r].tolist(), vector[2 * r :].tolist(),
+                                    strict=True):
+            had = tokens.get(key)
+            tokens[key] = (n_in, n_out) if had is None else (had[0] + n_in, had[1] + n_out)  # a key twice: summed
+        step.request_tokens = tokens
+        marked = set(step.requests)
+        step.requests.extend(key for key in tokens if key not in marked)
 
     def _range(self, row: Any, name: str | None, pid: int) -> StepEvent | None:
         if name is None or not name.startswith("moe."):
@@ -453,6 +727,7 @@ class MoeConventionParser:
             self._stats["steps"] += 1
             step = StepEvent(pid=pid, tid=row.tid, start_ns=start_ns, end_ns=end_ns, tokens=self._int(row))
             step_routing: np.ndarray | None = None
+            step_requests: np.ndarray | None = None
             for child in children:
                 if isinstance(child, LayerEvent):
                     step.layers.append(child)
@@ -462,11 +737,12 @@ class MoeConventionParser:
                     step.device_time_us = child[2]
                 elif _is_vector(child, _STEP_ROUTING) and step_routing is None:
                     step_routing = child[2]
+                elif _is_vector(child, _STEP_REQUESTS) and step_requests is None:
+                    step_requests = child[2]
                 else:
                     self._stats["misplaced"] += _events([child])
             step.layers.sort(key=lambda layer: layer.start_ns)
-            if step_routing is not None:
-                self._routing_from_step_vector(step, step_routing)
+            self._finish_step(step, step_routing, step_requests)
             return step
         if name == LAYER:
             self._stats["layers"] += 1
@@ -493,12 +769,7 @@ class MoeConventionParser:
                     layer.ffns.extend(child[3])
                 else:
                     self._stats["misplaced"] += _events([child])
-            self._routing_from_vector(layer)
-            fused_layer = layer.experts
-            if (fused_layer is not None and fused_layer.time_us is not None and layer.num_experts is not None
-                    and len(fused_layer.time_us) != layer.num_experts):
-                self._stats["malformed_vectors"] += 1
-                fused_layer.time_us = None
+            self._finish_layer(layer)
             layer.loads.sort(key=lambda e: e.start_ns)
             layer.ffns.sort(key=lambda e: e.start_ns)
             self._file(parent, layer)
@@ -565,11 +836,13 @@ class MoeConventionParser:
 _MARK_CODES = {
     REQUEST: _REQUEST, EXPERT_TOKENS: _TOKENS, EXPERT_DROPPED: _DROPPED,
     ROUTING: _ROUTING, EXPERTS_TIME: _EXPERTS_TIME, STEP_DEVICE: _STEP_DEVICE, STEP_ROUTING: _STEP_ROUTING,
+    STEP_REQUESTS: _STEP_REQUESTS,
 }
 
 
 def _set_routing(router: RouterEvent, row: np.ndarray) -> None:
-    """A [2E] int64 routing row (tokens routed per expert, then over capacity) as the router's counts."""
+    """A [2E] integer routing row (tokens routed per expert, then over capacity) as the router's
+    counts, in the integer type it was sent in (the join checks the range when it copies it)."""
     router.counts = row
 
 
@@ -580,6 +853,30 @@ def _nonzero_counts(counts: np.ndarray) -> dict[int, int]:
 
 def _is_vector(child: Any, code: int) -> bool:
     return isinstance(child, tuple) and child[0] == "vector" and child[1] == code
+
+
+def _vector_ok(vector: np.ndarray | None, code: int) -> bool:
+    """A decoded vector mark of the right shape and kind (int routing, numeric times)."""
+    if vector is None or vector.ndim != 1:
+        return False
+    return vector.dtype.kind in ("iu" if code in _INT_VECTOR_CODES else "fiu")
+
+
+def _repeated(keys: np.ndarray) -> np.ndarray:
+    """Indices of the entries of `keys` (small non-negative ints: row indices) whose value occurs
+    more than once; a count per value, no sort."""
+    if len(keys) < 2:
+        return np.empty(0, dtype=np.int64)
+    counts = np.bincount(keys)
+    if counts.max() < 2:
+        return np.empty(0, dtype=np.int64)
+    return np.flatnonzero(counts[keys] > 1)
+
+
+def _range_code(name: str | None) -> int:
+    if not name or not name.startswith("moe."):
+        return _R_OTHER
+    return _RANGE_CODES.get(name, _R_UNKNOWN)
 
 
 def _mark_code(name: str | None) -> int:

@@ -604,27 +604,38 @@ class NvtxBatch:
         """payload_array of each of marks[indices], decoded in groups of one schema and size (one
         gather per group instead of one decode per mark)."""
         out: list[np.ndarray | None] = [None] * len(indices)
+        for members, block in self.mark_blocks(indices):
+            for at, array in zip(members.tolist(), block, strict=True):
+                out[at] = array
+        return out
+
+    def mark_blocks(self, indices: np.ndarray) -> list[tuple[np.ndarray, np.ndarray | list[np.ndarray | None]]]:
+        """The extension payloads of marks[indices] as (positions in `indices`, their arrays): a
+        [members, length] block per group of one schema and size where it decodes as one, else a
+        list of payload_array results. Marks without a recorded payload are in no group."""
         if not len(indices):
-            return out
+            return []
         schema_ids, offsets, sizes = self.ext_entries(self.marks[indices])
-        has = sizes > 0
-        keys = np.stack([schema_ids.astype(np.int64), sizes]).T[has] if has.any() else np.zeros((0, 2), np.int64)
-        rows = np.flatnonzero(has)
+        rows = np.flatnonzero(sizes > 0)
         if not len(rows):
-            return out
-        groups, inverse = np.unique(keys, axis=0, return_inverse=True)
+            return []
+        # one int64 key per (schema, size): the schema's rank among the batch's ids, then the size
+        # (a u32): two 1-D uniques instead of one over rows (schema ids are 64-bit)
+        ids, id_rank = np.unique(schema_ids[rows], return_inverse=True)
+        keys, inverse = np.unique((id_rank.reshape(-1).astype(np.int64) << 32) | sizes[rows], return_inverse=True)
+        id_list = ids.tolist()
+        groups = [(id_list[key >> 32], key & 0xFFFFFFFF) for key in keys.tolist()]
         inverse = inverse.reshape(-1)
         schemas = self.strings.schemas
-        for g, (schema_id, size) in enumerate(groups.tolist()):
-            members = rows[inverse == g]
-            block = schemas.decode_arrays(int(schema_id), self.blob, offsets[members], int(size))
+        out: list[tuple[np.ndarray, np.ndarray | list[np.ndarray | None]]] = []
+        for g, (schema_id, size) in enumerate(groups):
+            members = rows[inverse == g] if len(groups) > 1 else rows
+            block = schemas.decode_arrays(schema_id, self.blob, offsets[members], size)
             if block is not None:
-                for at, array in zip(members.tolist(), block, strict=True):
-                    out[at] = array
+                out.append((members, block))
             else:
-                for at in members.tolist():
-                    start = int(offsets[at])
-                    out[at] = schemas.decode_array(int(schema_id), self.blob[start : start + int(sizes[at])])
+                out.append((members, [schemas.decode_array(schema_id, self.blob[int(at) : int(at) + size])
+                                      for at in offsets[members].tolist()]))
         return out
 
     def range_names(self) -> np.ndarray:
@@ -1242,7 +1253,10 @@ class NvtxCollector:
             self._stats["unknown_string_id"] += int(np.count_nonzero(~ok))
         domains = records["domain_id"]
         if domains.any():
-            unknown_domains = [d for d in np.unique(domains).tolist() if d not in self.strings.domains]
+            top = int(domains.max())
+            # the ids present: a count per id when they are small (they are: one per domain), else a sort
+            present = np.flatnonzero(np.bincount(domains, minlength=top + 1)) if top < 1 << 16 else np.unique(domains)
+            unknown_domains = [d for d in present.tolist() if d not in self.strings.domains]
             if unknown_domains:
                 self._stats["unknown_domain_id"] += int(np.count_nonzero(np.isin(domains, unknown_domains)))
         bad_kind = (kind < KIND_PUSH) | (kind > KIND_MARK)

@@ -1,0 +1,223 @@
+"""The parser's whole-batch (column-wise) path against its per-event path on generated step trees:
+mostly well formed, with hostile edits (unknown and foreign names, wrong payload types, category 0,
+a second router, marks in the wrong place, v1 marks, lost parents) and batch boundaries anywhere.
+Both must give the same steps and the same counters, whatever the input."""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moescope.collectors.moe_convention import MoeConventionParser, StepEvent
+from moescope.collectors.nvtx import (
+    MARK_DTYPE,
+    PAYLOAD_DOUBLE,
+    PAYLOAD_I64,
+    PAYLOAD_NONE,
+    PAYLOAD_U64,
+    RANGE_DTYPE,
+    NvtxBatch,
+    StringTable,
+)
+
+DOMAIN = 1
+NAMES = ["moe.step", "moe.layer", "moe.router", "moe.experts", "moe.expert.load", "moe.expert.ffn", "moe.request",
+         "moe.expert.tokens", "moe.bogus", "attention"]
+SID = {name: i + 1 for i, name in enumerate(NAMES)}
+EDITS = ("none", "unknown name", "foreign name", "payload type", "category 0", "second router", "request on layer",
+         "v1 mark", "lose parent")
+
+
+def _strings() -> StringTable:
+    table = StringTable()
+    table.domains[DOMAIN] = "moe"
+    for name, sid in SID.items():
+        table.add_string(sid, name)
+    return table
+
+
+class _Tape:
+    """One thread's events in ring order, turned into completed ranges and marks with parents."""
+
+    def __init__(self) -> None:
+        self.t = 1000
+        self.uid = 0
+        self.stack: list[int] = []
+        self.ranges: list[dict[str, Any]] = []  # in completion order
+        self.marks: list[dict[str, Any]] = []
+        self.events: list[tuple[str, int]] = []  # ("range"|"mark", index): the ring order of completions
+
+    def push(self, name: str, *, category: int = 0, payload: int = 0, ptype: int = PAYLOAD_I64) -> dict[str, Any]:
+        self.t += 7
+        self.uid += 1
+        row = {"uid": self.uid, "parent_uid": self.stack[-1] if self.stack else 0, "start_ns": self.t,
+               "string_id": SID[name], "category": category, "payload": payload, "payload_type": ptype,
+               "depth": len(self.stack)}
+        self.stack.append(self.uid)
+        self._open = getattr(self, "_open", {})
+        self._open[self.uid] = row
+        return row
+
+    def pop(self) -> None:
+        self.t += 5
+        uid = self.stack.pop()
+        row = self._open.pop(uid)
+        row["end_ns"] = self.t
+        self.ranges.append(row)
+        self.events.append(("range", len(self.ranges) - 1))
+
+    def mark(self, name: str, *, category: int = 0, payload: int = 0, ptype: int = PAYLOAD_I64,
+             parent: int | None = None) -> None:
+        self.t += 3
+        self.marks.append({"parent_uid": self.stack[-1] if parent is None else parent, "ts_ns": self.t,
+                           "string_id": SID[name], "category": category, "payload": payload, "payload_type": ptype})
+        self.events.append(("mark", len(self.marks) - 1))
+
+
+def _double(x: float) -> int:
+    value: int = struct.unpack("<Q", struct.pack("<d", x))[0]
+    return value
+
+
+step_shape = st.fixed_dictionaries({
+    "layers": st.integers(0, 4),
+    "loads": st.integers(0, 2),
+    "ffns": st.integers(0, 1),
+    "requests": st.lists(st.integers(0, 50), max_size=3),
+    "edit": st.sampled_from(EDITS),
+    "edit_at": st.integers(0, 30),
+    "layer_payload_none": st.booleans(),
+})
+
+
+def _tape(steps: list[dict[str, Any]]) -> tuple[_Tape, set[int]]:
+    tape = _Tape()
+    lost: set[int] = set()
+    for s in steps:
+        edit, at = s["edit"], s["edit_at"]
+        count = [0]
+
+        def here(count: list[int] = count, at: int = at) -> bool:
+            count[0] += 1
+            return count[0] - 1 == at
+
+        step = tape.push("moe.step", payload=16)
+        if edit == "payload type" and here():
+            step["payload_type"] = PAYLOAD_DOUBLE
+        for key in s["requests"]:
+            tape.mark("moe.request", payload=key, ptype=PAYLOAD_U64 if key % 2 else PAYLOAD_I64)
+        for layer in range(s["layers"]):
+            row = tape.push("moe.layer", category=layer + 1, payload=8,
+                            ptype=PAYLOAD_NONE if s["layer_payload_none"] else PAYLOAD_I64)
+            if edit == "category 0" and here():
+                row["category"] = 0
+            if edit == "unknown name" and here():
+                row["string_id"] = SID["moe.bogus"]
+            if edit == "lose parent" and here():
+                lost.add(row["uid"])
+            routers = 2 if edit == "second router" and here() else 1
+            for _ in range(routers):
+                tape.push("moe.router", category=layer + 1, payload=_double(1.25 + layer), ptype=PAYLOAD_DOUBLE)
+                if edit == "v1 mark" and here():
+                    tape.mark("moe.expert.tokens", category=2, payload=5)
+                tape.pop()
+            if edit == "request on layer" and here():
+                tape.mark("moe.request", payload=99)
+            if edit == "foreign name" and here():
+                tape.push("attention", category=layer + 1)
+                tape.push("moe.expert.ffn", category=1, payload=3)  # a moe range inside a foreign one
+                tape.pop()
+                tape.pop()
+            tape.push("moe.experts", category=layer + 1, payload=12)
+            for e in range(s["loads"]):
+                tape.push("moe.expert.load", category=e + 2, payload=4096 * (e + 1))
+                tape.pop()
+            tape.pop()
+            for e in range(s["ffns"]):
+                tape.push("moe.expert.ffn", category=e + 1, payload=6)
+                tape.pop()
+            tape.pop()
+        tape.pop()
+    return tape, lost
+
+
+def _batches(tape: _Tape, lost: set[int], cuts: list[int]) -> list[NvtxBatch]:
+    strings = _strings()
+    bounds = sorted({min(c, len(tape.events)) for c in cuts} | {0, len(tape.events)})
+    out = []
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        events = tape.events[lo:hi]
+        rows = [tape.ranges[i] for kind, i in events if kind == "range"]
+        dropped = [r["uid"] for r in rows if r["uid"] in lost]
+        rows = [r for r in rows if r["uid"] not in lost]
+        ranges = np.zeros(len(rows), dtype=RANGE_DTYPE)
+        for i, r in enumerate(rows):
+            for k, v in r.items():
+                ranges[i][k] = v
+            ranges[i]["domain_id"], ranges[i]["tid"] = DOMAIN, 77
+        mrows = [tape.marks[i] for kind, i in events if kind == "mark"]
+        marks = np.zeros(len(mrows), dtype=MARK_DTYPE)
+        for i, m in enumerate(mrows):
+            for k, v in m.items():
+                marks[i][k] = v
+            marks[i]["domain_id"], marks[i]["tid"] = DOMAIN, 77
+        out.append(NvtxBatch(pid=9, ranges=ranges, marks=marks, strings=strings,
+                             lost_uids=np.array(dropped, dtype=np.uint64)))
+    return out
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, np.ndarray):
+        return ("array", value.dtype.str, value.tolist())
+    slots = getattr(type(value), "__slots__", None)
+    if slots and not isinstance(value, (int, float, str)):
+        return (type(value).__name__, {name: _plain(getattr(value, name)) for name in slots})
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _run(batches: list[NvtxBatch], *, fast: bool) -> tuple[list[StepEvent], dict[str, int]]:
+    steps: list[StepEvent] = []
+    parser = MoeConventionParser(sink=steps.extend, fast=fast)
+    for batch in batches:
+        parser(batch)
+    stats = parser.stats()
+    stats.pop("steps_columnar")
+    return steps, stats
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(step_shape, min_size=1, max_size=6), st.lists(st.integers(0, 200), max_size=4))
+def test_both_paths_give_the_same_steps_and_counts(steps: list[dict[str, Any]], cuts: list[int]) -> None:
+    tape, lost = _tape(steps)
+    batches = _batches(tape, lost, cuts)
+    fast_steps, fast_stats = _run(batches, fast=True)
+    slow_steps, slow_stats = _run(batches, fast=False)
+    assert fast_stats == slow_stats
+    assert _plain(fast_steps) == _plain(slow_steps)
+
+
+def test_well_formed_steps_in_one_batch_all_take_the_column_wise_path() -> None:
+    shapes = [{"layers": 3, "loads": 1, "ffns": 1, "requests": [4, 5], "edit": "none", "edit_at": 0,
+               "layer_payload_none": False}] * 4
+    tape, lost = _tape(shapes)
+    parser = MoeConventionParser(sink=lambda steps: None)
+    for batch in _batches(tape, lost, []):
+        parser(batch)
+    stats = parser.stats()
+    assert stats["steps"] == stats["steps_columnar"] == 4 and stats["layers"] == 12
+    # and an edited one (a second router) falls back, counted the per-event way
+    edited = [*shapes[:1], {**shapes[0], "edit": "second router", "edit_at": 1}]
+    tape, lost = _tape(edited)
+    parser = MoeConventionParser(sink=lambda steps: None)
+    for batch in _batches(tape, lost, []):
+        parser(batch)
+    stats = parser.stats()
+    assert stats["steps"] == 2 and stats["steps_columnar"] == 1 and stats["misplaced"] == 1

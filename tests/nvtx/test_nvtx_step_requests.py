@@ -1,0 +1,133 @@
+"""moe.step.requests (moe/v2.1) end to end on a real producer: the PyPI `nvtx` package sends int64
+vectors through the real injection library; the parser's per-request tokens and request keys equal
+what was sent, hostile vectors are counted and leave their steps intact, and the whole-batch
+(column-wise) path gives exactly the per-event path's steps and counts on the same batches."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from nvtx_helpers import HERE, Producer, drain_until_finished, kill_group
+
+from moescope.collectors.moe_convention import MoeConventionParser, StepEvent
+from moescope.collectors.nvtx import NvtxBatch, NvtxCollector, injection_env
+
+REPO = HERE.parent.parent
+STEP_REQUESTS_PRODUCER = HERE / "step_requests_producer.py"
+V2_PRODUCER = HERE / "moe_v2_producer.py"
+STEPS, LAYERS = 12, 3
+
+
+@pytest.fixture
+def record(tmp_path: Path, ring_dir: Path) -> Iterator[Any]:
+    """Runs a producer script under the injection library; returns its drained batches and its log."""
+    started: list[subprocess.Popen[str]] = []
+
+    def run(script: Path, *args: str, batch_records: int) -> tuple[list[NvtxBatch], dict[str, Any]]:
+        log_path = tmp_path / f"producer-{len(started)}.json"
+        env = dict(os.environ)
+        env.pop("NVTX_INJECTION64_PATH", None)
+        env.update(injection_env())
+        env["MOESCOPE_NVTX_DIR"] = str(ring_dir)
+        env["PYTHONPATH"] = str(REPO)
+        proc = subprocess.Popen([sys.executable, str(script), "--log", str(log_path), *args], env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        started.append(proc)
+        producer = Producer(proc=proc, log_path=log_path, ring_dir=ring_dir)
+        producer.expect_line("ready")
+        batches: list[NvtxBatch] = []
+        collector = NvtxCollector(producer.pid, sink=batches.append, directory=ring_dir, batch_records=batch_records)
+        try:
+            producer.go()
+            drain_until_finished(collector)
+            assert producer.wait() == 0
+            assert collector.stats()["dropped_ring_full"] == 0
+        finally:
+            collector.close()
+        return batches, producer.log()
+
+    try:
+        yield run
+    finally:
+        for proc in started:
+            kill_group(proc)
+
+
+def _parse(batches: list[NvtxBatch], *, fast: bool) -> tuple[list[StepEvent], dict[str, int]]:
+    steps: list[StepEvent] = []
+    parser = MoeConventionParser(sink=steps.extend, fast=fast)
+    for batch in batches:
+        parser(batch)
+    return steps, parser.stats()
+
+
+def _plain(value: object) -> object:
+    """A parsed event tree as plain values (arrays as dtype kind + list), for exact comparison."""
+    if isinstance(value, np.ndarray):
+        return ("array", value.dtype.str, value.tolist())
+    slots = getattr(type(value), "__slots__", None)
+    if slots and not isinstance(value, (int, float, str)):
+        return (type(value).__name__, {name: _plain(getattr(value, name)) for name in slots})
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _assert_paths_agree(batches: list[NvtxBatch]) -> tuple[list[StepEvent], dict[str, int]]:
+    fast_steps, fast_stats = _parse(batches, fast=True)
+    slow_steps, slow_stats = _parse(batches, fast=False)
+    assert slow_stats["steps_columnar"] == 0
+    assert {k: v for k, v in fast_stats.items() if k != "steps_columnar"} == {
+        k: v for k, v in slow_stats.items() if k != "steps_columnar"}
+    assert _plain(fast_steps) == _plain(slow_steps)
+    return fast_steps, fast_stats
+
+
+@pytest.mark.parametrize("batch_records", [61, 1 << 16])
+def test_step_requests_equal_what_was_sent(record: Any, batch_records: int) -> None:
+    batches, truth = record(STEP_REQUESTS_PRODUCER, "--steps", str(STEPS), "--layers", str(LAYERS),
+                            batch_records=batch_records)
+    steps, stats = _assert_paths_agree(batches)
+    sent, hostile = truth["steps"], truth["hostile"]
+    assert len(steps) == len(sent) + len(hostile)
+    if batch_records == 61:  # steps split over batches: both paths were taken
+        assert 0 < stats["steps_columnar"] < len(steps)
+    else:  # the whole run in one batch: every step column-wise but the one with two vectors
+        assert len(batches) <= 2 and stats["steps_columnar"] == len(steps) - 1
+    for got, want in zip(steps[: len(sent)], sent, strict=True):
+        tokens = {k: (i, o) for k, i, o in zip(want["keys"], want["input"], want["output"], strict=True)}
+        assert got.request_tokens == tokens
+        # the marks first, then the vector's keys not marked: each key once
+        assert got.requests == want["marks"] + [k for k in want["keys"] if k not in want["marks"]]
+        assert len(got.layers) == LAYERS and all(layer.router is not None and layer.router.has_routing
+                                                 for layer in got.layers)
+    bad = steps[len(sent):]
+    # length 7, a float vector, negative tokens: counted and left out; two vectors: the first counts
+    assert [s.request_tokens for s in bad] == [None, None, None, {101: (5, 1)}]
+    assert [s.requests for s in bad] == [[555], [555], [555], [555, 101]]
+    assert all(len(s.layers) == LAYERS for s in bad)  # their steps and layers kept
+    assert stats["malformed_vectors"] == 3 and stats["misplaced"] == 1
+    assert stats["orphans"] == stats["unknown_names"] == stats["malformed_payloads"] == 0
+
+
+@pytest.mark.parametrize("args", [("--routing", "layer"), ("--routing", "step"), ("--hostile",)])
+def test_column_wise_steps_equal_the_per_event_path(record: Any, args: tuple[str, ...]) -> None:
+    """The reference runtime's v2 instrumentation (routing per layer or per step, loads, experts
+    times) and its hostile vectors: the two paths agree on every field and every count."""
+    batches, _truth = record(V2_PRODUCER, "--convention", "v2", "--layers", "4", "--experts", "32", "--steps", "8",
+                             *args, batch_records=1 << 16)
+    steps, stats = _assert_paths_agree(batches)
+    assert steps and stats["steps_columnar"] == len(steps)
+    if "--hostile" in args:
+        assert stats["malformed_vectors"] == 3
+    else:
+        assert stats["routing_vectors"] > 0 and any(layer.loads for s in steps for layer in s.layers)
