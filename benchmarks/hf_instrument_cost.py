@@ -5,12 +5,14 @@
 Two shapes, each a tiny-config Qwen3-MoE built from transformers' config class (random weights):
   tiny:      4 MoE layers, 8 experts, top-2, width 64, a 2 x 8 token step (the test models);
   realistic: 1 MoE layer, 16 experts, top-2, width 1024, a 1 x 1536 token step.
-A (plain) and B (instrumented, moescope's NVTX injection library attached with no agent: what a
-served process pays between attaches) alternate AB, BA, ...; each run is the median of its
+A (plain) and B (instrumented with the defaults — deferred: the layers reduced and emitted at the
+step end — and moescope's NVTX injection library attached with no agent: what a served process
+pays between attaches) alternate AB, BA, ...; each run is the median of its
 forwards; the ratio is median(B) / median(A). Each forward is timed twice: the thread's CPU time
 (what the bars are judged on: other processes on a shared machine inflate wall time, not this
 thread's CPU time) and wall time (reported). Bars: <= 1.03 tiny, <= 1.01 realistic.
-CPU only: the CUDA path (device-side counts, one copy per step) is not measured here.
+CPU only: the CUDA path (device-side counts, one copy per step) is not measured here; its
+correctness and sync count are checked by tests/gpu/check_device_routing.py on a GPU machine.
 Writes bench-results/hf_instrument_cost.json.
 """
 

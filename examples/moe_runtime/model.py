@@ -4,6 +4,16 @@ top-k softmax gate, optional Gumbel noise, capacity factor with drop|reroute, ro
 Weights are random, made locally from a seed. Attention runs per sequence (ragged batches, each
 with its own KV cache); the MoE FFN runs over all tokens of the step together, which is what makes
 routing, capacity and expert load batch-level phenomena.
+
+Two routing paths, the same numbers (with Gumbel noise the device path draws a step's noise at
+once, so its draws differ). Host (CPU, and any step CUDA cannot run without a sync): the router's
+logits are routed on the host and each layer's events are emitted as it runs. Device (CUDA
+by default, when the step's experts are all resident, overflow is "drop", moe/v2 without per-expert
+ranges and no sync_ranges): top-k, capacity and the per-expert counts stay on the device, each
+expert runs on a fixed-size buffer of its capacity (padding rows carry weight 0), the layer's
+vectors go into one per-step device buffer [L, 2E + 2] and CUDA events time its experts; at the
+end of the forward one copy brings the buffer to the host, and the layers' events and stats are
+emitted then (`moe.step.device` carries the experts' device time). No host sync per layer.
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ import dataclasses
 import math
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -150,6 +161,58 @@ def route(cfg: ModelConfig, logits: torch.Tensor, *, noise: torch.Tensor | None)
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class DeviceRouting:
+    """One layer's routing on the device, for a fixed-size dispatch: no value is read back."""
+
+    slot_token: torch.Tensor  # [E, capacity] int64: token row per expert slot; n_tokens = padding
+    slot_weight: torch.Tensor  # [E, capacity] float32 gate weight; 0 for padding
+    row: torch.Tensor  # [2E + 2] float64: demand[E], dropped[E], kept assignments, entropy bits
+    capacity: int
+
+
+def route_device(cfg: ModelConfig, logits: torch.Tensor, *, noise: torch.Tensor | None) -> DeviceRouting:
+    """route() for the "drop" policy with every value kept on the logits' device (no host sync):
+    the same selection, weights, capacity fill (slot-major, token order) and counts."""
+    n_tokens, n_experts = logits.shape
+    k, device = cfg.top_k, logits.device
+    probs = torch.softmax(logits, dim=-1)
+    entropy = -(probs * torch.log2(probs.clamp_min(1e-30))).sum(-1)
+    selection = logits if noise is None else logits + noise
+    topk = torch.topk(selection, k, dim=-1, sorted=True).indices
+    weights = torch.softmax(logits.gather(1, topk), dim=-1)
+    capacity = cfg.capacity_tokens(n_tokens)
+    ones = torch.ones(n_tokens, dtype=torch.int64, device=device)
+    demand = torch.zeros(n_experts, dtype=torch.int64, device=device)
+    dropped = torch.zeros(n_experts, dtype=torch.int64, device=device)
+    fill = torch.zeros(n_experts, dtype=torch.int64, device=device)
+    dump = n_experts * capacity  # where assignments over capacity are written, then discarded
+    slot_token = torch.full((dump + 1,), n_tokens, dtype=torch.int64, device=device)
+    slot_weight = torch.zeros(dump + 1, dtype=torch.float32, device=device)
+    rows = torch.arange(n_tokens, device=device)
+    for slot in range(k):
+        experts = topk[:, slot]
+        # scatter_add_, not bincount: CUDA bincount reads its maximum back to the host
+        counts = torch.zeros(n_experts, dtype=torch.int64, device=device).scatter_add_(0, experts, ones)
+        by_expert = torch.argsort(experts, stable=True)
+        starts = torch.cumsum(counts, 0) - counts
+        position = torch.empty_like(experts)
+        position[by_expert] = rows - starts[experts[by_expert]]
+        place = position + fill[experts]
+        keep = place < capacity
+        target = torch.where(keep, experts * capacity + place, dump)
+        slot_token.scatter_(0, target, rows)
+        slot_weight.scatter_(0, target, weights[:, slot].float())
+        demand += counts
+        dropped.scatter_add_(0, experts, (~keep).long())
+        fill = torch.clamp(fill + counts, max=capacity)
+    entropy_bits = entropy.mean() if n_tokens else torch.zeros((), device=device)
+    row = torch.cat([demand.double(), dropped.double(), fill.sum().double().reshape(1),
+                     entropy_bits.double().reshape(1)])
+    return DeviceRouting(slot_token=slot_token[:dump].view(n_experts, capacity),
+                         slot_weight=slot_weight[:dump].view(n_experts, capacity), row=row, capacity=capacity)
+
+
 def expert_ffn(x: torch.Tensor, handle: ExpertHandle, *, device: torch.device) -> torch.Tensor:
     """SwiGLU in the handle's dtype on the handle's device (true fp16/bf16 matmuls when reduced);
     the result comes back as fp32 on `device`."""
@@ -160,7 +223,8 @@ def expert_ffn(x: torch.Tensor, handle: ExpertHandle, *, device: torch.device) -
 
 class MoEModel:
     def __init__(self, cfg: ModelConfig, *, store: ExpertStore, stats: RuntimeStats,
-                 instrumentation: Instrumentation, sync_ranges: bool = False) -> None:
+                 instrumentation: Instrumentation, sync_ranges: bool = False,
+                 device_routing: bool | None = None) -> None:
         cfg.validate()
         self.cfg = cfg
         self.store = store
@@ -169,6 +233,9 @@ class MoEModel:
         self.device = torch_device(store.primary)
         # CUDA work is asynchronous: with sync_ranges, FFN and step ranges end when the GPU is done.
         self.sync_ranges = sync_ranges and instrumentation.active and self.device.type == "cuda"
+        # the device routing path (module docstring): CUDA by default; True also on a CPU (tests)
+        self.device_routing = self.device.type == "cuda" if device_routing is None else device_routing
+        self._events: list[tuple[Any, Any]] = []  # CUDA event pair per layer, reused every step
         gen = torch.Generator().manual_seed(cfg.seed)
         d, v = cfg.d_model, cfg.vocab
         dev = self.device
@@ -237,15 +304,88 @@ class MoEModel:
         positions = torch.tensor(
             [seq.length + i for seq, n in zip(seqs, lengths) for i in range(n)], dtype=torch.int64, device=self.device)
         x = self.embed[token_ids] + self.pos[positions]
-        for layer, block in enumerate(self.blocks):
-            ins.layer_push(layer, cfg.experts)
-            x = x + self._attention(layer, block, _rms_norm(x, block["ln1"]), seqs, lengths)
-            x = x + self._moe(layer, block, _rms_norm(x, block["ln2"]), experts_table[layer], penalties[layer])
-            ins.pop()
+        if self._device_step(experts_table):
+            rows = torch.empty(cfg.layers, 2 * cfg.experts + 2, dtype=torch.float64, device=self.device)
+            # the step's noise in one draw and one copy (a copy per layer would wait per layer)
+            noise = self._noise(torch.Size((cfg.layers, x.shape[0], cfg.experts)), self.device)
+            for layer, block in enumerate(self.blocks):
+                x = x + self._attention(layer, block, _rms_norm(x, block["ln1"]), seqs, lengths)
+                x = x + self._moe_device(layer, block, _rms_norm(x, block["ln2"]), experts_table[layer],
+                                         penalties[layer], rows, None if noise is None else noise[layer])
+            self._emit_device_step(rows, n_tokens=int(token_ids.shape[0]))
+        else:
+            for layer, block in enumerate(self.blocks):
+                ins.layer_push(layer, cfg.experts)
+                x = x + self._attention(layer, block, _rms_norm(x, block["ln1"]), seqs, lengths)
+                x = x + self._moe(layer, block, _rms_norm(x, block["ln2"]), experts_table[layer], penalties[layer])
+                ins.pop()
         for seq, n in zip(seqs, lengths):
             seq.length += n
         ends = torch.tensor(np.cumsum(lengths) - 1, dtype=torch.int64, device=self.device)
         return _rms_norm(x[ends], self.ln_f) @ self.lm_head
+
+    def _device_step(self, table: list[list[ExpertHandle]]) -> bool:
+        """Whether this step takes the device path: it needs no per-layer host decision (no expert
+        to load from the host, no reroute, no per-expert ranges or per-expert syncs)."""
+        return (self.device_routing and self.cfg.overflow == "drop" and not self.ins.expert_ranges
+                and not self.sync_ranges and all(h.tier != TIER_HOST for row in table for h in row))
+
+    def _noise(self, shape: torch.Size, device: torch.device) -> torch.Tensor | None:
+        if self.cfg.gumbel_tau <= 0:
+            return None
+        uniform = torch.rand(shape, generator=self._noise_gen).clamp(1e-9, 1 - 1e-9)
+        return (-torch.log(-torch.log(uniform)) * self.cfg.gumbel_tau).to(device)
+
+    def _moe_device(self, layer: int, block: dict[str, torch.Tensor], h: torch.Tensor,
+                    table: list[ExpertHandle], penalty: torch.Tensor, rows: torch.Tensor,
+                    noise: torch.Tensor | None) -> torch.Tensor:
+        """The device path's MoE FFN: every expert on its fixed-size capacity buffer; the layer's
+        vectors into `rows[layer]`. Nothing here waits for the device."""
+        logits = (h @ block["router"]) - penalty
+        routing = route_device(self.cfg, logits, noise=noise)
+        rows[layer].copy_(routing.row)
+        timed = self.ins.active and h.is_cuda
+        if timed:
+            while len(self._events) <= layer:
+                self._events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            self._events[layer][0].record()
+        padded = torch.cat([h, h.new_zeros(1, h.shape[1])])  # row n_tokens: what padding slots read
+        out = torch.zeros_like(padded)
+        for expert, handle in enumerate(table):
+            slots = routing.slot_token[expert]
+            y = expert_ffn(padded[slots], handle, device=h.device)
+            out.index_add_(0, slots, y * routing.slot_weight[expert][:, None])
+        if timed:
+            self._events[layer][1].record()
+        return out[:-1]
+
+    def _emit_device_step(self, rows: torch.Tensor, *, n_tokens: int) -> None:
+        """After the device path's last layer: one copy of the step's vectors, then each layer's
+        events (back to back: on a device their host durations mean nothing) and stats."""
+        cfg, ins = self.cfg, self.ins
+        host = rows.cpu().numpy()  # the step's one device-to-host copy
+        experts = cfg.experts
+        demand_all = host[:, :experts].astype(np.int64)
+        dropped_all = host[:, experts:2 * experts].astype(np.int64)
+        capacity = cfg.capacity_tokens(n_tokens)
+        no_reroute = np.zeros(experts, dtype=np.int64)
+        time_us = np.zeros(cfg.layers, dtype=np.float32)
+        for layer in range(cfg.layers):
+            entropy_bits = float(host[layer, -1])
+            ins.layer_push(layer, experts)
+            ins.router_push(layer, entropy_bits)
+            ins.routing(layer, demand_all[layer], dropped_all[layer])
+            ins.pop()
+            ins.experts_push(layer, int(host[layer, -2]))
+            ins.experts_pop()
+            ins.pop()
+            self.stats.record_routing(layer=layer, demand=demand_all[layer], dropped=dropped_all[layer],
+                                      rerouted_in=no_reroute, entropy_bits=entropy_bits, capacity=capacity)
+            if layer < len(self._events) and ins.active and self.device.type == "cuda":
+                start, end = self._events[layer]
+                time_us[layer] = start.elapsed_time(end) * 1000.0  # ms -> µs; complete after the copy
+        if ins.active and self.device.type == "cuda":
+            ins.step_device_mark(time_us)
 
     def _attention(self, layer: int, block: dict[str, torch.Tensor], h: torch.Tensor,
                    seqs: list[SequenceState], lengths: list[int]) -> torch.Tensor:
@@ -280,10 +420,7 @@ class MoEModel:
              table: list[ExpertHandle], penalty: torch.Tensor) -> torch.Tensor:
         cfg, ins = self.cfg, self.ins
         logits = (h @ block["router"]) - penalty
-        noise = None
-        if cfg.gumbel_tau > 0:
-            uniform = torch.rand(logits.shape, generator=self._noise_gen).clamp(1e-9, 1 - 1e-9)
-            noise = (-torch.log(-torch.log(uniform)) * cfg.gumbel_tau).to(logits.device)
+        noise = self._noise(logits.shape, logits.device)
         routing = route(cfg, logits.cpu() if logits.device.type != "cpu" else logits,
                         noise=noise.cpu() if noise is not None else None)
         # The payload (entropy) must be known at push: NVTX pops carry no attributes.

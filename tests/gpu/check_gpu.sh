@@ -8,7 +8,8 @@
 # 2. the real NVML collector for a few seconds: memory, utilization, NVLink per link, PCIe, and the
 #    per-process GPU memory of a CUDA process it starts (tests/gpu/cuda_alloc.py, driver API only);
 # 3. once examples/moe_runtime exists: the reference runtime on CUDA under load, with expert
-#    offload/restore/migrate and FP16 fallback (and back) through its control socket, 0 failed requests.
+#    offload/restore/migrate and FP16 fallback (and back) through its control socket, 0 failed requests;
+# 4. routing vectors computed on the device with no host sync per layer (tests/gpu/check_device_routing.py).
 # Prints a summary; exits non-zero on any failure.
 set -euo pipefail
 
@@ -61,6 +62,16 @@ say "real NVML + reference runtime (device: $RUNTIME_DEVICE)"
 if ! timeout 240 "$PY" tests/gpu/check_gpu.py --device "$RUNTIME_DEVICE" --seconds 3 --load-s "$LOAD_S" \
         ${MOESCOPE_GPU_CHECK_ARGS:-}; then
     status=1
+fi
+
+# ---- 4. routing vectors on the device: no host sync per layer (reference runtime, instrument()) ----
+if [[ $RUNTIME_DEVICE == cuda* ]]; then
+    say "device routing: counts right, no sync per layer"
+    ROUTING_DEVICE=$RUNTIME_DEVICE
+    [[ $ROUTING_DEVICE == cuda ]] && ROUTING_DEVICE=cuda:0
+    if ! timeout 240 "$PY" tests/gpu/check_device_routing.py --device "$ROUTING_DEVICE"; then
+        status=1
+    fi
 fi
 
 say "check_gpu: $([[ $status -eq 0 ]] && echo PASS || echo FAIL) in $((SECONDS - START)) s"

@@ -2,7 +2,7 @@
 Writes what the model's own router outputs say (output_router_logits=True, read apart from
 moescope's hooks) as JSON: the truth the agent's parse is compared with.
 
-    python hf_producer.py --arch qwen3_moe --log FILE [--routing step|layer] [--decode-steps N]
+    python hf_producer.py --arch qwen3_moe --log FILE [--routing step|layer] [--decode-steps N] [--live]
 
 NVTX_INJECTION64_PATH is not set by the test: instrument() arranges it before the first NVTX call.
 Prints "ready" once instrumented (the ring file exists), waits for "go" on stdin.
@@ -36,9 +36,9 @@ def layer_truth(logits: torch.Tensor, *, top_k: int) -> dict[str, Any]:
     return {"counts": counts.tolist(), "entropy_bits": entropy_bits, "tokens": int(s.shape[0])}
 
 
-def run(*, arch: str, routing: str, decode_steps: int) -> dict[str, Any]:
+def run(*, arch: str, routing: str, decode_steps: int, live: bool) -> dict[str, Any]:
     model: Any = tiny_model(arch)  # a transformers model: its attributes are not typed
-    ins = moescope.instrument(model, routing=routing)
+    ins = moescope.instrument(model, routing=routing, defer=not live)
     assert ins.active, ins.describe()
     top_k = int(model.config.num_experts_per_tok)
     print("ready", flush=True)
@@ -70,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log", required=True)
     p.add_argument("--routing", choices=("step", "layer"), default="step")
     p.add_argument("--decode-steps", type=int, default=3)
+    p.add_argument("--live", action="store_true", help="live per-layer ranges (defer=False)")
     args = p.parse_args(argv)
-    result = run(arch=args.arch, routing=args.routing, decode_steps=args.decode_steps)
+    result = run(arch=args.arch, routing=args.routing, decode_steps=args.decode_steps, live=args.live)
     with open(args.log, "w", encoding="utf-8") as f:
         json.dump(result, f)
     return 0

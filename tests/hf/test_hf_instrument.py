@@ -98,10 +98,11 @@ def test_blocks_found_by_structure_and_close_restores_the_model(arch: str, share
     assert torch.equal(plain, after) and len(domain.events) == events  # nothing emitted once closed
 
 
-def test_cpu_path_events_nest_as_the_convention_says() -> None:
+@pytest.mark.parametrize("defer", [True, False])
+def test_cpu_path_events_nest_as_the_convention_says(defer: bool) -> None:
     model = tiny_model("qwen3_moe", layers=2)
     domain = RecordingDomain()
-    ins = moescope.instrument(model, domain=domain, routing="layer")
+    ins = moescope.instrument(model, domain=domain, routing="layer", defer=defer)
     seen: dict[int, torch.Tensor] = {}
     handles = [b.router.register_forward_hook(lambda m, a, o, i=b.layer: seen.__setitem__(i, o[0]))
                for b in ins.blocks]
@@ -273,3 +274,77 @@ def test_deferred_path_sends_the_live_paths_numbers_after_the_step() -> None:
     for a, b in zip(deferred.named("moe.router"), live.named("moe.router"), strict=True):
         assert a[2] == b[2] and math.isclose(a[3], b[3], abs_tol=1e-6)
     assert deferred.named("moe.step.device") == [] and deferred.depth == 0
+
+
+def _truth(kind: str, scores: torch.Tensor, indices: torch.Tensor, bias: torch.Tensor | None,
+           num_experts: int) -> tuple[list[int], float, int]:
+    """One layer by the definitions, float64, one token at a time: counts, entropy bits, out of range."""
+    flat = indices.reshape(-1).tolist()
+    counts = [sum(1 for i in flat if i == e) for e in range(num_experts)]
+    total = 0.0
+    for row in scores.double().reshape(-1, num_experts):
+        if kind == "softmax":
+            p = torch.softmax(row, -1)
+        elif kind == "sigmoid":
+            q = torch.sigmoid(row) + (0.0 if bias is None else bias.double())
+            q = q.clamp_min(0.0)
+            p = q / q.sum()
+        else:
+            p = row
+        total += entropy_bits(p)
+    return counts, total / scores.shape[0], sum(1 for i in flat if not 0 <= i < num_experts)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "probabilities", "sigmoid"])
+def test_deferred_reductions_on_device_and_host_equal_the_definitions(kind: str) -> None:
+    """The step-end reduction: the device one (torch ops, what CUDA runs; run here on the CPU) and
+    the host one (numpy) both equal a token-by-token count and entropy, with indices outside 0..E-1."""
+    from moescope.hf import emit
+    from moescope.hf.scoring import Scoring
+
+    generator = torch.Generator().manual_seed(11)
+    num_experts, tokens, k = 6, 9, 2
+    entries = []
+    expected = []
+    for layer in range(3):
+        raw = torch.randn(tokens, num_experts, generator=generator)
+        scores = torch.softmax(raw, -1) if kind == "probabilities" else raw
+        bias = torch.rand(num_experts, generator=generator) * 0.3 if kind == "sigmoid" and layer != 1 else None
+        indices = torch.randint(0, num_experts, (tokens, k), generator=generator)
+        indices[0, 0], indices[1, 1] = -1, num_experts  # not routed here: counted apart
+        scoring = Scoring(kind=kind, evidence="", bias=bias)
+        entries.append(emit._Pending(call=layer, layer=layer, num_experts=num_experts, assignments=tokens * k,
+                                     scores=scores, indices=indices, scoring=scoring))
+        expected.append(_truth(kind, scores, indices, bias, num_experts))
+    for reduce in (emit._reduce_group, emit._reduce_group_numpy):
+        ((counts, entropy),) = emit._to_host([reduce(entries)])
+        assert counts.shape == (3, num_experts + 1)
+        for layer, (want_counts, want_entropy, out_of_range) in enumerate(expected):
+            assert counts[layer, :num_experts].tolist() == want_counts and counts[layer, -1] == out_of_range == 2
+            assert math.isclose(float(entropy[layer]), want_entropy, abs_tol=1e-6), reduce.__name__
+
+
+def test_a_long_step_is_reduced_early_with_the_same_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pending scores past the bound are reduced at once (bounded memory on a long prefill): the
+    events are those of a step reduced at its end."""
+    from moescope.hf import emit
+
+    model = tiny_model("mixtral", layers=3)
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(5))
+
+    def run() -> RecordingDomain:
+        domain = RecordingDomain()
+        ins = moescope.instrument(model, domain=domain, routing="layer")
+        with torch.no_grad():
+            model(ids)
+        ins.close()
+        return domain
+
+    at_end = run()
+    monkeypatch.setattr(emit, "_PENDING_ELEMENTS", 1)
+    early = run()
+    assert [(k, m, c, d) for k, m, c, _, d in early.events] == [(k, m, c, d) for k, m, c, _, d in at_end.events]
+    assert [e[3].tolist() for e in early.named("moe.routing")] == [e[3].tolist() for e in at_end.named("moe.routing")]
+    for a, b in zip(early.named("moe.router"), at_end.named("moe.router"), strict=True):
+        assert math.isclose(a[3], b[3], abs_tol=1e-12)
+    assert len(at_end.named("moe.layer")) == 3

@@ -59,10 +59,13 @@ def run_producer(tmp_path: Path, ring_dir: Path, *args: str) -> tuple[list[StepE
         kill_group(proc)
 
 
-@pytest.mark.parametrize("arch,routing", [("mixtral", "step"), ("qwen2_moe", "step"), ("qwen3_moe", "layer")])
+@pytest.mark.parametrize("arch,routing,live", [("mixtral", "step", False), ("qwen2_moe", "step", False),
+                                               ("qwen3_moe", "layer", False), ("qwen3_moe", "step", True)])
 def test_agent_counts_equal_the_models_own_router_outputs(tmp_path: Path, ring_dir: Path, arch: str,
-                                                          routing: str) -> None:
-    steps, truth, stats = run_producer(tmp_path, ring_dir, "--arch", arch, "--routing", routing)
+                                                          routing: str, live: bool) -> None:
+    """Deferred (the default: layers emitted after the step) and live (defer=False) paths."""
+    steps, truth, stats = run_producer(tmp_path, ring_dir, "--arch", arch, "--routing", routing,
+                                       *(["--live"] if live else []))
     assert truth["nvtx"].startswith("active (NVTX_INJECTION64_PATH set by moescope.instrument()")
     assert truth["stats"]["hook_errors"] == truth["stats"]["layers_without_scores"] == 0
     top_k = truth["top_k"]
