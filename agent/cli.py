@@ -16,6 +16,8 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("traces", "moescope.agent.traces_cmd", "list and show traces kept by the embedded OTLP-JSON store"),
     ("policy", "moescope.agent.policy_cmd", "policy rules: show the effective rules, or run the loop on a runtime"),
     ("top", "moescope.agent.top_cmd", "live view of a running agent (reads its state file; no root needed)"),
+    ("report", "moescope.agent.report_cmd",
+     "where the time went: per-phase p50/p99/share, TTFT, TPOT and tokens for a window of traces"),
     ("nvtx-env", "moescope.agent.nvtx_env", "print NVTX_INJECTION64_PATH=... for a serving process's environment"),
 ]
 

@@ -20,6 +20,10 @@ with ``defer_requests`` (the agent's setting) a request record waits for the fir
 after it ended, by when all its steps have been drained (``drain_requests``). Buffered steps are
 kept for ``step_retention_ns`` and bounded in count.
 
+Each joined request carries its breakdown (``RequestJoined.breakdown``, agent/request_phases.py:
+phases, TTFT/TPOT, tokens), computed here from its claimed steps before their layer trees are let
+go; every output reads that one result.
+
 Memory-source priority is decided here, once: the NVML signal wins; host / cgroup / budget signals
 count only where NVML has none. Every output sees the chosen signal on ``TelemetrySeen``.
 """
@@ -37,6 +41,7 @@ from typing import Protocol
 import numpy as np
 
 from moescope.agent.policy.actuator import RuntimeState
+from moescope.agent.request_phases import RequestBreakdown, StepTimes, breakdown
 from moescope.agent.routing_health import (
     NAN,
     LayerTable,
@@ -77,6 +82,10 @@ class BufferedStep:
     table: LayerTable
     batch_size: int  # distinct request keys marked in the step
     claims: int = 0
+    # the step's time in moe.router and moe.expert.load ranges (whole batch), summed once when
+    # buffered: the layer tree may be let go before a later batch-mate's breakdown needs them
+    routing_ns: int = 0
+    expert_load_ns: int = 0
 
 
 # ---------------------------------------------------------------- what outputs receive
@@ -97,6 +106,8 @@ class RequestJoined:
     record: IngressRecord
     steps: tuple[BufferedStep, ...]
     first_claims: tuple[bool, ...]  # per step: this request is the first of its batch to arrive
+    # where its time went (agent/request_phases.py); None when no step carried it
+    breakdown: RequestBreakdown | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +191,34 @@ def layer_precision_of(state: RuntimeState) -> dict[int, str]:
     return out
 
 
+def step_phase_times(step: StepEvent) -> tuple[int, int]:
+    """(routing ns, expert-load ns) of one step: its moe.router and moe.expert.load ranges summed
+    (a range that ends before it starts counts 0)."""
+    routing_ns = load_ns = 0
+    for layer in step.layers:
+        router = layer.router
+        if router is not None:
+            routing_ns += max(0, router.end_ns - router.start_ns)
+        for load in layer.loads:
+            load_ns += max(0, load.end_ns - load.start_ns)
+    return routing_ns, load_ns
+
+
+def step_times(b: BufferedStep, *, key: int) -> StepTimes:
+    """What the request breakdown needs of one of its steps; tokens only where the step reports
+    this request's (moe.step.requests); a step that reports others' but not this one's reports none."""
+    step = b.step
+    tokens = step.request_tokens.get(key) if step.request_tokens is not None else None
+    return StepTimes(
+        start_ns=step.start_ns,
+        end_ns=step.end_ns,
+        routing_ns=b.routing_ns,
+        expert_load_ns=b.expert_load_ns,
+        input_tokens=None if tokens is None else tokens[0],
+        output_tokens=None if tokens is None else tokens[1],
+    )
+
+
 class RequestJoin:
     """Joins the sources and fans the joined events out to the registered outputs."""
 
@@ -212,6 +251,8 @@ class RequestJoin:
         self._buffer: deque[BufferedStep] = deque()
         self._seq = 0
         self._memory: MemorySignal | None = None
+        # gen_ai.request.model: the runtime's stats "model", latest seen (one control socket per agent)
+        self._model: str | None = None
         self._counts: dict[str, int] = dict.fromkeys(
             (
                 "requests", "requests_unanswered", "requests_joined", "steps", "steps_joined",
@@ -271,7 +312,8 @@ class RequestJoin:
                 self._counts["requests_unanswered"] += 1
             steps = self._claim_steps(record)
             first = tuple(b.claims == 1 for b in steps)
-        self._export([RequestJoined(record, tuple(steps), first)])
+            phases = breakdown(record, [step_times(b, key=record.fd) for b in steps], model=self._model)
+        self._export([RequestJoined(record, tuple(steps), first, phases)])
         with self._lock:
             for b in steps:
                 if b.claims >= b.batch_size and b.step.layers:
@@ -310,6 +352,8 @@ class RequestJoin:
         """The runtime's control-socket stats changed (precision per layer, residency, pools)."""
         with self._lock:
             self._counts["runtime_states"] += 1
+            if state.model is not None:
+                self._model = state.model
         self._export([RuntimeSeen(state, layer_precision_of(state))])
 
     def drain_requests(self, now_ns: int) -> None:
@@ -359,6 +403,7 @@ class RequestJoin:
         num_experts, changed = self._experts_for(step)
         self._seq += 1
         buffered = BufferedStep(self._seq, step, num_experts, self._table(step, num_experts), len(set(step.requests)))
+        buffered.routing_ns, buffered.expert_load_ns = step_phase_times(step)
         self._buffer.append(buffered)
         for key in set(step.requests):
             self._by_key.setdefault((step.pid, key), deque()).append(buffered)
@@ -383,14 +428,27 @@ class RequestJoin:
         # one int32 [layers, 2E] block per step: tokens | over capacity. int32 halves what a
         # buffered step holds (at DeepSeek-V3 shape 58 x 512 counts: 119 KB instead of 238 KB)
         both = np.zeros((len(routers), 2 * num_experts), dtype=np.int32)
-        entropy = np.empty(len(routers), dtype=np.float64)
-        index = np.empty(len(routers), dtype=np.int64)
+        of_layer = [layer.router for layer in step.layers if layer.router is not None]  # as `routers`
+        entropy = np.array([NAN if r.entropy_bits is None else r.entropy_bits for r in of_layer], dtype=np.float64)
+        index = np.array([layer.layer for layer in routers], dtype=np.int64)
         keep = np.ones(len(routers), dtype=bool)
+        # moe/v2 rows of the full [2E] length and one dtype (every layer, normally): one stack, one
+        # range check and one copy for all of them; the others one by one below
+        full = [(i, r.counts) for i, r in enumerate(of_layer)
+                if r.counts is not None and len(r.counts) == 2 * num_experts]
+        stacked = [(i, c) for i, c in full if c.dtype == full[0][1].dtype]
+        if stacked:
+            block = np.stack([c for _, c in stacked])
+            fits = (block.min(axis=1) >= 0) & (block.max(axis=1) <= INT32_MAX)
+            at = np.array([i for i, _ in stacked], dtype=np.int64)
+            both[at[fits]] = block[fits]
+            keep[at[~fits]] = False
+        done = {i for i, _ in stacked}
         for i, layer in enumerate(routers):
+            if i in done:
+                continue
             router = layer.router
             assert router is not None
-            index[i] = layer.layer
-            entropy[i] = NAN if router.entropy_bits is None else router.entropy_bits
             counts = router.counts
             if counts is not None:
                 half = len(counts) // 2

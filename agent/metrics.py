@@ -53,6 +53,15 @@ OTHER = "other"
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.43, 0.5, 0.8, 0.87, 1.0, 2.5, 5.0, 10.0)
 STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.43, 0.5, 1.0, 2.5)
 LOAD_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
+# Request phases (agent/request_phases.py) run from microseconds (receive) to seconds (decode); the
+# policy's phase thresholds (0.2 s load, 0.43 s inference) are bounds, as for the request latency.
+PHASE_BUCKETS_S = (0.0001, 0.0005, *LATENCY_BUCKETS_S)
+# The GenAI semantic conventions' advisory bucket boundaries (ExplicitBucketBoundaries) for the
+# server metrics, as in OpenTelemetry semantic conventions v1.41.0 docs/gen-ai/gen-ai-metrics.md.
+GENAI_REQUEST_DURATION_BUCKETS_S = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
+                                    40.96, 81.92)
+GENAI_TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+GENAI_TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +88,7 @@ _LINKS = _DEV * 18  # NVLink links per GPU (18 on H100)
 _RULES = 64
 _SOURCES = 16
 _REASONS = 8
+_MODELS = 16  # gen_ai_request_model values per operation: the runtimes' model names and "unknown"
 
 METRICS: tuple[MetricSpec, ...] = (
     # --- requests (kernel-timed ingress) ---
@@ -89,6 +99,30 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("moescope_request_queue_wait_seconds", "histogram",
                "Time from a request's first byte to the start of the first step that served it.",
                unit="seconds", buckets=LATENCY_BUCKETS_S),
+    # --- LLM serving: where each joined request's time went (agent/request_phases.py) ---
+    MetricSpec("gen_ai_server_request_duration_seconds", "histogram",
+               "GenAI server request duration (gen_ai.server.request.duration): first request byte read to last "
+               "response byte written, per answered request that model steps carried.",
+               labels=("gen_ai_operation_name", "gen_ai_request_model"), unit="seconds",
+               buckets=GENAI_REQUEST_DURATION_BUCKETS_S, max_series=_MODELS),
+    MetricSpec("gen_ai_server_time_to_first_token_seconds", "histogram",
+               "Time to first token (gen_ai.server.time_to_first_token): first request byte read to the first "
+               "token on the wire when streamed, else to the end of the step that produced it.",
+               labels=("gen_ai_operation_name", "gen_ai_request_model"), unit="seconds",
+               buckets=GENAI_TTFT_BUCKETS_S, max_series=_MODELS),
+    MetricSpec("gen_ai_server_time_per_output_token_seconds", "histogram",
+               "Time per output token after the first (gen_ai.server.time_per_output_token), for two or more "
+               "output tokens.",
+               labels=("gen_ai_operation_name", "gen_ai_request_model"), unit="seconds",
+               buckets=GENAI_TPOT_BUCKETS_S, max_series=_MODELS),
+    MetricSpec("moescope_request_phase_seconds", "histogram",
+               "A joined request's time per phase: receive, queue, prefill, decode, write (they sum to its "
+               "kernel-measured duration), and expert_load, routing (parts of prefill + decode).",
+               labels=("phase",), unit="seconds", buckets=PHASE_BUCKETS_S, max_series=7),
+    MetricSpec("moescope_request_tokens", "counter",
+               "Tokens of joined requests by direction: input as the runtime reports them (moe.step.requests), "
+               "output as reported, else one per step.",
+               labels=("direction",), max_series=2),
     MetricSpec("moescope_requests", "counter",
                "Requests completed, answered or not (under agent start: counted in the kernel, exact at any rate)."),
     MetricSpec("moescope_request_received_bytes", "counter", "Bytes read from client sockets (requests).",

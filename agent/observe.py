@@ -503,6 +503,7 @@ class Observers:
             seq=seq,
             publish_interval_s=self.args.interval,
             requests=requests,
+            phases=self.pipeline.windows.phases_panel(),
             network=self.pipeline.windows.network_panel(),
             moe=moe,
             devices=devices,

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from moescope import errors
+from moescope.agent.phase_table import Phases
 from moescope.procfs import pid_exists
 
 log = logging.getLogger(__name__)
@@ -223,6 +224,8 @@ class Snapshot:
     seq: int = 0
     publish_interval_s: float | None = None
     requests: Requests = field(default_factory=Requests)
+    # "where the time goes" over the request window (agent/phase_table.py); None: not published
+    phases: Phases | None = None
     network: Network = field(default_factory=Network)
     moe: Moe = field(default_factory=Moe)
     devices: Devices = field(default_factory=Devices)

@@ -87,6 +87,40 @@ def _latency_quantile(q: float, metric: str) -> Query:
     return Query(f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket[{RATE}])))", f"p{round(q * 100)}")
 
 
+# The seed's breakdown (issue 17): the five phases add up to each model request's kernel duration;
+# expert_load and routing are parts of prefill + decode.
+PHASE_METRIC = "moescope_request_phase_seconds"
+SUM_PHASES = 'phase=~"receive|queue|prefill|decode|write"'
+
+
+def _phase_quantile(q: float, window: str, *, instant: bool = False) -> Query:
+    return Query(f"histogram_quantile({q}, sum by (le, phase) (rate({PHASE_METRIC}_bucket[{window}])))",
+                 "{{phase}}" if not instant else f"p{round(q * 100)}", instant=instant)
+
+
+PHASE_SHARE = Query(
+    f"sum by (phase) (increase({PHASE_METRIC}_sum[$__range])) / ignoring(phase) group_left "
+    f"sum(increase({PHASE_METRIC}_sum{{{SUM_PHASES}}}[$__range]))", "share", instant=True)
+
+
+def _field_override(name: str, unit: str) -> dict[str, Any]:
+    return {"matcher": {"id": "byName", "options": name}, "properties": [{"id": "unit", "value": unit}]}
+
+
+PHASE_TABLE_EXTRA: dict[str, Any] = {
+    "transformations": [
+        {"id": "merge", "options": {}},
+        {"id": "organize", "options": {
+            "excludeByName": {"Time": True},
+            "indexByName": {"phase": 0, "Value #A": 1, "Value #B": 2, "Value #C": 3},
+            "renameByName": {"Value #A": "p50", "Value #B": "p99", "Value #C": "share of total"},
+        }},
+    ],
+    "overrides": [_field_override("p50", "s"), _field_override("p99", "s"),
+                  _field_override("share of total", "percentunit")],
+}
+
+
 SERVING = Dashboard(
     uid="moescope-serving",
     title="moescope — MoE serving",
@@ -119,6 +153,36 @@ SERVING = Dashboard(
             Panel("Recent traces", (Query("$service"),), kind="table", width=16, height=8,
                   description="Jaeger search for the traced service (set the 'traced service' variable).",
                   extra={"jaeger": True}),
+        )),
+        Row("Where the time goes (model requests)", (
+            Panel("Where the time goes: p50 / p99 / share of total over the range",
+                  (_phase_quantile(0.5, "$__range", instant=True), _phase_quantile(0.99, "$__range", instant=True),
+                   PHASE_SHARE),
+                  kind="table", unit="s", width=10, height=9,
+                  description="Per phase of the model requests (kernel first byte in → last byte out, cut at the "
+                              "last request byte read, the first and last moe.step that carried the request): "
+                              "receive + queue + prefill + decode + write = the request; expert_load and "
+                              "routing are parts of prefill + decode. Quantiles from the histogram buckets "
+                              "(interpolated); `agent report` gives the exact nearest-rank table.",
+                  extra=PHASE_TABLE_EXTRA),
+            Panel("Phase p99", (_phase_quantile(0.99, RATE),), unit="s", width=14, height=9,
+                  description="fp16_fallback fires when inference (prefill + decode) p99 > 430 ms for 3 evaluations; "
+                              "expert_load_slow when expert_load p99 > 200 ms (DESIGN.md, docs/policy.md)."),
+            Panel("Time to first token (TTFT)",
+                  tuple(_latency_quantile(q, "gen_ai_server_time_to_first_token_seconds") for q in (0.5, 0.99)),
+                  unit="s", width=6,
+                  description="gen_ai.server.time_to_first_token: the first token on the wire when streamed, "
+                              "else the end of the prefill step."),
+            Panel("Time per output token (TPOT)",
+                  tuple(_latency_quantile(q, "gen_ai_server_time_per_output_token_seconds") for q in (0.5, 0.99)),
+                  unit="s", width=6, description="gen_ai.server.time_per_output_token: after the first token."),
+            Panel("Model request duration",
+                  tuple(_latency_quantile(q, "gen_ai_server_request_duration_seconds") for q in (0.5, 0.99)),
+                  unit="s", width=6, steps=((None, "green"), (0.8, "yellow"), (0.87, "red")),
+                  description="gen_ai.server.request.duration: the kernel-measured duration of model requests."),
+            Panel("Tokens per second", (
+                Query(f"sum by (direction) (rate(moescope_request_tokens_total[{RATE}]))", "{{direction}}"),
+            ), width=6, description="input (prompt) and output (generated) tokens of the model requests"),
         )),
         Row("Routing health", (
             Panel("Router entropy / log2(E)",
@@ -252,6 +316,8 @@ def _target(query: Query, ref: int, panel: Panel) -> dict[str, Any]:
                               "refId": chr(ord("A") + ref), "range": not query.instant, "instant": query.instant}
     if panel.kind == "heatmap":
         target["format"] = "time_series"
+    if panel.kind == "table":
+        target["format"] = "table"
     return target
 
 
@@ -285,6 +351,9 @@ def _panel_json(panel: Panel, pid: int, x: int, y: int) -> dict[str, Any]:
         "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
                     "tooltip": {"mode": "multi", "sort": "desc"}},
     }
+    if panel.extra.get("transformations"):
+        out["transformations"] = panel.extra["transformations"]
+    out["fieldConfig"]["overrides"].extend(panel.extra.get("overrides", []))
     if panel.extra.get("right_axis_bytes"):
         out["fieldConfig"]["overrides"].append({
             "matcher": {"id": "byName", "options": panel.extra["right_axis_bytes"]},

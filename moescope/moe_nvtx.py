@@ -7,6 +7,8 @@ v2 (the default) emits O(layers) events per step: per layer one `moe.routing` ma
 is the layer's routing vector (tokens routed per expert, then tokens over capacity per expert) and
 one `moe.experts` range around the layer's experts, with the experts' compute times as one vector.
 v1 emits one mark per expert with tokens and one `moe.expert.ffn` range per expert run.
+Per step, v2 names the step's requests with one `moe.step.requests` vector (keys, input tokens,
+output tokens: moe/v2.1); v1 marks each request key (`moe.request`).
 
 Only the model thread emits. Messages come from the fixed set MESSAGES, registered once at start
 (registered strings are cached by the producer: a unique string per event would leak). With no
@@ -16,6 +18,7 @@ Neutral: imports numpy and nvtx only (a serving process imports it; so may the a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -39,11 +42,12 @@ MSG_EXPERTS = "moe.experts"
 MSG_EXPERTS_TIME = "moe.experts.time"
 MSG_STEP_DEVICE = "moe.step.device"
 MSG_STEP_ROUTING = "moe.step.routing"
+MSG_STEP_REQUESTS = "moe.step.requests"
 ROUTING_PLACES = ("layer", "step")  # v2: a routing vector per layer, or one for the whole step
 # In the order of the convention's table (tests/runtime/test_docs.py checks).
 MESSAGES: tuple[str, ...] = (
-    MSG_STEP, MSG_REQUEST, MSG_LAYER, MSG_ROUTER, MSG_ROUTING, MSG_EXPERTS, MSG_EXPERTS_TIME, MSG_STEP_DEVICE,
-    MSG_STEP_ROUTING,
+    MSG_STEP, MSG_REQUEST, MSG_STEP_REQUESTS, MSG_LAYER, MSG_ROUTER, MSG_ROUTING, MSG_EXPERTS, MSG_EXPERTS_TIME,
+    MSG_STEP_DEVICE, MSG_STEP_ROUTING,
     MSG_EXPERT_TOKENS, MSG_EXPERT_DROPPED, MSG_EXPERT_LOAD, MSG_EXPERT_FFN,
 )
 
@@ -73,6 +77,13 @@ class Instrumentation:
 
     def request_mark(self, request_key: int) -> None:
         pass
+
+    def step_requests(self, keys: Sequence[int], input_tokens: Sequence[int], output_tokens: Sequence[int]) -> None:
+        """The step's requests, inside moe.step before the first layer: per request its key, the
+        prompt tokens this step processed and the tokens it generated. This base (and v1) marks
+        each key; v2 sends one moe.step.requests vector."""
+        for key in keys:
+            self.request_mark(key)
 
     def layer_push(self, layer: int, num_experts: int) -> None:
         pass
@@ -152,6 +163,20 @@ class NvtxInstrumentation(Instrumentation):
     def request_mark(self, request_key: int) -> None:
         a = self._attrs[MSG_REQUEST]
         a.payload = int(request_key)
+        self._mark(a)
+
+    def step_requests(self, keys: Sequence[int], input_tokens: Sequence[int], output_tokens: Sequence[int]) -> None:
+        if not self.v2:
+            for key in keys:
+                self.request_mark(key)
+            return
+        n = len(keys)
+        if len(input_tokens) != n or len(output_tokens) != n:
+            raise ValueError(f"step_requests: {n} keys but {len(input_tokens)} input and "
+                             f"{len(output_tokens)} output token counts")
+        a = self._attrs[MSG_STEP_REQUESTS]
+        # one int64 vector [3R]: keys, then input tokens, then output tokens (one payload per step)
+        a.payload = np.array((*keys, *input_tokens, *output_tokens), dtype=np.int64)
         self._mark(a)
 
     def layer_push(self, layer: int, num_experts: int) -> None:

@@ -3,7 +3,8 @@
 Per-step metrics that need no per-step precision are held here and written by ``force_flush`` (a
 refresh hook: the daemon's publish tick and every scrape): per-expert token counters summed,
 routing-health gauges at their latest value. Writing ~80 labelled series per step was a fifth of
-the agent's CPU under load.
+the agent's CPU under load. Joined requests' breakdown values (phases, TTFT, TPOT, tokens) are held
+the same way and added per flush as one bucketed update per series.
 
 Request counts, bytes and the latency histogram come from one of two places. By default from each
 joined request record (a pipeline fed records: tests, benchmarks). Under `agent start`,
@@ -24,8 +25,10 @@ import numpy as np
 
 from moescope.agent.join import BufferedStep, JoinEvent, NetSignalSeen, RequestJoined, StepSeen, TelemetrySeen
 from moescope.agent.metrics import SPECS, Metrics
+from moescope.agent.outputs.traces import GEN_AI_OPERATION
 from moescope.agent.outputs.values import finite
 from moescope.agent.outputs.windows import WindowsOutput
+from moescope.agent.request_phases import RequestBreakdown
 from moescope.agent.routing_health import LayerTable, add_rows
 from moescope.collectors.host import HostSample
 from moescope.collectors.netsig import publish_net_signals
@@ -33,6 +36,14 @@ from moescope.collectors.nvml import NvmlSample
 from moescope.probes.ingress.aggregate import RequestTotals
 
 WINDOW_GAUGE_PERIOD_NS = 1_000_000_000  # the windowed Gini sums the whole window per layer
+MAX_PENDING_OBSERVATIONS = 100_000  # ~10k requests without a flush (a pipeline with no refresh tick)
+UNKNOWN_MODEL = "unknown"  # gen_ai_request_model when the runtime's stats name no model
+MAX_MODEL_LABEL_CHARS = 128  # a label value is the runtime's own model name, cut to this
+
+
+def model_label(model: str | None) -> str:
+    """The bounded gen_ai_request_model label value."""
+    return model[:MAX_MODEL_LABEL_CHARS] if model else UNKNOWN_MODEL
 
 
 class PendingCounts:
@@ -81,6 +92,37 @@ class PendingCounts:
         return out
 
 
+Labels = tuple[tuple[str, str], ...]
+
+
+class PendingObservations:
+    """Histogram observations held between flushes, per (family, labels), then added as one bucketed
+    update each (``Metrics.observe_buckets``): a joined request's ten phase / TTFT / TPOT values
+    observed one by one cost ~60 us (prometheus_client locks and scans its bounds per call)."""
+
+    def __init__(self) -> None:
+        self._values: dict[tuple[str, Labels], list[float]] = {}
+        self.held = 0  # values waiting (the owner flushes early past MAX_PENDING_OBSERVATIONS)
+
+    def add(self, name: str, value: float, labels: Labels = ()) -> None:
+        values = self._values.get((name, labels))
+        if values is None:
+            values = self._values[(name, labels)] = []
+        values.append(value)
+        self.held += 1
+
+    def take(self) -> dict[tuple[str, Labels], list[float]]:
+        out, self._values, self.held = self._values, {}, 0
+        return out
+
+
+def bucket_counts(bounds: tuple[float, ...], values: list[float]) -> list[int]:
+    """Per-bucket (not cumulative) counts of ``values`` on a histogram's bounds plus +Inf, each value
+    in the first bucket whose bound is >= it (prometheus_client's rule)."""
+    index = np.searchsorted(np.asarray(bounds, dtype=np.float64), np.asarray(values, dtype=np.float64), side="left")
+    return [int(c) for c in np.bincount(index, minlength=len(bounds) + 1).tolist()]
+
+
 class MetricsOutput:
     name = "metrics"
 
@@ -89,6 +131,8 @@ class MetricsOutput:
         self.windows = windows  # for the windowed gauges (moescope_expert_load_gini_window)
         self._lock = threading.Lock()  # export on the daemon thread, force_flush on a scrape's
         self._pending_counts = PendingCounts()
+        self._pending_observations = PendingObservations()  # joined requests' breakdowns
+        self._pending_tokens = {"input": 0, "output": 0}
         self._latest_layer_health: dict[int, tuple[LayerTable, int]] = {}
         self._latest_step_health: LayerTable | None = None
         self._window_gauges_ns = 0
@@ -145,6 +189,13 @@ class MetricsOutput:
             healths = list(self._latest_layer_health.values())
             step_table = self._latest_step_health
             self._latest_layer_health, self._latest_step_health = {}, None
+            observations = self._pending_observations.take()
+            held_tokens, self._pending_tokens = self._pending_tokens, {"input": 0, "output": 0}
+        for (name, labels), values in observations.items():
+            m.observe_buckets(name, bucket_counts(SPECS[name].buckets, values), float(sum(values)), **dict(labels))
+        for direction, n in held_tokens.items():
+            if n > 0:
+                m.inc("moescope_request_tokens", n, direction=direction)
         for layer, tokens, dropped in pending:
             m.record_expert_counts(layer=layer, tokens=tokens, dropped=dropped)
         for table, row in healths:
@@ -170,6 +221,30 @@ class MetricsOutput:
         if event.steps:
             wait_s = max(0, event.steps[0].step.start_ns - record.start_ns) / 1e9
             m.observe("moescope_request_queue_wait_seconds", wait_s)
+        phases = event.breakdown
+        if phases is not None:
+            self._breakdown(phases, answered=record.answered)
+
+    def _breakdown(self, b: RequestBreakdown, *, answered: bool) -> None:
+        """The request's phases and tokens; the gen_ai.server.* histograms for answered ones (the
+        conventions define them for successful responses). Held until the next flush."""
+        with self._lock:
+            add = self._pending_observations.add
+            for phase, ns in (*b.phase_ns().items(), *b.subphase_ns().items()):
+                add("moescope_request_phase_seconds", ns / 1e9, (("phase", phase),))
+            tokens = self._pending_tokens
+            if b.input_tokens is not None and b.input_tokens > 0:  # counters never go down
+                tokens["input"] += b.input_tokens
+            if b.output_tokens > 0:
+                tokens["output"] += b.output_tokens
+            if answered:
+                labels = (("gen_ai_operation_name", GEN_AI_OPERATION), ("gen_ai_request_model", model_label(b.model)))
+                add("gen_ai_server_request_duration_seconds", b.duration_ns / 1e9, labels)
+                add("gen_ai_server_time_to_first_token_seconds", b.ttft_ns / 1e9, labels)
+                if b.tpot_ns is not None:
+                    add("gen_ai_server_time_per_output_token_seconds", b.tpot_ns / 1e9, labels)
+        if self._pending_observations.held > MAX_PENDING_OBSERVATIONS:
+            self.force_flush()  # bounded memory even where nothing refreshes the registry
 
     def _step(self, b: BufferedStep) -> None:
         m = self.metrics

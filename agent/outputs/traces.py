@@ -1,14 +1,18 @@
 """Traces from joined events: one trace per request, rooted at the kernel-timed SERVER span.
 
-Structure (docs/traces-and-metrics.md "Trace structure"): the server span has a ``queue wait``
-child (first byte → first step). The *first request of a batch whose record arrives* owns the
-step's full subtree (step → layer → router / expert.load / expert.ffn); every other request of that
-batch gets a ``moe.step`` stub under its own server span, same timing and step attributes,
-``moe.step.shared = true``, and a span link to the owner's step. (Owner = first completed, not
-oldest: a request's record arrives only when it completes, and spans are exported as soon as they
-end, so the owner cannot wait for older batch-mates.) A step no request claimed before it left the
-buffer by retention becomes its own trace (``moe.step.unjoined = true``); one pushed out early by
-the buffer bound is dropped and counted by the join.
+Structure (docs/traces-and-metrics.md "Trace structure"): a request that steps carried gets one
+child span per phase of its breakdown (agent/request_phases.py: ``receive``, ``queue wait``,
+``prefill``, ``decode``, ``response write``; zero-length ones too, so every such request has all
+five) and the ``gen_ai.*`` / ``moe.request.*`` breakdown attributes on its server span.
+
+The *first request of a batch whose record arrives* owns the step's full subtree (step → layer →
+router / expert.load / expert.ffn); every other request of that batch gets a ``moe.step`` stub under
+its own server span, same timing and step attributes, ``moe.step.shared = true``, and a span
+link to the owner's step. (Owner = first completed, not oldest: a request's record arrives only
+when it completes, and spans are exported as soon as they end, so the owner cannot wait for older
+batch-mates.) A step no request claimed before it left the buffer by retention becomes its own
+trace (``moe.step.unjoined = true``); one pushed out early by the buffer bound is dropped and
+counted by the join.
 
 Sampling under load (``LayerSampler``): every step gets its ``moe.step`` span (with the step's
 routing-health aggregates); its layer subtree is kept for a slow step always, then as a budget of
@@ -37,6 +41,7 @@ from moescope.agent.join import (
     StepSeen,
     TelemetrySeen,
 )
+from moescope.agent.request_phases import PHASES, RequestBreakdown
 from moescope.collectors.host import MemorySignal
 from moescope.collectors.moe_convention import LayerEvent, StepEvent
 from moescope.collectors.netsig import NetEventIndex, span_event_fields
@@ -106,6 +111,33 @@ class LayerSampler:
         return False
 
 Attributes = dict[str, AttributeValue]
+
+# The span under the server span for each phase (agent/request_phases.py PHASES order).
+PHASE_SPAN_NAMES = {"receive": "receive", "queue": "queue wait", "prefill": "prefill", "decode": "decode",
+                    "write": "response write"}
+GEN_AI_OPERATION = "text_completion"  # what the reference runtimes serve (POST /v1/completions)
+
+
+def breakdown_attributes(b: RequestBreakdown) -> Attributes:
+    """The server span's LLM-serving attributes (docs/traces-and-metrics.md "Where the time goes"):
+    GenAI semantic conventions where they fit, ``moe.request.*`` for the rest; durations in ms."""
+    attrs: Attributes = {"gen_ai.operation.name": GEN_AI_OPERATION}
+    if b.model is not None:
+        attrs["gen_ai.request.model"] = b.model
+        attrs["gen_ai.response.model"] = b.model
+    if b.input_tokens is not None and b.tokens_reported:
+        attrs["gen_ai.usage.input_tokens"] = b.input_tokens
+    attrs["gen_ai.usage.output_tokens"] = b.output_tokens
+    for phase, ns in b.phase_ns().items():
+        attrs[f"moe.request.phase.{phase}_ms"] = ns / 1e6
+    attrs["moe.request.expert_load_ms"] = b.expert_load_ns / 1e6
+    attrs["moe.request.routing_ms"] = b.routing_ns / 1e6
+    attrs["moe.request.ttft_ms"] = b.ttft_ns / 1e6
+    attrs["moe.request.ttft_source"] = b.ttft_source
+    if b.tpot_ns is not None:
+        attrs["moe.request.tpot_ms"] = b.tpot_ns / 1e6
+    attrs["moe.request.output_tokens_reported"] = b.tokens_reported
+    return attrs
 
 
 class TraceOutput:
@@ -187,20 +219,22 @@ class TraceOutput:
             if record.first_response_ns
             else None,
         }
+        phases = event.breakdown
+        if phases is not None:
+            attrs.update(breakdown_attributes(phases))
         off = self.epoch_offset_ns
         server = spans.start(
             "http.server.request", start_ns=record.start_ns + off, kind=SpanKind.SERVER, attributes=attrs
         )
         parent = server.get_span_context()
         n = 1
-        if event.steps:
-            spans.record(
-                "queue wait",
-                start_ns=record.start_ns + off,
-                end_ns=max(record.start_ns, event.steps[0].step.start_ns) + off,
-                parent=parent,
-            )
-            n += 1
+        if phases is not None:
+            # the phases tile [start, end] in order: each child starts where the previous one ended
+            at = phases.start_ns
+            for phase, ns in phases.phase_ns().items():
+                spans.record(PHASE_SPAN_NAMES[phase], start_ns=at + off, end_ns=at + ns + off, parent=parent)
+                at += ns
+            n += len(PHASES)
         for b, first in zip(event.steps, event.first_claims, strict=True):
             owner = self._owners.get(b.seq)
             if owner is None and first:

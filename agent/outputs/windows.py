@@ -1,8 +1,9 @@
 """The sliding windows over joined events: the policy's signals and the live view's panels.
 
-Both read the same windows (request latency, step latency, expert-load latency, routing health
-per layer, rates, the latest device samples), so what the policy acts on and what an operator sees
-are one set of numbers. Quantiles are ``moescope.latency`` nearest-rank, as everywhere else.
+Both read the same windows (request latency, the model requests' phase breakdown, step latency,
+expert-load latency, routing health per layer, rates, the latest device samples), so what the
+policy acts on and what an operator sees are one set of numbers. Quantiles are
+``moescope.latency`` nearest-rank, as everywhere else.
 """
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ from moescope.agent.join import (
     precision_text,
 )
 from moescope.agent.outputs.values import float_or_none, int_or_none
+from moescope.agent.phase_table import PHASE_ROWS, Phases, PhaseStat
 from moescope.agent.policy.actuator import RuntimeState
 from moescope.agent.policy.rules import Signals
+from moescope.agent.request_phases import RequestBreakdown
 from moescope.agent.routing_health import NAN, RoutingHealthWindow
 from moescope.collectors.host import MemorySignal
 from moescope.collectors.netsig import NetSignalWindow
 from moescope.collectors.nvml import NvmlSample
-from moescope.latency import SlidingQuantile
+from moescope.latency import SlidingQuantile, nearest_rank_position
 
 DEFAULT_WINDOW_NS = 10_000_000_000  # the policy's sliding windows (DESIGN.md: 10 s)
 
@@ -59,6 +62,166 @@ class EventRate:
             self.times.popleft()
 
 
+# PhaseWindow's columns: the table's rows, then the request, TTFT, TPOT (NaN: undefined), input
+# tokens (NaN: not reported), output tokens, streamed (1: TTFT on the wire).
+_ROWS = len(PHASE_ROWS)
+_DURATION, _TTFT, _TPOT, _INPUT, _OUTPUT, _WIRE = range(_ROWS, _ROWS + 6)
+_COLUMNS = _ROWS + 6
+_QUANTILE_COLUMNS = [*range(_ROWS), _DURATION, _TTFT]  # defined for every request: the columns before TPOT
+
+
+@dataclass(frozen=True, slots=True)
+class _PhaseStats:
+    table: Phases
+    p99_ms: dict[str, float]  # per row, and "ttft" / "tpot"; NaN with no request
+
+
+class PhaseWindow:
+    """The "where the time goes" table (agent/phase_table.py) over the model requests whose last
+    byte left in ``(now - duration_ns, now]``. Only requests with a breakdown count.
+
+    A request is one slot of a float array per quantity (appended in O(1): the agent adds one per
+    request); a query takes exact nearest-rank quantiles of the live rows with ``np.partition`` at the ranks
+    ``moescope.latency.nearest_rank_position`` gives, and sums them for the shares, so it returns
+    ``phase_table.summarize``'s numbers on the same requests. Queries between two changes share one
+    computation (the policy and the live view ask several times a second). Times are kept
+    non-decreasing as in SlidingQuantile; at ``max_samples`` live rows the oldest sixteenth leaves
+    early (``overflow_evictions``; 100 000 rows is 10 000 requests/s over 10 s).
+    """
+
+    def __init__(self, *, duration_ns: int, max_samples: int = 100_000, initial_rows: int = 1024) -> None:
+        self.duration_ns = duration_ns
+        self.max_samples = max_samples
+        self.overflow_evictions = 0
+        rows = max(1, min(initial_rows, max_samples))
+        self._t = np.zeros(rows, dtype=np.int64)
+        self._v = np.zeros((_COLUMNS, rows), dtype=np.float64)  # a column per quantity: contiguous to rank
+        self._head = 0  # live rows are [head, tail)
+        self._tail = 0
+        self._last_ns: int | None = None
+        self._version = 0  # bumped on every change: the cache key
+        self._cached: tuple[int, _PhaseStats] | None = None
+
+    def __len__(self) -> int:
+        return self._tail - self._head
+
+    def add(self, b: RequestBreakdown) -> None:
+        t = b.end_ns if self._last_ns is None else max(b.end_ns, self._last_ns)
+        self._last_ns = t
+        if self._tail == len(self._t):
+            self._make_room()
+        i = self._tail
+        self._t[i] = t
+        self._v[:, i] = (  # times in ms (ns / 1e6, as everywhere)
+            b.receive_ns / 1e6, b.queue_ns / 1e6, b.prefill_ns / 1e6, b.decode_ns / 1e6, b.write_ns / 1e6,
+            (b.prefill_ns + b.decode_ns) / 1e6, b.expert_load_ns / 1e6, b.routing_ns / 1e6, b.duration_ns / 1e6,
+            b.ttft_ns / 1e6, math.nan if b.tpot_ns is None else b.tpot_ns / 1e6,
+            math.nan if b.input_tokens is None else b.input_tokens, b.output_tokens,
+            1.0 if b.ttft_source == "wire" else 0.0,
+        )
+        self._tail += 1
+        self._version += 1
+        self.evict(t)
+
+    def _make_room(self) -> None:
+        """The tail reached the end: compact, grow, or at the bound let the oldest go (counted)."""
+        rows = len(self._t)
+        live = self._tail - self._head
+        if live > rows // 2 and rows < self.max_samples:  # grow (copying the live rows to the front)
+            grown = min(2 * rows, self.max_samples)
+            t, v = np.zeros(grown, dtype=np.int64), np.zeros((_COLUMNS, grown), dtype=np.float64)
+            t[:live], v[:, :live] = self._t[self._head:self._tail], self._v[:, self._head:self._tail]
+            self._t, self._v = t, v
+            self._head, self._tail = 0, live
+            return
+        excess = live - (rows - max(1, rows // 16))  # at the bound: keep a sixteenth free (O(1) amortised)
+        if excess > 0:
+            self._head += excess
+            self.overflow_evictions += excess
+            live -= excess
+            self._version += 1
+        self._t[:live] = self._t[self._head:self._tail]
+        self._v[:, :live] = self._v[:, self._head:self._tail]
+        self._head, self._tail = 0, live
+
+    def evict(self, now_ns: int) -> None:
+        horizon = now_ns - self.duration_ns
+        if self._head < self._tail and self._t[self._head] <= horizon:
+            gone = int(np.searchsorted(self._t[self._head:self._tail], horizon, side="right"))
+            self._head += gone
+            self._version += 1
+
+    def _stats(self, now_ns: int) -> _PhaseStats:
+        self.evict(now_ns)
+        cached = self._cached
+        if cached is not None and cached[0] == self._version:
+            return cached[1]
+        stats = self._compute()
+        self._cached = (self._version, stats)
+        return stats
+
+    def _compute(self) -> _PhaseStats:
+        window_s = self.duration_ns / 1e9
+        n = self._tail - self._head
+        nan_p99 = dict.fromkeys((*PHASE_ROWS, "ttft", "tpot"), math.nan)
+        if n == 0:
+            return _PhaseStats(Phases(window_s=window_s), nan_p99)
+        live = self._v[:, self._head:self._tail]
+        k50, k99 = nearest_rank_position(n, 0.50), nearest_rank_position(n, 0.99)
+        ranked = np.partition(live[:_TPOT], [k50, k99], axis=1)  # the rows, the request and TTFT
+        p50 = dict(zip(_QUANTILE_COLUMNS, ranked[:, k50].tolist(), strict=True))
+        p99 = dict(zip(_QUANTILE_COLUMNS, ranked[:, k99].tolist(), strict=True))
+        sums = live.sum(axis=1).tolist()
+        tpot = live[_TPOT]
+        tpot = tpot[~np.isnan(tpot)]
+        tpot50 = tpot99 = None
+        if len(tpot):
+            t50, t99 = nearest_rank_position(len(tpot), 0.50), nearest_rank_position(len(tpot), 0.99)
+            tpot_ranked = np.partition(tpot, [t50, t99])
+            tpot50, tpot99 = float(tpot_ranked[t50]), float(tpot_ranked[t99])
+        inputs = live[_INPUT]
+        reported = ~np.isnan(inputs)
+        input_tokens = round(float(inputs[reported].sum())) if reported.any() else None
+        output_tokens = round(sums[_OUTPUT])
+        total = sums[_DURATION]
+        rows = [PhaseStat(phase=phase, p50_ms=p50[i], p99_ms=p99[i], share=sums[i] / total if total > 0 else None)
+                for i, phase in enumerate(PHASE_ROWS)]
+        table = Phases(
+            window_s=window_s,
+            requests=n,
+            rows=rows,
+            duration_p50_ms=p50[_DURATION],
+            duration_p99_ms=p99[_DURATION],
+            ttft_p50_ms=p50[_TTFT],
+            ttft_p99_ms=p99[_TTFT],
+            ttft_wire=round(sums[_WIRE]),
+            tpot_p50_ms=tpot50,
+            tpot_p99_ms=tpot99,
+            tpot_requests=len(tpot),
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            input_tokens_per_s=None if input_tokens is None else input_tokens / window_s,
+            output_tokens_per_s=output_tokens / window_s,
+        )
+        signal = {phase: p99[i] for i, phase in enumerate(PHASE_ROWS)}
+        signal["ttft"] = p99[_TTFT]
+        signal["tpot"] = math.nan if tpot99 is None else tpot99
+        return _PhaseStats(table, signal)
+
+    def p99(self, phase: str, now_ns: int) -> float:
+        """One row's p99 (ms; NaN with no model request in the window)."""
+        return self._stats(now_ns).p99_ms[phase]
+
+    def ttft_p99(self, now_ns: int) -> float:
+        return self._stats(now_ns).p99_ms["ttft"]
+
+    def tpot_p99(self, now_ns: int) -> float:
+        return self._stats(now_ns).p99_ms["tpot"]
+
+    def table(self, now_ns: int) -> Phases:
+        return self._stats(now_ns).table
+
+
 class WindowsOutput:
     name = "windows"
 
@@ -67,6 +230,7 @@ class WindowsOutput:
         self.clock = clock
         self._lock = threading.Lock()  # signals() / panels() run on the policy and publisher threads
         self._request_latency_ms = SlidingQuantile(duration_ns=window_ns)
+        self._phases = PhaseWindow(duration_ns=window_ns)  # same span of time as the request window
         self._step_ms = SlidingQuantile(duration_ns=window_ns)
         self._load_ms = SlidingQuantile(duration_ns=window_ns)
         self._routing: RoutingHealthWindow | None = None
@@ -86,8 +250,10 @@ class WindowsOutput:
         with self._lock:
             for event in batch:
                 match event:
-                    case RequestJoined(record=record):
+                    case RequestJoined(record=record, breakdown=breakdown):
                         self._request_latency_ms.add(record.end_ns, (record.end_ns - record.start_ns) / 1e6)
+                        if breakdown is not None:
+                            self._phases.add(breakdown)
                         self._request_rate.add(now)
                         if not record.answered:
                             self._errors_total += 1
@@ -142,6 +308,7 @@ class WindowsOutput:
                 entropy_ratio = dict(zip(table.layers.tolist(), table.router_entropy_normalised.tolist(), strict=True))
             memory = self._memory
             net = self._net.rates(now)
+            phases = self._phases
             return Signals(
                 t_s=now / 1e9 if t_s is None else t_s,
                 step_p99_ms=self._step_ms.p99(now),
@@ -151,6 +318,16 @@ class WindowsOutput:
                 listen_overflows_per_s=net.listen_overflows_per_s,
                 tcp_retransmits_per_s=net.retransmits_per_s,
                 tcp_resets_per_s=net.resets_per_s,
+                request_phase_receive_p99_ms=phases.p99("receive", now),
+                request_phase_queue_p99_ms=phases.p99("queue", now),
+                request_phase_prefill_p99_ms=phases.p99("prefill", now),
+                request_phase_decode_p99_ms=phases.p99("decode", now),
+                request_phase_write_p99_ms=phases.p99("write", now),
+                request_phase_inference_p99_ms=phases.p99("inference", now),
+                request_phase_expert_load_p99_ms=phases.p99("expert_load", now),
+                request_phase_routing_p99_ms=phases.p99("routing", now),
+                request_ttft_p99_ms=phases.ttft_p99(now),
+                request_tpot_p99_ms=phases.tpot_p99(now),
                 expert_load_gini={k: v for k, v in gini.items() if not math.isnan(v)},
                 router_entropy_ratio={k: v for k, v in entropy_ratio.items() if not math.isnan(v)},
             )
@@ -168,6 +345,11 @@ class WindowsOutput:
             resets_per_s=net.resets_per_s,
             listen_overflows_total=net.listen_overflows_total,
         )
+
+    def phases_panel(self) -> Phases:
+        """The live view's "where the time goes" panel: the phase window the policy reads."""
+        with self._lock:
+            return self._phases.table(self.clock())
 
     def layer_gini(self, now_ns: int) -> dict[int, float]:
         """Expert-load Gini per layer over the window (the metrics output's windowed gauge)."""

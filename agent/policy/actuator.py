@@ -190,6 +190,7 @@ class RuntimeState:
     memory: dict[str, dict[str, float]]
     expert_bytes_fp32: int
     offloaded: dict[Expert, bool] | None = None  # optional per-layer "offloaded" list in stats
+    model: str | None = None  # optional stats "model" (or config "model"): gen_ai.request.model
 
     @classmethod
     def from_stats(cls, result: Mapping[str, Any]) -> RuntimeState:
@@ -233,6 +234,7 @@ class RuntimeState:
                     if result["layers"] and all("offloaded" in layer for layer in result["layers"])
                     else None
                 ),
+                model=_model_name(result.get("model", config.get("model"))),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CommandFailed(f"stats reply missing or malformed field: {exc}", outcome="protocol-error") from None
@@ -244,6 +246,11 @@ class RuntimeState:
         if self.offloaded is not None:
             return sorted(e for e, flag in self.offloaded.items() if flag)
         return sorted(e for e, tier in self.tier.items() if tier == "host" and self.dtype[e] != self.precision[e])
+
+
+def _model_name(value: object) -> str | None:
+    """The runtime's model name when it reports a non-empty string, else None (not an error: optional)."""
+    return value if isinstance(value, str) and value else None
 
 
 @dataclass(slots=True)

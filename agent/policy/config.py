@@ -14,7 +14,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from moescope.agent.policy.rules import ACTIONS, COMPARISONS, SIGNALS, ArgSpec, RuleSpec, fires_upward
+from moescope.agent.phase_table import PHASE_ALIASES, PHASE_ROWS, canonical_phase
+from moescope.agent.policy.rules import (
+    ACTIONS,
+    COMPARISONS,
+    PHASE_SIGNAL,
+    SIGNALS,
+    ArgSpec,
+    RuleSpec,
+    fires_upward,
+    phase_signal_name,
+)
 from moescope.errors import ConfigError, one_line
 
 DEFAULT_POLICY_NAME = "default_policy.toml"
@@ -30,6 +40,7 @@ RULE_KEYS: Mapping[str, type] = {
     "description": str,
     "enabled": bool,
     "signal": str,
+    "phase": str,  # with signal = "request_phase_p99_ms": which phase of the requests' breakdown
     "comparison": str,
     "fire": float,
     "window_s": float,
@@ -119,6 +130,8 @@ def _merge(defaults: dict[str, Any], user: dict[str, Any], user_source: str) -> 
     for name, body in user_rules.items():
         _check_type(f"{user_source}: rule '{name}'", body, dict)
         base = merged_rules.get(name, {})
+        if "signal" in body and "phase" not in body:
+            base.pop("phase", None)  # a new signal drops the default's phase (it may not take one)
         for pair in WINDOW_PAIRS:
             if any(k in body for k in pair):  # the user's window form replaces the default's
                 for k in pair:
@@ -173,6 +186,28 @@ def _validate_args(where: str, action: str, raw: Mapping[str, Any]) -> dict[str,
     return out
 
 
+PHASE_NAMES_TEXT = ", ".join((*PHASE_ROWS, *(f"{a} (= {c})" for a, c in PHASE_ALIASES.items())))
+
+
+def _rule_signal(where: str, values: Mapping[str, Any]) -> str:
+    """The signal the rule reads: its `signal`, or for request_phase_p99_ms the chosen phase's own."""
+    signal = values["signal"]
+    phase = values.get("phase")
+    if signal == PHASE_SIGNAL:
+        if phase is None:
+            raise ConfigError(f"{where}: missing key 'phase' for signal '{PHASE_SIGNAL}' (one of {PHASE_NAMES_TEXT})")
+        chosen = canonical_phase(phase)
+        if chosen is None:
+            raise ConfigError(f"{where}: key 'phase': unknown phase '{phase}' (known: {PHASE_NAMES_TEXT})")
+        return phase_signal_name(chosen)
+    if signal not in SIGNALS:
+        known = ", ".join((PHASE_SIGNAL, *SIGNALS))
+        raise ConfigError(f"{where}: key 'signal': unknown signal '{signal}' (known: {known})")
+    if phase is not None:
+        raise ConfigError(f"{where}: key 'phase': only signal '{PHASE_SIGNAL}' takes a phase (signal is '{signal}')")
+    return str(signal)
+
+
 def _validate_rule(name: str, body: Mapping[str, Any], source: str, period_ms: int) -> RuleSpec:
     where = f"{source}: rule '{name}'"
     for key in body:
@@ -182,9 +217,7 @@ def _validate_rule(name: str, body: Mapping[str, Any], source: str, period_ms: i
         if key not in body:
             raise ConfigError(f"{where}: missing key '{key}'")
     values = {key: _check_type(f"{where}: key '{key}'", value, RULE_KEYS[key]) for key, value in body.items()}
-    signal = values["signal"]
-    if signal not in SIGNALS:
-        raise ConfigError(f"{where}: key 'signal': unknown signal '{signal}' (known: {', '.join(SIGNALS)})")
+    signal = _rule_signal(where, values)
     comparison = values["comparison"]
     if comparison not in COMPARISONS:
         raise ConfigError(f"{where}: key 'comparison': unknown comparison '{comparison}' (use > >= < <=)")

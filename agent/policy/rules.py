@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from moescope.agent.phase_table import PHASE_LABELS, PHASE_ROWS
+
 NAN = math.nan
 # Times are sums of float sample periods: compare them with this slack so 30 s is 150 x 0.2 s.
 TIME_EPS_S = 1e-6
@@ -47,6 +49,16 @@ class SignalSpec:
     help: str
 
 
+# A latency rule selects one phase of the requests' breakdown with `signal = "request_phase_p99_ms"`
+# and `phase = "..."` (agent/policy/config.py); it reads that phase's own signal below.
+PHASE_SIGNAL = "request_phase_p99_ms"
+
+
+def phase_signal_name(phase: str) -> str:
+    """The signal a `phase` key selects: request_phase_<phase>_p99_ms."""
+    return f"request_phase_{phase}_p99_ms"
+
+
 SIGNALS: Mapping[str, SignalSpec] = {
     s.name: s
     for s in (
@@ -65,6 +77,16 @@ SIGNALS: Mapping[str, SignalSpec] = {
                    "TCP data segments retransmitted on the targets' listening ports, 10 s"),
         SignalSpec("tcp_resets_per_s", TargetKind.GLOBAL, "1/s",
                    "TCP resets sent and received on the targets' listening ports, 10 s"),
+        *(
+            SignalSpec(phase_signal_name(phase), TargetKind.GLOBAL, "ms",
+                       f"p99 of the model requests' {PHASE_LABELS[phase]} time"
+                       + (" (prefill + decode)" if phase == "inference" else "") + ", sliding 10 s")
+            for phase in PHASE_ROWS
+        ),
+        SignalSpec("request_ttft_p99_ms", TargetKind.GLOBAL, "ms",
+                   "p99 time to first token of the model requests, sliding 10 s"),
+        SignalSpec("request_tpot_p99_ms", TargetKind.GLOBAL, "ms",
+                   "p99 time per output token of the model requests, sliding 10 s"),
     )
 }
 
@@ -212,6 +234,17 @@ class Signals:
     listen_overflows_per_s: float = NAN
     tcp_retransmits_per_s: float = NAN
     tcp_resets_per_s: float = NAN
+    # the model requests' breakdown (agent/request_phases.py), one field per phase row
+    request_phase_receive_p99_ms: float = NAN
+    request_phase_queue_p99_ms: float = NAN
+    request_phase_prefill_p99_ms: float = NAN
+    request_phase_decode_p99_ms: float = NAN
+    request_phase_write_p99_ms: float = NAN
+    request_phase_inference_p99_ms: float = NAN
+    request_phase_expert_load_p99_ms: float = NAN
+    request_phase_routing_p99_ms: float = NAN
+    request_ttft_p99_ms: float = NAN
+    request_tpot_p99_ms: float = NAN
     expert_queue_tokens: Mapping[tuple[int, int], float] = field(default_factory=dict)
     expert_load_gini: Mapping[int, float] = field(default_factory=dict)
     router_entropy_ratio: Mapping[int, float] = field(default_factory=dict)

@@ -1,6 +1,7 @@
 """The whole screen: panels stacked when narrow (< WIDE_MIN_COLUMNS), a grid when wide; rows are
 shared out so the screen is filled but never overflows (panels cut their own content to fit and
-say how much they hid)."""
+say how much they hid). The "where the time goes" panel sits under the requests (full width when
+wide), whole when the others keep their minimum rows, else as its summary line."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from collections.abc import Sequence
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.table import Table
 
+from moescope.agent.phase_table import Phases
 from moescope.agent.state import Snapshot
 from moescope.agent.tui.devices import DevicesPanel
 from moescope.agent.tui.header import HEADER_ROWS, HeaderBar
 from moescope.agent.tui.moe import MoePanel
+from moescope.agent.tui.phases import PhasesPanel
 from moescope.agent.tui.policy import PolicyPanel
 from moescope.agent.tui.requests import RequestsPanel
 
@@ -38,6 +41,17 @@ def share_rows(total: int, mins: Sequence[int], naturals: Sequence[int]) -> list
         if not grew:
             break
     return heights
+
+
+def snapshot_phases(snapshot: Snapshot | None) -> Phases | None:
+    """The snapshot's "where the time goes" table; None when its agent publishes none (no panel)."""
+    return None if snapshot is None else snapshot.phases  # None: its agent did not publish one
+
+
+def phases_height(panel: PhasesPanel, flex: int, others_min: int) -> int:
+    """The whole table when the other panels keep their minimum rows, else its summary line."""
+    natural = panel.natural_rows()
+    return natural if flex - natural >= others_min else panel.min_rows()
 
 
 class Dashboard:
@@ -87,8 +101,13 @@ class Dashboard:
         moe = MoePanel(None if s is None else s.moe)
         devices = DevicesPanel(None if s is None else s.devices)
         policy = PolicyPanel(None if s is None else s.policy, taken_unix_s=None if s is None else s.taken_unix_s)
+        table = snapshot_phases(s)
+        phases = None if table is None else PhasesPanel(table)
         if height is not None:
             flex = height - HEADER_ROWS - RequestsPanel.natural_rows()
+            if phases is not None:
+                phases.height = phases_height(phases, flex, devices.min_rows() + moe.min_rows() + policy.min_rows())
+                flex -= phases.height
             # devices first: short, and it answers "is the GPU full"
             dev_h, moe_h, pol_h = share_rows(
                 flex,
@@ -96,13 +115,10 @@ class Dashboard:
                 [devices.natural_rows(), moe.natural_rows(), policy.natural_rows()],
             )
             moe.height, devices.height, policy.height = moe_h, dev_h, pol_h
-        return [
-            self.header(),
-            RequestsPanel(None if s is None else s.requests, network=None if s is None else s.network),
-            moe,
-            devices,
-            policy,
-        ]
+        requests = RequestsPanel(None if s is None else s.requests, network=None if s is None else s.network)
+        if phases is None:
+            return [self.header(), requests, moe, devices, policy]
+        return [self.header(), requests, phases, moe, devices, policy]
 
     def _wide(self, height: int | None, width: int) -> list[RenderableType]:
         s = self.snapshot
@@ -116,9 +132,14 @@ class Dashboard:
         requests = RequestsPanel(None if s is None else s.requests, network=None if s is None else s.network)
         top_natural = max(RequestsPanel.natural_rows(), devices.natural_rows())
         top_min = max(RequestsPanel.natural_rows(), devices.min_rows())
+        table = snapshot_phases(s)
+        phases = None if table is None else PhasesPanel(table)
         top_h: int | None = None
         if height is not None:
             flex = height - HEADER_ROWS
+            if phases is not None:
+                phases.height = phases_height(phases, flex, top_min + moe.min_rows() + policy.min_rows())
+                flex -= phases.height
             top_h, moe_h, pol_h = share_rows(
                 flex,
                 [top_min, moe.min_rows(), policy.min_rows()],
@@ -133,4 +154,6 @@ class Dashboard:
         top.add_column(ratio=2)
         top.add_column(ratio=3)
         top.add_row(requests, devices)
-        return [self.header(), top, moe, policy]
+        if phases is None:
+            return [self.header(), top, moe, policy]
+        return [self.header(), top, phases, moe, policy]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -59,14 +60,27 @@ class RequestKeyRelay(NoOpInstrumentation):
         self._keys.append(request_key)
         self._target.set_request_keys(self._keys)
 
+    def step_requests(self, keys: Sequence[int], input_tokens: Sequence[int], output_tokens: Sequence[int]) -> None:
+        self._target.set_request_tokens(keys, input_tokens, output_tokens)
+
+
+def short_model_name(description: str) -> str:
+    """The stats "model" label: a Hugging Face id as given, a local directory's last component,
+    "tiny ARCH" as "tiny-ARCH"."""
+    text = description.strip()
+    if os.path.isdir(text):
+        text = os.path.basename(os.path.normpath(text)) or text
+    return "-".join(text.split()) or "unknown"
+
 
 class HfRuntime:
     def __init__(self, *, model: nn.Module, tokenizer: Tokenizer, options: HfOptions, description: str,
-                 pad_id: int = 0) -> None:
+                 pad_id: int = 0, model_name: str | None = None) -> None:
         if options.max_batch_size < 1 or options.max_wait_ms < 0 or options.max_waiting < 1:
             raise ConfigError("max_batch_size and max_waiting must be >= 1 and max_wait_ms >= 0")
         self.options = options
         self.description = description
+        self._model_name = model_name or short_model_name(description)
         self.model_config = getattr(model, "config", None)
         self._tokenizer = tokenizer
         self._precision_changes = 0
@@ -96,6 +110,10 @@ class HfRuntime:
     @property
     def engine(self) -> BatchEngine:
         return self._engine
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
 
     @property
     def max_seq(self) -> int:
@@ -155,6 +173,7 @@ class HfRuntime:
         return {
             "protocol": PROTOCOL,
             "pid": os.getpid(),
+            "model": self._model_name,
             "config": {
                 "model": self.description, "arch": getattr(cfg, "model_type", None), "layers": self.layers,
                 "experts": self.experts, "top_k": known_k[0] if known_k else None,

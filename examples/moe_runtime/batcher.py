@@ -1,6 +1,12 @@
 """Dynamic batching engine: one model thread runs steps over the running requests (continuous
 batching: a request joins at the next step; an idle engine waits up to max_wait_ms to gather a
-batch). Each step is one `moe.step` NVTX range with one `moe.request` mark per request in it."""
+batch). Each step is one `moe.step` NVTX range naming its requests: one `moe.step.requests` vector
+(keys, input tokens, output tokens; moe/v2) or one `moe.request` mark per request (v1).
+
+Streamed requests: after each step the model thread appends the new token and notifies the
+request's condition; the handler thread waits on it and writes. The model thread never waits on a
+client (the hand-over is the request's token list, at most max_tokens long); a request whose client
+went away is cancelled and leaves the batch at the next step."""
 
 from __future__ import annotations
 
@@ -52,6 +58,21 @@ class Request:
     error: str | None = None
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     seq: SequenceLike = dataclasses.field(default_factory=SequenceState)  # the model's, set at admission
+    stream: bool = False  # the handler writes each token as it comes (server-sent events)
+    # stream: notified (by the model thread) after each new token and when the request ends
+    progress: threading.Condition | None = None
+    cancelled: bool = False  # set by the handler (client gone): the engine drops it at the next step
+
+    def __post_init__(self) -> None:
+        if self.stream and self.progress is None:
+            self.progress = threading.Condition()
+
+    def notify(self) -> None:
+        """Wakes a streaming handler (the condition's lock is only held to check and wait)."""
+        progress = self.progress
+        if progress is not None:
+            with progress:
+                progress.notify_all()
 
 
 class BatchEngine:
@@ -127,7 +148,24 @@ class BatchEngine:
             for request in self._waiting:
                 request.error = "server shutting down"
                 request.done.set()
+                request.notify()
             self._waiting.clear()
+
+    def _drop_cancelled(self) -> None:
+        """Requests whose client went away leave the batch (their KV state is freed)."""
+        with self._cond:
+            cancelled = [r for r in self._running if r.cancelled]
+            if not cancelled:
+                return
+            self._running = [r for r in self._running if not r.cancelled]
+        now = time.monotonic_ns()
+        for request in cancelled:
+            request.error = "client disconnected"
+            request.finished_ns = now
+            request.seq = SequenceState()
+            self.stats.count("requests_cancelled")
+            request.done.set()
+            request.notify()
 
     def _finish_all(self, error: str) -> None:
         with self._cond:
@@ -137,17 +175,23 @@ class BatchEngine:
             request.finished_ns = time.monotonic_ns()
             self.stats.count("requests_failed")
             request.done.set()
+            request.notify()
 
     def _step(self) -> None:
+        self._drop_cancelled()
         batch = list(self._running)
+        if not batch:
+            return
         new_tokens = [r.prompt_ids if r.seq.length == 0 else r.generated[-1:] for r in batch]
         n_tokens = sum(len(t) for t in new_tokens)
-        prefill = sum(len(t) for r, t in zip(batch, new_tokens) if r.seq.length == 0)
+        # per request: prompt tokens this step processes (all of them at its prefill, 0 in decode)
+        input_tokens = [len(t) if r.seq.length == 0 else 0 for r, t in zip(batch, new_tokens)]
+        prefill = sum(input_tokens)
         ins = self.ins
         ins.step_push(n_tokens)
         try:
-            for request in batch:
-                ins.request_mark(request.request_key)
+            # each forward generates one token per request
+            ins.step_requests([r.request_key for r in batch], input_tokens, [1] * len(batch))
             logits = self.model.forward([r.seq for r in batch], new_tokens)
             if self.model.sync_ranges:
                 self.model.synchronize()
@@ -161,6 +205,8 @@ class BatchEngine:
             request.steps += 1
             if len(request.generated) >= request.max_tokens:
                 finished.append(request)
+            elif request.progress is not None:
+                request.notify()
         if finished:
             with self._cond:
                 self._running = [r for r in self._running if r not in finished]
@@ -170,3 +216,4 @@ class BatchEngine:
                 request.seq = SequenceState()  # free the model's state (KV cache) now
                 self.stats.count("requests_completed")
                 request.done.set()
+                request.notify()

@@ -21,6 +21,15 @@ not hidden by clients that wait). Scenarios:
 
 Prints one JSON summary on stdout: requests, failures (by kind), throughput, client-side latency
 p50/p95/p99, and server-side batching and routing deltas from /stats.
+
+--stream asks for streamed answers (`"stream": true`, server-sent events) and adds, measured on
+the client: time to first token (TTFT: the request's send -> its first `data:` event read) and
+time per output token (TPOT: (last token event - first token event) / (tokens - 1), for answers
+of at least 2 tokens), p50/p95/p99 in `ttft_ms` / `tpot_ms`, and `per_request`: one entry per
+streamed answer with the `request_key` of its final event and CLOCK_MONOTONIC times in ns
+(`sent_ns`, `first_token_ns`, `last_token_ns`), so a test can match each request with what an
+observer of the same host saw (a key is a connection's fd: it repeats on a keep-alive connection,
+the times tell the requests apart). TTFT counts from the actual send, also in open loop.
 """
 
 from __future__ import annotations
@@ -66,17 +75,59 @@ def _latency_ms(sorted_latencies_ms: list[float], q: float) -> float:
     return round(nearest_rank(sorted_latencies_ms, q), 3) if sorted_latencies_ms else 0.0
 
 
+def _quantiles_ms(values_ms: list[float]) -> dict[str, float]:
+    ordered = sorted(values_ms)
+    return {"p50": _latency_ms(ordered, 0.50), "p95": _latency_ms(ordered, 0.95), "p99": _latency_ms(ordered, 0.99),
+            "max": round(ordered[-1], 3) if ordered else 0.0,
+            "mean": round(sum(ordered) / len(ordered), 3) if ordered else 0.0}
+
+
+class StreamFailed(Exception):
+    """A streamed answer that was not a complete stream (its kind is counted as the failure)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StreamedAnswer:
+    """One streamed completion as the client saw it; times are time.monotonic_ns()."""
+
+    request_key: int
+    sent_ns: int
+    first_token_ns: int
+    last_token_ns: int
+    token_events: int
+    usage: dict[str, int]
+    tokens: list[int]
+    text: str
+
+    @property
+    def ttft_ms(self) -> float:
+        return (self.first_token_ns - self.sent_ns) / 1e6
+
+    @property
+    def tpot_ms(self) -> float | None:
+        if self.token_events < 2:
+            return None
+        return (self.last_token_ns - self.first_token_ns) / 1e6 / (self.token_events - 1)
+
+
 @dataclasses.dataclass
 class Results:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     latencies_ms: list[float] = dataclasses.field(default_factory=list)
     errors: dict[str, int] = dataclasses.field(default_factory=dict)
     completion_tokens: int = 0
+    streamed: list[tuple[int, StreamedAnswer]] = dataclasses.field(default_factory=list)  # (request index, answer)
 
     def ok(self, latency_ms: float, tokens: int) -> None:
         with self.lock:
             self.latencies_ms.append(latency_ms)
             self.completion_tokens += tokens
+
+    def ok_stream(self, latency_ms: float, index: int, answer: StreamedAnswer) -> None:
+        with self.lock:
+            self.latencies_ms.append(latency_ms)
+            self.completion_tokens += answer.usage.get("completion_tokens", 0)
+            self.streamed.append((index, answer))
 
     def fail(self, kind: str) -> None:
         with self.lock:
@@ -103,6 +154,58 @@ class Client:
         except (OSError, http.client.HTTPException, ValueError):
             self.close()
             raise
+
+    def stream(self, path: str, body: dict[str, Any]) -> StreamedAnswer | tuple[int, dict[str, Any]]:
+        """POSTs body with "stream": true and reads the events as they arrive. A non-200 answer
+        comes back as (status, payload); a broken stream raises StreamFailed."""
+        if self.conn is None:
+            self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        data = json.dumps({**body, "stream": True}).encode()
+        try:
+            sent_ns = time.monotonic_ns()
+            self.conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+            response = self.conn.getresponse()
+            if response.status != 200:
+                return response.status, json.loads(response.read() or b"{}")
+            if response.getheader("Content-Type", "").split(";")[0].strip() != "text/event-stream":
+                raise StreamFailed("not an event stream")
+            return self._events(response, sent_ns=sent_ns)
+        except (OSError, http.client.HTTPException, ValueError, StreamFailed):
+            self.close()
+            raise
+
+    @staticmethod
+    def _events(response: http.client.HTTPResponse, *, sent_ns: int) -> StreamedAnswer:
+        times_ns: list[int] = []
+        tokens: list[int] = []
+        text: list[str] = []
+        final: dict[str, Any] | None = None
+        done = False
+        while True:
+            line = response.readline(1 << 20)  # the server's events are one line each
+            if not line:
+                break
+            if not line.startswith(b"data: "):
+                continue  # the blank line that ends each event
+            arrived_ns = time.monotonic_ns()
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                done = True
+                continue
+            event = json.loads(data)
+            if "error" in event:
+                raise StreamFailed("stream error event")
+            choice = event["choices"][0]
+            times_ns.append(arrived_ns)
+            tokens.extend(event.get("tokens", []))
+            text.append(choice["text"])
+            if choice.get("finish_reason") is not None:
+                final = event
+        if not done or final is None or not times_ns:
+            raise StreamFailed("stream ended early")
+        return StreamedAnswer(request_key=int(final["request_key"]), sent_ns=sent_ns, first_token_ns=times_ns[0],
+                              last_token_ns=times_ns[-1], token_events=len(times_ns), usage=dict(final["usage"]),
+                              tokens=tokens, text="".join(text))
 
     def close(self) -> None:
         if self.conn is not None:
@@ -140,7 +243,7 @@ class Schedule:
 
 
 def worker(client: Client, schedule: Schedule, results: Results, *, scenario: str, seed: int,
-           max_tokens: int, long_bytes: int) -> None:
+           max_tokens: int, long_bytes: int, stream: bool = False) -> None:
     while True:
         item = schedule.next()
         if item is None:
@@ -153,8 +256,19 @@ def worker(client: Client, schedule: Schedule, results: Results, *, scenario: st
             if delay > 0:
                 time.sleep(delay)
         t0 = at if at is not None else time.monotonic()
+        body = {"prompt": prompt, "max_tokens": max_tokens}
         try:
-            status, payload = client.request("POST", "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens})
+            if stream:
+                answer = client.stream("/v1/completions", body)
+                if isinstance(answer, StreamedAnswer):
+                    results.ok_stream((time.monotonic() - t0) * 1000.0, index, answer)
+                    continue
+                status, payload = answer
+            else:
+                status, payload = client.request("POST", "/v1/completions", body)
+        except StreamFailed as exc:
+            results.fail(str(exc))
+            continue
         except (OSError, http.client.HTTPException, ValueError) as exc:
             results.fail(type(exc).__name__)
             continue
@@ -255,7 +369,8 @@ def _server_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
 
 def run(*, url: str, scenario: str, concurrency: int, requests: int | None, duration_s: float | None,
         rate_per_s: float | None, max_tokens: int, seed: int, burst_size: int | None,
-        burst_interval_s: float, control_socket: str | None, timeout_s: float) -> dict[str, Any]:
+        burst_interval_s: float, control_socket: str | None, timeout_s: float,
+        stream: bool = False) -> dict[str, Any]:
     parsed = urllib.parse.urlsplit(url)
     if parsed.scheme != "http" or not parsed.hostname:
         raise UsageError(f"--url must be http://HOST:PORT, got {url!r}")
@@ -288,6 +403,7 @@ def run(*, url: str, scenario: str, concurrency: int, requests: int | None, dura
                 "seed": seed,
                 "max_tokens": max_tokens,
                 "long_bytes": long_bytes,
+                "stream": stream,
             },
         )
         for c in clients
@@ -321,9 +437,26 @@ def run(*, url: str, scenario: str, concurrency: int, requests: int | None, dura
                        "mean": round(sum(lat) / len(lat), 3) if lat else 0.0},
         "server": server,
     }
+    if stream:
+        summary["stream"] = True
+        summary.update(stream_summary(results.streamed))
     if memory_summary is not None:
         summary["memory"] = memory_summary
     return summary
+
+
+def stream_summary(streamed: list[tuple[int, StreamedAnswer]]) -> dict[str, Any]:
+    """Client-side TTFT / TPOT quantiles and the per-request list, in request order."""
+    streamed = sorted(streamed, key=lambda item: item[0])
+    tpots = [a.tpot_ms for _, a in streamed if a.tpot_ms is not None]
+    per_request = [{
+        "index": index, "request_key": a.request_key, "sent_ns": a.sent_ns, "first_token_ns": a.first_token_ns,
+        "last_token_ns": a.last_token_ns, "ttft_ms": round(a.ttft_ms, 3),
+        "tpot_ms": round(a.tpot_ms, 3) if a.tpot_ms is not None else None, "token_events": a.token_events,
+        "prompt_tokens": a.usage.get("prompt_tokens"), "completion_tokens": a.usage.get("completion_tokens"),
+    } for index, a in streamed]
+    return {"ttft_ms": _quantiles_ms([a.ttft_ms for _, a in streamed]), "tpot_ms": _quantiles_ms(tpots),
+            "per_request": per_request}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -343,6 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--control-socket", default=None, help="memory: prefetch through this control socket")
     p.add_argument("--timeout-s", type=float, default=120.0, help="per-request timeout")
     p.add_argument("--json-out", default=None, help="also write the summary to this file")
+    p.add_argument("--stream", action="store_true",
+                   help="streamed answers (server-sent events); adds client-side TTFT/TPOT and per_request")
     return p
 
 
@@ -359,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = run(url=args.url, scenario=args.scenario, concurrency=args.concurrency, requests=requests,
                       duration_s=args.duration_s, rate_per_s=args.rate, max_tokens=args.max_tokens,
                       seed=args.seed, burst_size=args.burst_size, burst_interval_s=args.burst_interval_s,
-                      control_socket=args.control_socket, timeout_s=args.timeout_s)
+                      control_socket=args.control_socket, timeout_s=args.timeout_s, stream=args.stream)
     except MoescopeError as exc:
         print(f"loadgen: error: {exc}", file=sys.stderr)
         return exc.exit_code

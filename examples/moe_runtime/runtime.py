@@ -19,6 +19,7 @@ from moescope.examples.moe_runtime.tokenizer import ByteTokenizer
 from moescope.moe_nvtx import DEFAULT_CONVENTION, Instrumentation, make_instrumentation
 
 PROTOCOL = "moescope-control/1"
+MODEL_NAME = "moescope-reference-moe"  # stats "model": what the agent labels gen_ai.request.model with
 # Default budget: everything resident uses this share of it.
 DEFAULT_BUDGET_USED_SHARE = 0.8
 
@@ -95,6 +96,10 @@ class Runtime:
     # ----- what the HTTP front end reads (server.ServedRuntime) -----
 
     @property
+    def model_name(self) -> str:
+        return MODEL_NAME
+
+    @property
     def max_seq(self) -> int:
         return self.cfg.max_seq
 
@@ -134,6 +139,7 @@ class Runtime:
         return {
             "protocol": PROTOCOL,
             "pid": os.getpid(),
+            "model": MODEL_NAME,
             "config": {
                 "layers": cfg.layers, "experts": cfg.experts, "top_k": cfg.top_k, "d_model": cfg.d_model,
                 "d_ff": cfg.d_ff, "vocab": cfg.vocab, "max_seq": cfg.max_seq, "capacity_factor": cfg.capacity_factor,

@@ -45,6 +45,8 @@ class RuntimeStats:
             "steps": 0, "requests_completed": 0, "requests_failed": 0, "requests_rejected": 0,
             "tokens_generated": 0, "tokens_prefilled": 0, "expert_loads": 0, "expert_load_bytes": 0,
             "max_batch_requests": 0, "multi_request_steps": 0, "step_errors": 0,
+            # streamed answers; clients that went away mid-stream; requests dropped for that
+            "streams": 0, "stream_disconnects": 0, "requests_cancelled": 0,
         }
         self._batch_requests_total = 0
 

@@ -147,6 +147,7 @@ static __always_inline void emit(struct ingress_conn *c, struct ingress_conn_key
 		return;
 	}
 	e->start_ns = c->start_ns;
+	e->last_read_ns = c->last_read_ns;
 	e->first_response_ns = c->first_response_ns;
 	e->end_ns = end_ns;
 	e->bytes_in = c->bytes_in;
@@ -166,6 +167,7 @@ static __always_inline void emit(struct ingress_conn *c, struct ingress_conn_key
 static __always_inline void reset_request(struct ingress_conn *c)
 {
 	c->start_ns = 0;
+	c->last_read_ns = 0;
 	c->first_response_ns = 0;
 	c->last_write_ns = 0;
 	c->bytes_in = 0;
@@ -311,11 +313,16 @@ static __always_inline int rw_exit(long ret)
 	if (!c)
 		return 0;
 	if (kind == INGRESS_K_READ) {
+		u64 now_ns = bpf_ktime_get_ns();
 		if (c->start_ns == 0) {
 			reset_request(c);
-			c->start_ns = bpf_ktime_get_ns();
+			c->start_ns = now_ns;
 			c->tid = (u32)id;
 		}
+		// The request's last bytes in: receive ends here (agent/request_phases.py). A read after
+		// the response began starts the next request in rw_enter, so this guard only documents it.
+		if (c->first_response_ns == 0)
+			c->last_read_ns = now_ns;
 		c->bytes_in += ret;
 	} else {
 		if (c->start_ns == 0)

@@ -9,6 +9,7 @@
 /* One completed request, sent through the ring buffer. */
 struct ingress_event {
 	__u64 start_ns;          /* CLOCK_MONOTONIC: return of the first read of the request */
+	__u64 last_read_ns;      /* return of its last read before the first response byte */
 	__u64 first_response_ns; /* entry of the first write of the response (0: none) */
 	__u64 end_ns;            /* return of the last write of the response (close time if none) */
 	__u64 bytes_in;          /* bytes read for this request */
@@ -37,6 +38,7 @@ struct ingress_conn_key {
 struct ingress_conn {
 	__u64 generation;
 	__u64 start_ns;          /* 0: no request open */
+	__u64 last_read_ns;      /* latest read of the open request while no response byte was written */
 	__u64 first_response_ns;
 	__u64 last_write_ns;
 	__u64 bytes_in;

@@ -68,6 +68,7 @@ DROP_NAMES = {DROP_RINGBUF_FULL: "ringbuf_full", DROP_CONN_EVICTED: "conn_evicte
 class IngressEvent(ct.Structure):
     _fields_ = [
         ("start_ns", ct.c_uint64),
+        ("last_read_ns", ct.c_uint64),
         ("first_response_ns", ct.c_uint64),
         ("end_ns", ct.c_uint64),
         ("bytes_in", ct.c_uint64),
@@ -95,6 +96,7 @@ class IngressConn(ct.Structure):
     _fields_ = [
         ("generation", ct.c_uint64),
         ("start_ns", ct.c_uint64),
+        ("last_read_ns", ct.c_uint64),
         ("first_response_ns", ct.c_uint64),
         ("last_write_ns", ct.c_uint64),
         ("bytes_in", ct.c_uint64),
@@ -137,6 +139,7 @@ class IngressRecord(NamedTuple):
     bytes_in: int
     bytes_out: int
     flags: int
+    last_read_ns: int = 0  # return of the last read before the first response byte (0: unknown)
 
     @property
     def latency_ns(self) -> int:
@@ -156,6 +159,7 @@ class IngressRecord(NamedTuple):
             "peer_addr": self.peer_addr,
             "peer_port": self.peer_port,
             "start_ns": self.start_ns,
+            "last_read_ns": self.last_read_ns,
             "first_response_ns": self.first_response_ns,
             "end_ns": self.end_ns,
             "latency_ns": self.latency_ns,
@@ -188,12 +192,13 @@ def _record_from(
         bytes_in=raw.bytes_in,
         bytes_out=raw.bytes_out,
         flags=flags,
+        last_read_ns=raw.last_read_ns,
     )
 
 
 _SCALARS = (
     "tgid", "tid", "fd", "generation", "seq", "family", "peer_port",
-    "start_ns", "first_response_ns", "end_ns", "bytes_in", "bytes_out", "flags",
+    "start_ns", "first_response_ns", "end_ns", "bytes_in", "bytes_out", "flags", "last_read_ns",
 )
 _PEER_WORDS = np.dtype([("low", "<u8"), ("high", "<u8")])
 
@@ -225,6 +230,7 @@ def decode_events(events: np.ndarray, *, peer_cache: dict[tuple[int, bytes], str
         for row in zip(
             c["tgid"], c["tid"], c["fd"], c["generation"], c["seq"], c["family"], peers, c["peer_port"],
             c["start_ns"], c["first_response_ns"], c["end_ns"], c["bytes_in"], c["bytes_out"], c["flags"],
+            c["last_read_ns"],
         )
     ]
 

@@ -467,9 +467,16 @@ def check_traces(spans: list[FlatSpan], *, layers: int = LAYERS, experts: int = 
         key = server.attributes["moe.request.key"]
         kids = children[server.span_id]
         steps = sorted((k for k in kids if k.name == "moe.step"), key=lambda k: k.start_ns)
-        assert {k.name for k in kids} <= {"moe.step", "queue wait"}, {k.name for k in kids}
+        phase_names = ["receive", "queue wait", "prefill", "decode", "response write"]
+        assert {k.name for k in kids} <= {"moe.step", *phase_names}, {k.name for k in kids}
         assert server.attributes["moe.request.steps"] == len(steps), "moe.request.steps != step spans under it"
-        assert sum(k.name == "queue wait" for k in kids) == (1 if steps else 0)
+        # a request that steps carried has its five phase spans, tiling its server span in order
+        phases = sorted((k for k in kids if k.name in phase_names),
+                        key=lambda k: (k.start_ns, phase_names.index(k.name)))
+        assert [k.name for k in phases] == (phase_names if steps else [])
+        if phases:
+            edges = [server.start_ns] + [k.end_ns for k in phases]
+            assert [k.start_ns for k in phases] == edges[:-1] and edges[-1] == server.end_ns
         steps_of[server.span_id] = steps
         for step in steps:
             # the step carried this request's key and ran inside its kernel-timed interval

@@ -63,7 +63,12 @@ def test_every_queried_metric_is_exported() -> None:
                    "moescope_expert_load_gini", "moescope_expert_tokens_total", "moescope_device_memory_used_bytes",
                    "moescope_nvlink_transmit_bytes_total", "moescope_policy_actions_total",
                    "moescope_agent_cpu_seconds_total", "moescope_agent_events_dropped_total",
-                   "moescope_export_spans_dropped_total"):
+                   "moescope_export_spans_dropped_total",
+                   # the LLM-serving view (issue 17): where the time goes, TTFT, TPOT, tokens
+                   "moescope_request_phase_seconds_bucket", "moescope_request_phase_seconds_sum",
+                   "gen_ai_server_time_to_first_token_seconds_bucket",
+                   "gen_ai_server_time_per_output_token_seconds_bucket",
+                   "gen_ai_server_request_duration_seconds_bucket", "moescope_request_tokens_total"):
         assert needed in queried, needed
 
 

@@ -89,7 +89,8 @@ def test_table_names_are_unique_and_prometheus_valid() -> None:
     names = [spec.name for spec in m.METRICS]
     assert len(names) == len(set(names))
     for spec in m.METRICS:
-        assert re.fullmatch(r"moescope_[a-z0-9_]+", spec.name), spec.name
+        # moescope_* families, and the GenAI semantic conventions' gen_ai_server_* ones
+        assert re.fullmatch(r"(moescope|gen_ai_server)_[a-z0-9_]+", spec.name), spec.name
         assert not spec.name.endswith("_total")
         assert (spec.kind == "histogram") == bool(spec.buckets)
         assert spec.max_series >= 1

@@ -17,6 +17,7 @@ from moescope.agent.export import ExportFlags, Tracing, build_tracing, resolve_e
 from moescope.agent.export.store import StoredSpan, TraceStore
 from moescope.agent.pipeline import Pipeline, resource_attributes
 from moescope.collectors.moe_convention import LayerEvent, StepEvent
+from moescope.probes.ingress.loader import IngressRecord
 
 from .scenario import (
     EPOCH_OFFSET_NS,
@@ -36,6 +37,7 @@ from .scenario import (
 )
 
 SERVER, INTERNAL = 2, 1  # OTLP SpanKind values
+PHASE_SPANS = ["receive", "queue wait", "prefill", "decode", "response write"]
 STATUS_UNSET, STATUS_ERROR = 0, 2
 OFF = EPOCH_OFFSET_NS
 
@@ -171,6 +173,37 @@ def check_step_subtree(
             )
 
 
+def ref_breakdown(rec: IngressRecord, steps: list[StepEvent]) -> tuple[dict[str, Any], list[tuple[int, int]]]:
+    """The server span's breakdown attributes and the phase spans' (start, end), recomputed from the
+    scenario (records without last_read_ns, steps without per-request tokens): receive runs to the
+    first step, queue is empty, prefill is the first step, one output token per step."""
+    steps = sorted(steps, key=lambda s: s.start_ns)
+    start, end = rec.start_ns, rec.end_ns
+    first = min(max(steps[0].start_ns, start), end)
+    prefill_end = min(max(steps[0].end_ns, first), end)
+    last_end = max(s.end_ns for s in steps)
+    decode_end = min(max(last_end, prefill_end), end)
+    edges = [start, first, first, prefill_end, decode_end, end]
+    wire = steps[0].end_ns <= rec.first_response_ns <= last_end
+    ttft_at = rec.first_response_ns if wire else prefill_end
+    attrs: dict[str, Any] = {
+        "gen_ai.operation.name": "text_completion",
+        "gen_ai.usage.output_tokens": len(steps),
+        "moe.request.output_tokens_reported": False,
+        "moe.request.ttft_ms": (ttft_at - start) / 1e6,
+        "moe.request.ttft_source": "wire" if wire else "step",
+        "moe.request.expert_load_ms": sum(ld.end_ns - ld.start_ns for s in steps for la in s.layers
+                                          for ld in la.loads) / 1e6,
+        "moe.request.routing_ms": sum(la.router.end_ns - la.router.start_ns for s in steps for la in s.layers
+                                      if la.router is not None) / 1e6,
+    }
+    for phase, (a, b) in zip(("receive", "queue", "prefill", "decode", "write"), zip(edges, edges[1:]), strict=True):
+        attrs[f"moe.request.phase.{phase}_ms"] = (b - a) / 1e6
+    if len(steps) >= 2:
+        attrs["moe.request.tpot_ms"] = (end - ttft_at) / (len(steps) - 1) / 1e6
+    return attrs, list(zip(edges, edges[1:]))
+
+
 def check_received(spans: list[FlatSpan], scenario: Scenario, pipeline: Pipeline, *, detail: str) -> None:
     by_trace: dict[str, list[FlatSpan]] = defaultdict(list)
     children: dict[str, list[FlatSpan]] = defaultdict(list)
@@ -223,23 +256,29 @@ def check_received(spans: list[FlatSpan], scenario: Scenario, pipeline: Pipeline
         }
         if rec.answered:
             want["moe.request.time_to_first_byte_ms"] = (rec.first_response_ns - rec.start_ns) / 1e6
+        if scenario.served_by[name]:
+            want.update(ref_breakdown(rec, [scenario.steps[s] for s in scenario.served_by[name]])[0])
         approx_attrs(srv.attributes, want, name)
 
-    # Each request's trace: queue wait, then each of its steps as the owner subtree or a stub.
+    # Each request's trace: its five phase spans, then each of its steps as the owner subtree or a stub.
     owner_span: dict[str, FlatSpan] = {}
     for name in scenario.arrival_order():  # owners come first in arrival order: stubs can be checked
         rec, srv = scenario.records[name], server_of[name]
         mine = [scenario.steps[s] for s in scenario.served_by[name]]
         kids = children[srv.span_id]
-        waits = [k for k in kids if k.name == "queue wait"]
+        phases = sorted((k for k in kids if k.name in PHASE_SPANS),
+                        key=lambda s: (s.start_ns, PHASE_SPANS.index(s.name)))
         step_spans = sorted((k for k in kids if k.name == "moe.step"), key=lambda s: s.start_ns)
-        assert len(waits) + len(step_spans) == len(kids), name
+        assert len(phases) + len(step_spans) == len(kids), name
         if not mine:
             assert kids == [], name
             continue
-        first = min(s.start_ns for s in mine)
-        assert len(waits) == 1 and (waits[0].start_ns, waits[0].end_ns) == (rec.start_ns + OFF, first + OFF), name
-        assert waits[0].kind == INTERNAL and children[waits[0].span_id] == [], name
+        # the phases tile the server span in order (the scenario's records have no last_read_ns:
+        # receive runs to the first step, as the queue wait did before, and the queue is empty)
+        assert [k.name for k in phases] == PHASE_SPANS, name
+        edges = ref_breakdown(rec, mine)[1]
+        assert [(k.start_ns, k.end_ns) for k in phases] == [(a + OFF, b + OFF) for a, b in edges], name
+        assert all(k.kind == INTERNAL and children[k.span_id] == [] for k in phases), name
         assert [(s.start_ns, s.end_ns) for s in step_spans] == sorted(
             (s.start_ns + OFF, s.end_ns + OFF) for s in mine
         ), name
@@ -275,7 +314,7 @@ def check_received(spans: list[FlatSpan], scenario: Scenario, pipeline: Pipeline
     stubs = sum(len(v) for v in scenario.served_by.values()) - len(scenario.joined_steps())
     expected_spans = (
         len(scenario.records)
-        + sum(1 for v in scenario.served_by.values() if v)  # queue waits
+        + 5 * sum(1 for v in scenario.served_by.values() if v)  # phase spans
         + stubs
         + sum(subtree_size(scenario.steps[n], detail) for n in (*scenario.joined_steps(), *scenario.unjoined))
     )

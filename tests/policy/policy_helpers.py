@@ -37,6 +37,8 @@ class SignalValues(TypedDict, total=False):
     device_memory_used_ratio: float
     expert_load_p99_ms: float
     request_p99_ms: float
+    request_phase_inference_p99_ms: float
+    request_phase_expert_load_p99_ms: float
     expert_queue_tokens: Mapping[tuple[int, int], float]
     expert_load_gini: Mapping[int, float]
     router_entropy_ratio: Mapping[int, float]
