@@ -86,6 +86,8 @@ class BufferedStep:
     # buffered: the layer tree may be let go before a later batch-mate's breakdown needs them
     routing_ns: int = 0
     expert_load_ns: int = 0
+    layer_count: int = 0  # moe.layer ranges of the step (its tree may be let go before it retires)
+    retired: bool = False  # left the buffer
 
 
 # ---------------------------------------------------------------- what outputs receive
@@ -157,6 +159,12 @@ class Output(Protocol):
     def force_flush(self) -> None:
         """Write out anything held back (e.g. per-step metrics summed between scrapes)."""
         ...
+
+    # Optional: ``layer_tree_needed(step: BufferedStep) -> bool``, asked right after a step's
+    # StepSeen. An output that reads a buffered step's layer tree or table after its StepSeen (the
+    # trace output, for the subtrees it keeps) says so; when none does, the join lets the tree go at
+    # once instead of holding it until every request of the batch has claimed the step. Outputs
+    # without the method read both only during StepSeen.
 
     def shutdown(self, deadline_ns: int) -> None:
         """Flush and release, finishing by ``deadline_ns`` (CLOCK_MONOTONIC)."""
@@ -251,13 +259,14 @@ class RequestJoin:
         self._buffer: deque[BufferedStep] = deque()
         self._seq = 0
         self._memory: MemorySignal | None = None
+        self._empty_tables: dict[int, LayerTable] = {}  # per E: what a step without its tree holds
         # gen_ai.request.model: the runtime's stats "model", latest seen (one control socket per agent)
         self._model: str | None = None
         self._counts: dict[str, int] = dict.fromkeys(
             (
                 "requests", "requests_unanswered", "requests_joined", "steps", "steps_joined",
                 "steps_unjoined", "steps_evicted_overflow", "telemetry_samples", "runtime_states",
-                "experts_grown", "layers_bad_routing", "records_unknown",
+                "experts_grown", "layers_bad_routing", "records_unknown", "step_trees_released_unread",
             ),
             0,
         )
@@ -316,12 +325,10 @@ class RequestJoin:
         self._export([RequestJoined(record, tuple(steps), first, phases)])
         with self._lock:
             for b in steps:
-                if b.claims >= b.batch_size and b.step.layers:
+                if b.claims >= b.batch_size:
                     # Every request of the batch has been handed out: only the step's header is
                     # needed until it leaves the buffer, so let its layer tree go (most of the heap).
-                    self._buffered_layers -= len(b.step.layers)
-                    b.step = replace(b.step, layers=[])
-                    b.table = empty_table(b.num_experts)
+                    self._release_tree_locked(b)
 
     def on_steps(self, steps: Iterable[StepEvent]) -> None:
         """Completed ``moe.step`` trees from the convention parser."""
@@ -330,6 +337,7 @@ class RequestJoin:
             with self._lock:
                 events.extend(self._add_step(step))
         self._export(events)
+        self._release_unread_trees(events)
         self.expire()
 
     def on_telemetry(self, record: TelemetryRecord) -> None:
@@ -404,6 +412,7 @@ class RequestJoin:
         self._seq += 1
         buffered = BufferedStep(self._seq, step, num_experts, self._table(step, num_experts), len(set(step.requests)))
         buffered.routing_ns, buffered.expert_load_ns = step_phase_times(step)
+        buffered.layer_count = len(step.layers)
         self._buffer.append(buffered)
         for key in set(step.requests):
             self._by_key.setdefault((step.pid, key), deque()).append(buffered)
@@ -496,8 +505,31 @@ class RequestJoin:
             del self._by_key[(record.tgid, record.fd)]
         return mine
 
+    def _release_unread_trees(self, events: Sequence[JoinEvent]) -> None:
+        """Steps whose layer tree no output reads after StepSeen (a trace subtree sampled out, or
+        no trace output) let it go now: at production depth the buffer is mostly these trees."""
+        readers = [r for r in (getattr(o, "layer_tree_needed", None) for o in self._outputs) if r is not None]
+        seen = [e.step for e in events if isinstance(e, StepSeen)]
+        unread = [b for b in seen if b.step.layers and not any(needed(b) for needed in readers)]
+        if unread:
+            with self._lock:
+                for b in unread:
+                    self._release_tree_locked(b)
+                self._counts["step_trees_released_unread"] += len(unread)
+
+    def _release_tree_locked(self, b: BufferedStep) -> None:
+        if b.retired or not b.step.layers:
+            return
+        self._buffered_layers -= len(b.step.layers)
+        b.step = replace(b.step, layers=[])
+        table = self._empty_tables.get(b.num_experts)
+        if table is None:
+            table = self._empty_tables[b.num_experts] = empty_table(b.num_experts)
+        b.table = table
+
     def _retire_oldest_locked(self) -> BufferedStep:
         b = self._buffer.popleft()
+        b.retired = True
         self._buffered_layers -= len(b.step.layers)
         for key in set(b.step.requests):
             q = self._by_key.get((b.step.pid, key))

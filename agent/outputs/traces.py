@@ -155,6 +155,9 @@ class TraceOutput:
         self.span_detail = span_detail
         self.sampler = LayerSampler(layer_spans_per_s=layer_spans_per_s)
         self._keep_layers: dict[int, bool] = {}  # step seq -> its subtree is kept (decided at StepSeen)
+        # step seq -> the step span's routing-health attributes of a step whose subtree is sampled
+        # out, taken at StepSeen: the join then lets its layer tree and table go at once
+        self._sampled_health: dict[int, Attributes] = {}
         # Sources stamp CLOCK_MONOTONIC; OTLP wants ns since the Unix epoch: span times are shifted by this.
         self.epoch_offset_ns = epoch_offset_ns
         self._owners: dict[int, SpanContext] = {}  # step seq -> the owner's step span
@@ -169,8 +172,10 @@ class TraceOutput:
             match event:
                 case StepSeen(step=b):
                     step = b.step
-                    self._keep_layers[b.seq] = self.sampler.keep(
-                        end_ns=step.end_ns, duration_ns=step.duration_ns, layers=len(step.layers))
+                    keep = self.sampler.keep(end_ns=step.end_ns, duration_ns=step.duration_ns, layers=b.layer_count)
+                    self._keep_layers[b.seq] = keep
+                    if not keep:
+                        self._sampled_health[b.seq] = self._step_health_attributes(b)
                 case RequestJoined():
                     self._request_trace(event)
                 case StepRetired(step=b, evicted=evicted):
@@ -178,6 +183,7 @@ class TraceOutput:
                     if owner is None and not b.claims and not evicted:
                         self._step_tree(b, parent=None, extra={"moe.step.unjoined": True})
                     self._keep_layers.pop(b.seq, None)
+                    self._sampled_health.pop(b.seq, None)
                 case TelemetrySeen(memory=memory):
                     self._memory = memory
                 case RuntimeSeen(layer_precision=precision):
@@ -193,6 +199,11 @@ class TraceOutput:
     def shutdown(self, deadline_ns: int) -> None:
         self._owners.clear()
         self._keep_layers.clear()
+        self._sampled_health.clear()
+
+    def layer_tree_needed(self, b: BufferedStep) -> bool:
+        """The join asks after StepSeen: a step whose subtree is sampled out needs no layer tree."""
+        return self._keep_layers.get(b.seq, True)
 
     def stats(self) -> dict[str, int]:
         return {**self._counts, "layer_subtrees_kept_slow": self.sampler.kept_slow,
@@ -246,7 +257,7 @@ class TraceOutput:
                     start_ns=b.step.start_ns + off,
                     end_ns=b.step.end_ns + off,
                     parent=parent,
-                    attributes={**self._step_attributes(b.step), "moe.step.shared": True},
+                    attributes={**self._step_attributes(b), "moe.step.shared": True},
                     links=[SpanLink(owner, {"moe.link": "step.owner"})],
                 )
                 self._counts["stub_spans"] += 1
@@ -263,12 +274,13 @@ class TraceOutput:
         self._counts["spans"] += n
 
     # ------------------------------------------------------------------ steps
-    def _step_attributes(self, step: StepEvent) -> Attributes:
+    def _step_attributes(self, b: BufferedStep) -> Attributes:
+        step = b.step
         return {
             "moe.step.tokens": step.tokens,
             "moe.step.batch_size": len(set(step.requests)),
             "moe.step.requests": sorted(set(step.requests)),
-            "moe.step.layers": len(step.layers),
+            "moe.step.layers": b.layer_count,
             "process.pid": step.pid,
             "thread.id": step.tid,
         }
@@ -348,16 +360,17 @@ class TraceOutput:
         spans = self.spans
         step = b.step
         with_layers = self._keep_layers.get(b.seq, True)
-        step_attrs = self._step_health_attributes(b)
+        sampled = None if with_layers else self._sampled_health.get(b.seq)
+        step_attrs = dict(sampled) if sampled is not None else self._step_health_attributes(b)
         per_layer = self._layer_health_attributes(b) if with_layers else {}
-        if not with_layers and step.layers:
+        if not with_layers and b.layer_count:
             step_attrs["moe.step.layers_sampled_out"] = True
         off = self.epoch_offset_ns
         span = spans.start(
             "moe.step",
             start_ns=step.start_ns + off,
             parent=parent,
-            attributes={**self._step_attributes(step), **step_attrs, **extra},
+            attributes={**self._step_attributes(b), **step_attrs, **extra},
         )
         ctx = span.get_span_context()
         n = 1

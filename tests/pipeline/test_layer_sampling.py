@@ -103,3 +103,43 @@ def test_sampler_rejects_a_negative_or_nan_budget() -> None:
     for bad in (-1.0, float("nan")):
         with pytest.raises(ValueError, match="layer_spans_per_s"):
             LayerSampler(layer_spans_per_s=bad)
+
+
+def test_a_sampled_out_step_lets_its_layer_tree_go_at_once_and_keeps_its_step_attributes(tmp_path: Path) -> None:
+    """At production depth the step buffer is mostly layer trees waiting for their requests; a step
+    whose subtree is sampled out needs none, so the join drops it at StepSeen (kept ones wait)."""
+    rng = np.random.default_rng(5)
+    steps = [v2_step(rng, index=i, duration_ns=2 * MS, period_ns=5 * MS) for i in range(120)]
+    for i, step in enumerate(steps):
+        step.requests.extend([1000 + i, 2000 + i])  # marked requests that no kernel record claims (yet)
+    # the step spans' health when every subtree is kept (no tree is let go early): the reference
+    _pipeline, _metrics, all_kept = run(tmp_path / "all", steps, layer_spans_per_s=float("inf"))
+    expected_gini = {s.start_ns: s.attributes["moe.expert_load.gini"] for s in all_kept if s.name == "moe.step"}
+    tracing = build_tracing(resolve_export_config(ExportFlags(state_dir=str(tmp_path / "sampled"),
+                                                              queue_spans=1 << 18), env={}))
+    pipeline = Pipeline(spans=tracing.factory, metrics=Metrics(), epoch_offset_ns=0, clock=lambda: steps[-1].end_ns,
+                        layer_spans_per_s=10 * LAYERS)
+    held = []
+    for step in steps:
+        pipeline.on_steps([step])
+        b = pipeline.join._buffer[-1]
+        held.append((b, bool(b.step.layers)))
+    stats = pipeline.stats()
+    traces = pipeline.traces
+    assert traces is not None
+    released = pipeline.join.stats()["step_trees_released_unread"]
+    assert released == stats["layer_subtrees_sampled_out"] > 0
+    for b, has_tree in held:
+        kept = traces._keep_layers[b.seq]
+        assert has_tree == kept  # sampled out: no tree left in the buffer; kept: waits for its requests
+        assert b.layer_count == LAYERS
+    assert pipeline.join._buffered_layers == (len(steps) - released) * LAYERS
+    pipeline.shutdown()  # flush: every step retires unclaimed and gets its own trace
+    assert tracing.shutdown(timeout_s=60).dropped == 0
+    store = TraceStore.load(tmp_path / "sampled" / "traces")
+    step_spans = [s for t in store.trace_ids() for s in store.spans(t) if s.name == "moe.step"]
+    assert len(step_spans) == len(steps) == len(expected_gini)
+    for span in step_spans:
+        assert span.attributes["moe.step.layers"] == LAYERS
+        # the health a sampled-out step's span carries was taken before its table went
+        assert span.attributes["moe.expert_load.gini"] == pytest.approx(expected_gini[span.start_ns])
