@@ -89,6 +89,9 @@ _RULES = 64
 _SOURCES = 16
 _REASONS = 8
 _MODELS = 16  # gen_ai_request_model values per operation: the runtimes' model names and "unknown"
+# Producer processes (expert-parallel ranks) with per-pid step series: 8 ranks per node is the usual
+# maximum, 64 leaves room for restarts (a restarted rank is a new pid; its old series stay, frozen).
+MAX_RANK_SERIES = 64
 
 METRICS: tuple[MetricSpec, ...] = (
     # --- requests (kernel-timed ingress) ---
@@ -134,6 +137,17 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("moescope_step_tokens", "counter", "Tokens in completed steps (moe.step payload)."),
     MetricSpec("moescope_step_duration_seconds", "histogram", "Duration of one moe.step range (expert compute).",
                unit="seconds", buckets=STEP_BUCKETS_S),
+    # --- MoE steps per producer process (rank; bounded: MAX_RANK_SERIES pids, then dropped and counted) ---
+    MetricSpec("moescope_rank_steps", "counter", "MoE forward steps completed, per producer process (pid).",
+               labels=("pid",), max_series=MAX_RANK_SERIES),
+    MetricSpec("moescope_rank_step_tokens", "counter", "Tokens in completed steps, per producer process (pid).",
+               labels=("pid",), max_series=MAX_RANK_SERIES),
+    MetricSpec("moescope_rank_step_duration_seconds", "histogram",
+               "Duration of one moe.step range, per producer process (pid).",
+               labels=("pid",), unit="seconds", buckets=STEP_BUCKETS_S, max_series=MAX_RANK_SERIES),
+    MetricSpec("moescope_rank_nvtx_records_dropped", "counter",
+               "NVTX records a producer process's ring lost (every drop reason summed), per pid.",
+               labels=("pid",), max_series=MAX_RANK_SERIES),
     MetricSpec("moescope_expert_load_duration_seconds", "histogram",
                "Duration of moe.expert.load ranges (bringing a non-resident expert's weights in).",
                unit="seconds", buckets=LOAD_BUCKETS_S),

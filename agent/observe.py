@@ -91,6 +91,7 @@ class Observers:
         self._meter = st.SelfCostMeter()
         self._event_totals: dict[str, tuple[float, int]] = {}
         self._sources_view: list[st.SourceStats] = []
+        self._rank_drops: dict[int, int] = {}  # pid -> NVTX records its ring lost (read on the daemon thread)
         self._seq = 0
         self._lock = threading.Lock()
 
@@ -139,6 +140,7 @@ class Observers:
         self.metrics.refresh()  # the pipeline's held-back per-step metrics (also done at every scrape)
         self._export_to_metrics(self.tracing.stats())
         self._sources_view = self._source_stats()
+        self._rank_drops = self._nvtx_drops_per_pid()
         publish_source_health(self.metrics, self.daemon.sources)
         engine = self.policy
         if engine is not None:
@@ -506,33 +508,60 @@ class Observers:
             phases=self.pipeline.windows.phases_panel(),
             network=self.pipeline.windows.network_panel(),
             moe=moe,
+            ranks=self.pipeline.windows.ranks_panel(nvtx_drops=dict(self._rank_drops),
+                                                     comms={t.pid: t.comm for t in self.targets}),
             devices=devices,
             policy=policy,
             self_cost=self._meter.sample(),
         )
 
+    def _nvtx_drops_per_pid(self) -> dict[int, int]:
+        """Records each attached ring lost (every drop counter summed), also as a per-pid counter."""
+        out: dict[int, int] = {}
+        for collector in list(self.nvtx):  # retired rings too: their counts stay in the panel
+            try:
+                stats = collector.stats()
+            except Exception:  # a source's stats must not break the live view
+                continue
+            drops = sum(v for k, v in stats.items() if _is_drop(k) and isinstance(v, int))
+            out[collector.pid] = out.get(collector.pid, 0) + drops
+        for pid, drops in out.items():
+            self.metrics.set_counter_total("moescope_rank_nvtx_records_dropped", float(drops), pid=str(pid))
+        return out
+
     def _source_stats(self) -> list[st.SourceStats]:
         out = []
         now = time.monotonic()
-        for source in list(self.daemon.sources):
+        # Sources of one name (an NVTX ring per producer pid) are summed into one row and one series:
+        # their totals set one counter, and per-pid detail is the ranks panel's.
+        by_name: dict[str, tuple[int, dict[str, int]]] = {}
+        sources: list[Any] = list(self.daemon.sources)
+        # retired rings too, so the sums (cumulative counters) never go down when a producer exits
+        sources += [collector for collector in self.nvtx if collector not in sources]
+        for source in sources:
             try:
                 stats = source.stats()
             except Exception:  # a source's stats must not break the live view
                 continue
             events = int(stats.get("records", stats.get("records_received", stats.get("samples_emitted", 0))) or 0)
-            lost = {k: v for k, v in stats.items() if _is_drop(k) and isinstance(v, int)}
+            seen_events, seen_lost = by_name.get(source.name, (0, {}))
+            for k, v in stats.items():
+                if _is_drop(k) and isinstance(v, int):
+                    seen_lost[k] = seen_lost.get(k, 0) + v
+            by_name[source.name] = (seen_events + events, seen_lost)
+        for name, (events, lost) in by_name.items():
             drops = sum(lost.values())
-            last = self._event_totals.get(source.name)
+            last = self._event_totals.get(name)
             rate = None
             if last is not None and now > last[0]:
                 rate = max(0.0, (events - last[1]) / (now - last[0]))
-            self._event_totals[source.name] = (now, events)
-            self.metrics.set_counter_total("moescope_agent_events", float(events), source=source.name)
+            self._event_totals[name] = (now, events)
+            self.metrics.set_counter_total("moescope_agent_events", float(events), source=name)
             for reason, count in lost.items():
                 self.metrics.set_counter_total(
-                    "moescope_agent_events_dropped", float(count), source=source.name, reason=reason
+                    "moescope_agent_events_dropped", float(count), source=name, reason=reason
                 )
-            out.append(st.SourceStats(name=source.name, events_per_s=rate, drops_total=drops))
+            out.append(st.SourceStats(name=name, events_per_s=rate, drops_total=drops))
         # Trace export as a row of its own: spans exported per second; lost = failed + dropped.
         export = self.tracing.stats()
         last = self._event_totals.get("export")

@@ -147,6 +147,30 @@ class Moe:
 
 
 @dataclass(frozen=True, slots=True)
+class Rank:
+    """One producer process (an expert-parallel rank) over the window: its own NVTX ring's steps."""
+
+    pid: int
+    comm: str | None = None
+    steps_per_s: float | None = None
+    step_p50_ms: float | None = None
+    step_p99_ms: float | None = None
+    tokens_per_s: float | None = None
+    steps_total: int | None = None  # since the agent first saw it
+    nvtx_drops_total: int | None = None  # records its ring lost, every reason; None: not known
+
+
+@dataclass(frozen=True, slots=True)
+class Ranks:
+    """Per-producer rows, sorted by pid; the live view shows them when more than one is seen."""
+
+    window_s: float | None = None
+    ranks: list[Rank] = field(default_factory=list)
+    max_ranks: int | None = None  # pids with a row of their own at most
+    untracked_steps: int = 0  # steps of pids past that bound (in the totals, not in a row)
+
+
+@dataclass(frozen=True, slots=True)
 class NvLink:
     link: int
     tx_bytes_per_s: float | None = None
@@ -228,6 +252,7 @@ class Snapshot:
     phases: Phases | None = None
     network: Network = field(default_factory=Network)
     moe: Moe = field(default_factory=Moe)
+    ranks: Ranks = field(default_factory=Ranks)
     devices: Devices = field(default_factory=Devices)
     policy: Policy = field(default_factory=Policy)
     self_cost: SelfCost = field(default_factory=SelfCost)

@@ -153,6 +153,11 @@ SERVING = Dashboard(
             Panel("Recent traces", (Query("$service"),), kind="table", width=16, height=8,
                   description="Jaeger search for the traced service (set the 'traced service' variable).",
                   extra={"jaeger": True}),
+            Panel("Steps per rank (producer pid)", (
+                Query(f"sum by (pid) (rate(moescope_rank_steps_total[{RATE}]))", "{{pid}}"),
+            ), width=8, height=8,
+                  description="One series per producer process (expert-parallel rank), at most 64 pids; a rank "
+                              "stepping slower than the others holds every all-to-all back."),
         )),
         Row("Where the time goes (model requests)", (
             Panel("Where the time goes: p50 / p99 / share of total over the range",

@@ -133,6 +133,7 @@ class MetricsOutput:
         self._pending_counts = PendingCounts()
         self._pending_observations = PendingObservations()  # joined requests' breakdowns
         self._pending_tokens = {"input": 0, "output": 0}
+        self._pending_rank_steps: dict[int, list[int]] = {}  # pid -> [steps, tokens] since the last flush
         self._latest_layer_health: dict[int, tuple[LayerTable, int]] = {}
         self._latest_step_health: LayerTable | None = None
         self._window_gauges_ns = 0
@@ -191,6 +192,11 @@ class MetricsOutput:
             self._latest_layer_health, self._latest_step_health = {}, None
             observations = self._pending_observations.take()
             held_tokens, self._pending_tokens = self._pending_tokens, {"input": 0, "output": 0}
+            rank_steps, self._pending_rank_steps = self._pending_rank_steps, {}
+        for pid, (rank_step_count, rank_tokens) in sorted(rank_steps.items()):
+            m.inc("moescope_rank_steps", rank_step_count, pid=str(pid))
+            if rank_tokens > 0:
+                m.inc("moescope_rank_step_tokens", rank_tokens, pid=str(pid))
         for (name, labels), values in observations.items():
             m.observe_buckets(name, bucket_counts(SPECS[name].buckets, values), float(sum(values)), **dict(labels))
         for direction, n in held_tokens.items():
@@ -253,6 +259,7 @@ class MetricsOutput:
         if step.tokens is not None and step.tokens > 0:  # a counter cannot go down: bad payloads are skipped
             m.inc("moescope_step_tokens", step.tokens)
         m.observe("moescope_step_duration_seconds", step.duration_ns / 1e9)
+        self._rank_step(step.pid, step.duration_ns, step.tokens)
         for layer in step.layers:
             for load in layer.loads:
                 m.observe("moescope_expert_load_duration_seconds", load.duration_ns / 1e9)
@@ -272,6 +279,20 @@ class MetricsOutput:
             self._window_gauges_ns = now = step.end_ns
             for layer_index, gini in windows.layer_gini(now).items():
                 m.set("moescope_expert_load_gini_window", gini, layer=str(layer_index))
+
+    def _rank_step(self, pid: int, duration_ns: int, tokens: int | None) -> None:
+        """The step's per-pid series, held until the next flush (one labelled update per pid then)."""
+        with self._lock:
+            held = self._pending_rank_steps.get(pid)
+            if held is None:
+                held = self._pending_rank_steps[pid] = [0, 0]
+            held[0] += 1
+            if tokens is not None and tokens > 0:
+                held[1] += tokens
+            self._pending_observations.add("moescope_rank_step_duration_seconds", duration_ns / 1e9,
+                                           (("pid", str(pid)),))
+        if self._pending_observations.held > MAX_PENDING_OBSERVATIONS:
+            self.force_flush()
 
     def _telemetry(self, sample: object) -> None:
         m = self.metrics

@@ -40,6 +40,10 @@ from moescope.collectors.nvml import NvmlSample
 from moescope.latency import SlidingQuantile, nearest_rank_position
 
 DEFAULT_WINDOW_NS = 10_000_000_000  # the policy's sliding windows (DESIGN.md: 10 s)
+MAX_RANKS = 64  # producer processes with a row of their own (agent/metrics.py MAX_RANK_SERIES: the same bound)
+MAX_RANK_STEPS = 4096  # steps kept per pid over the window (60 steps/s x 10 s is 600): the oldest leave first
+RANK_RETENTION_NS = 60_000_000_000  # a pid with no step for this long leaves the ranks panel
+MIN_RANK_SPAN_NS = 1_000_000_000  # rates over at least 1 s: a rank seen for 10 ms is not 100 steps/s
 
 
 @dataclass(slots=True)
@@ -222,6 +226,80 @@ class PhaseWindow:
         return self._stats(now_ns).table
 
 
+class RankWindow:
+    """Per producer process (pid, one per expert-parallel rank): its steps over the window, for the
+    live view's ranks panel. At most ``max_ranks`` pids are tracked; a new pid past that takes the
+    slot of a pid with no step for ``retention_ns``, else its steps are counted in ``untracked_steps``."""
+
+    def __init__(self, *, window_ns: int, max_ranks: int = MAX_RANKS, max_steps: int = MAX_RANK_STEPS,
+                 retention_ns: int = RANK_RETENTION_NS) -> None:
+        self.window_ns = window_ns
+        self.max_ranks = max_ranks
+        self.retention_ns = retention_ns
+        self._max_steps = max_steps
+        # pid -> (step end ns, duration ms, tokens) of its steps, oldest first
+        self._steps: dict[int, deque[tuple[int, float, int]]] = {}
+        self._first_ns: dict[int, int] = {}  # when the pid's first step ended (rates over what was seen)
+        self._last_ns: dict[int, int] = {}
+        self._totals: dict[int, int] = {}
+        self.untracked_steps = 0
+
+    def add(self, *, pid: int, end_ns: int, duration_ms: float, tokens: int | None) -> None:
+        steps = self._steps.get(pid)
+        if steps is None:
+            if len(self._steps) >= self.max_ranks and not self._free_slot(end_ns):
+                self.untracked_steps += 1
+                return
+            steps = self._steps[pid] = deque(maxlen=self._max_steps)
+            self._first_ns[pid], self._totals[pid] = end_ns, 0
+        steps.append((end_ns, duration_ms, tokens if tokens is not None and tokens > 0 else 0))
+        self._last_ns[pid] = max(end_ns, self._last_ns.get(pid, end_ns))
+        self._totals[pid] += 1
+
+    def _free_slot(self, now_ns: int) -> bool:
+        stale = [pid for pid, last in self._last_ns.items() if last < now_ns - self.retention_ns]
+        for pid in stale:
+            self._forget(pid)
+        return bool(stale)
+
+    def _forget(self, pid: int) -> None:
+        for table in (self._steps, self._first_ns, self._last_ns, self._totals):
+            table.pop(pid, None)
+
+    def panel(self, now_ns: int, *, nvtx_drops: dict[int, int] | None = None,
+              comms: dict[int, str] | None = None) -> st.Ranks:
+        """One row per pid with a step in the last ``retention_ns``, sorted by pid."""
+        self._free_slot(now_ns)
+        horizon = now_ns - self.window_ns
+        rows = []
+        for pid in sorted(self._steps):
+            steps = self._steps[pid]
+            while steps and steps[0][0] <= horizon:
+                steps.popleft()
+            span_ns = max(MIN_RANK_SPAN_NS, min(self.window_ns, now_ns - self._first_ns[pid]))
+            p50 = p99 = None
+            tokens_per_s = None
+            if steps:
+                durations = np.fromiter((d for _, d, _ in steps), dtype=np.float64, count=len(steps))
+                k50, k99 = nearest_rank_position(len(steps), 0.50), nearest_rank_position(len(steps), 0.99)
+                ranked = np.partition(durations, [k50, k99])
+                p50, p99 = float(ranked[k50]), float(ranked[k99])
+                tokens = sum(t for _, _, t in steps)
+                tokens_per_s = tokens / (span_ns / 1e9) if tokens else 0.0
+            rows.append(st.Rank(
+                pid=pid,
+                comm=(comms or {}).get(pid),
+                steps_per_s=len(steps) / (span_ns / 1e9),
+                step_p50_ms=p50,
+                step_p99_ms=p99,
+                tokens_per_s=tokens_per_s,
+                steps_total=self._totals[pid],
+                nvtx_drops_total=None if nvtx_drops is None else nvtx_drops.get(pid),
+            ))
+        return st.Ranks(window_s=self.window_ns / 1e9, ranks=rows, max_ranks=self.max_ranks,
+                        untracked_steps=self.untracked_steps)
+
+
 class WindowsOutput:
     name = "windows"
 
@@ -243,6 +321,7 @@ class WindowsOutput:
         self._layer_precision: dict[int, str] = {}
         self._runtime: RuntimeState | None = None
         self._net = NetSignalWindow(window_ns=window_ns)
+        self._ranks = RankWindow(window_ns=window_ns)
 
     # ------------------------------------------------------------------ Output
     def export(self, batch: Sequence[JoinEvent]) -> None:
@@ -262,6 +341,8 @@ class WindowsOutput:
                         step = b.step
                         self._step_ms.add(step.end_ns, step.duration_ns / 1e6)
                         self._step_rate.add(now)
+                        self._ranks.add(pid=step.pid, end_ns=step.end_ns, duration_ms=step.duration_ns / 1e6,
+                                        tokens=step.tokens)
                         for layer in step.layers:
                             for load in layer.loads:
                                 self._load_ms.add(load.end_ns, load.duration_ns / 1e6)
@@ -345,6 +426,12 @@ class WindowsOutput:
             resets_per_s=net.resets_per_s,
             listen_overflows_total=net.listen_overflows_total,
         )
+
+    def ranks_panel(self, *, nvtx_drops: dict[int, int] | None = None,
+                    comms: dict[int, str] | None = None) -> st.Ranks:
+        """The live view's ranks panel: steps per producer process (pid) over the window."""
+        with self._lock:
+            return self._ranks.panel(self.clock(), nvtx_drops=nvtx_drops, comms=comms)
 
     def phases_panel(self) -> Phases:
         """The live view's "where the time goes" panel: the phase window the policy reads."""

@@ -17,6 +17,7 @@ from moescope.agent.tui.header import HEADER_ROWS, HeaderBar
 from moescope.agent.tui.moe import MoePanel
 from moescope.agent.tui.phases import PhasesPanel
 from moescope.agent.tui.policy import PolicyPanel
+from moescope.agent.tui.ranks import RanksPanel, shows_ranks
 from moescope.agent.tui.requests import RequestsPanel
 
 WIDE_MIN_COLUMNS = 120
@@ -46,6 +47,13 @@ def share_rows(total: int, mins: Sequence[int], naturals: Sequence[int]) -> list
 def snapshot_phases(snapshot: Snapshot | None) -> Phases | None:
     """The snapshot's "where the time goes" table; None when its agent publishes none (no panel)."""
     return None if snapshot is None else snapshot.phases  # None: its agent did not publish one
+
+
+def snapshot_ranks(snapshot: Snapshot | None) -> RanksPanel | None:
+    """The ranks panel when the snapshot has more than one producer, else None (no panel)."""
+    if snapshot is None or not shows_ranks(snapshot.ranks):
+        return None
+    return RanksPanel(snapshot.ranks)
 
 
 def phases_height(panel: PhasesPanel, flex: int, others_min: int) -> int:
@@ -103,22 +111,24 @@ class Dashboard:
         policy = PolicyPanel(None if s is None else s.policy, taken_unix_s=None if s is None else s.taken_unix_s)
         table = snapshot_phases(s)
         phases = None if table is None else PhasesPanel(table)
+        ranks = snapshot_ranks(s)
         if height is not None:
             flex = height - HEADER_ROWS - RequestsPanel.natural_rows()
             if phases is not None:
-                phases.height = phases_height(phases, flex, devices.min_rows() + moe.min_rows() + policy.min_rows())
+                phases.height = phases_height(phases, flex, devices.min_rows() + moe.min_rows() + policy.min_rows()
+                                              + (0 if ranks is None else ranks.min_rows()))
                 flex -= phases.height
-            # devices first: short, and it answers "is the GPU full"
-            dev_h, moe_h, pol_h = share_rows(
-                flex,
-                [devices.min_rows(), moe.min_rows(), policy.min_rows()],
-                [devices.natural_rows(), moe.natural_rows(), policy.natural_rows()],
-            )
-            moe.height, devices.height, policy.height = moe_h, dev_h, pol_h
+            # devices first: short, and it answers "is the GPU full"; ranks last: it gets what is left
+            panels: list[DevicesPanel | MoePanel | PolicyPanel | RanksPanel] = [devices, moe, policy]
+            if ranks is not None:
+                panels.append(ranks)
+            heights = share_rows(flex, [p.min_rows() for p in panels], [p.natural_rows() for p in panels])
+            for panel, rows in zip(panels, heights, strict=True):
+                panel.height = rows
         requests = RequestsPanel(None if s is None else s.requests, network=None if s is None else s.network)
-        if phases is None:
-            return [self.header(), requests, moe, devices, policy]
-        return [self.header(), requests, phases, moe, devices, policy]
+        out: list[RenderableType] = [self.header(), requests]
+        out += [p for p in (phases, ranks) if p is not None]
+        return [*out, moe, devices, policy]
 
     def _wide(self, height: int | None, width: int) -> list[RenderableType]:
         s = self.snapshot
@@ -134,18 +144,23 @@ class Dashboard:
         top_min = max(RequestsPanel.natural_rows(), devices.min_rows())
         table = snapshot_phases(s)
         phases = None if table is None else PhasesPanel(table)
+        ranks = snapshot_ranks(s)
         top_h: int | None = None
         if height is not None:
             flex = height - HEADER_ROWS
+            ranks_min = 0 if ranks is None else ranks.min_rows()
             if phases is not None:
-                phases.height = phases_height(phases, flex, top_min + moe.min_rows() + policy.min_rows())
+                phases.height = phases_height(phases, flex, top_min + moe.min_rows() + policy.min_rows() + ranks_min)
                 flex -= phases.height
-            top_h, moe_h, pol_h = share_rows(
-                flex,
-                [top_min, moe.min_rows(), policy.min_rows()],
-                [top_natural, moe.natural_rows(), policy.natural_rows()],
-            )
+            mins = [top_min, moe.min_rows(), policy.min_rows()]
+            naturals = [top_natural, moe.natural_rows(), policy.natural_rows()]
+            if ranks is not None:
+                mins.append(ranks_min)
+                naturals.append(ranks.natural_rows())
+            top_h, moe_h, pol_h, *ranks_h = share_rows(flex, mins, naturals)
             moe.height, policy.height = moe_h, pol_h
+            if ranks is not None:
+                ranks.height = ranks_h[0]
         else:
             top_h = top_natural
         requests.height = top_h
@@ -154,6 +169,6 @@ class Dashboard:
         top.add_column(ratio=2)
         top.add_column(ratio=3)
         top.add_row(requests, devices)
-        if phases is None:
-            return [self.header(), top, moe, policy]
-        return [self.header(), top, phases, moe, policy]
+        out: list[RenderableType] = [self.header(), top]
+        out += [p for p in (phases, ranks) if p is not None]
+        return [*out, moe, policy]
