@@ -132,6 +132,8 @@ def _merge(defaults: dict[str, Any], user: dict[str, Any], user_source: str) -> 
         base = merged_rules.get(name, {})
         if "signal" in body and "phase" not in body:
             base.pop("phase", None)  # a new signal drops the default's phase (it may not take one)
+        if "phase" in body and "signal" not in body:
+            base["signal"] = PHASE_SIGNAL  # a phase alone selects the phase signal
         for pair in WINDOW_PAIRS:
             if any(k in body for k in pair):  # the user's window form replaces the default's
                 for k in pair:

@@ -264,17 +264,15 @@ def test_hung_runtime_times_out_without_blocking_evaluation(
 def test_restart_reads_state_and_never_applies_twice(start_runtime: StartRuntime, make_engine: MakeEngine) -> None:
     rt = start_runtime(*HOT_BUDGET)
     rules = ("fp16_fallback", "expert_offload", "expert_queue_soft_limit")
-    hot: SignalValues = {"request_phase_inference_p99_ms": 500.0, "device_memory_used_ratio": 0.99,
-                         "expert_queue_tokens": {(1, 3): 80.0}}
-    cool: SignalValues = {"request_phase_inference_p99_ms": 100.0, "device_memory_used_ratio": 0.5,
-                          "expert_queue_tokens": {(1, 3): 0.0}}
+    hot: SignalValues = {"step_p99_ms": 500.0, "device_memory_used_ratio": 0.99, "expert_queue_tokens": {(1, 3): 80.0}}
+    cool: SignalValues = {"step_p99_ms": 100.0, "device_memory_used_ratio": 0.5, "expert_queue_tokens": {(1, 3): 0.0}}
     state_path = rt.workdir / "policy-state.json"
     first, audit1, _ = make_engine(rt, *rules, state_path=state_path)
     first.start()
     t = 0.0
     for i in range(30):
         # Offload first: fp16 halves the experts' bytes, after which there would be nothing to offload.
-        values: SignalValues = {**hot, "request_phase_inference_p99_ms": 500.0 if i >= 25 else math.nan}
+        values: SignalValues = {**hot, "step_p99_ms": 500.0 if i >= 25 else math.nan}
         first.evaluate(Signals(t_s=t, **values))
         assert first.wait_idle(60)
         t += PERIOD_S
@@ -343,7 +341,7 @@ def test_conflicting_weight_actions_are_serialised(start_runtime: StartRuntime, 
     t = 0.0
     for i in range(25):  # both windows close at the 25th evaluation
         step = 500.0 if i >= 22 else math.nan
-        engine.evaluate(Signals(t_s=t, request_phase_inference_p99_ms=step, device_memory_used_ratio=0.99))
+        engine.evaluate(Signals(t_s=t, step_p99_ms=step, device_memory_used_ratio=0.99))
         if i < 24:
             assert engine.wait_idle(60)
         t += PERIOD_S
@@ -352,7 +350,7 @@ def test_conflicting_weight_actions_are_serialised(start_runtime: StartRuntime, 
         ("fp16_fallback", "suppressed-by-conflict")
     ]
     assert engine.wait_idle(60)
-    engine.evaluate(Signals(t_s=t, request_phase_inference_p99_ms=500.0, device_memory_used_ratio=0.99))
+    engine.evaluate(Signals(t_s=t, step_p99_ms=500.0, device_memory_used_ratio=0.99))
     assert engine.wait_idle(60)
     assert sorted((r.rule, r.decision, r.outcome) for r in audit.recent()) == [
         ("expert_offload", "fire", "ok"),
@@ -370,13 +368,11 @@ def test_dry_run_sends_nothing(start_runtime: StartRuntime, make_engine: MakeEng
     engine, audit, actuator = make_engine(rt, *(r.name for r in DEFAULTS.rules), dry_run=True)
     assert engine.start() is False
     hot = Signals(
-        t_s=0.0, request_phase_inference_p99_ms=900.0, device_memory_used_ratio=0.99,
-        request_phase_expert_load_p99_ms=300.0, request_p99_ms=900.0,
+        t_s=0.0, step_p99_ms=900.0, device_memory_used_ratio=0.99, expert_load_p99_ms=300.0, request_p99_ms=900.0,
         expert_queue_tokens={(0, 1): 80.0}, expert_load_gini={1: 0.3}, router_entropy_ratio={0: 0.2},
     )
     cool = Signals(
-        t_s=0.0, request_phase_inference_p99_ms=100.0, device_memory_used_ratio=0.5,
-        request_phase_expert_load_p99_ms=10.0, request_p99_ms=100.0,
+        t_s=0.0, step_p99_ms=100.0, device_memory_used_ratio=0.5, expert_load_p99_ms=10.0, request_p99_ms=100.0,
         expert_queue_tokens={(0, 1): 0.0}, expert_load_gini={1: 0.05}, router_entropy_ratio={0: 0.9},
     )
     t = 0.0

