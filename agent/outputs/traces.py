@@ -365,6 +365,13 @@ class TraceOutput:
         per_layer = self._layer_health_attributes(b) if with_layers else {}
         if not with_layers and b.layer_count:
             step_attrs["moe.step.layers_sampled_out"] = True
+        device_by_layer: dict[int, float] = {}
+        device_us = step.device_time_us  # moe.step.device: the layers' expert device time, layer order
+        if device_us is not None and b.layer_count and len(device_us) == b.layer_count:
+            step_attrs["moe.step.device_time_us"] = float(device_us.sum())
+            if with_layers:
+                order = sorted(layer.layer for layer in step.layers)
+                device_by_layer = dict(zip(order, device_us.tolist(), strict=True))
         off = self.epoch_offset_ns
         span = spans.start(
             "moe.step",
@@ -376,7 +383,10 @@ class TraceOutput:
         n = 1
         if with_layers:
             for layer in step.layers:
-                n += self._layer(layer, parent=ctx, attrs=per_layer.get(layer.layer, {}))
+                attrs = per_layer.get(layer.layer, {})
+                if layer.layer in device_by_layer:
+                    attrs = {**attrs, "moe.experts.device_time_us": device_by_layer[layer.layer]}
+                n += self._layer(layer, parent=ctx, attrs=attrs)
         spans.end(span, end_ns=step.end_ns + off, events=self._device_events(step))
         self._counts["spans"] += n
         return ctx

@@ -143,3 +143,24 @@ def test_a_sampled_out_step_lets_its_layer_tree_go_at_once_and_keeps_its_step_at
         assert span.attributes["moe.step.layers"] == LAYERS
         # the health a sampled-out step's span carries was taken before its table went
         assert span.attributes["moe.expert_load.gini"] == pytest.approx(expected_gini[span.start_ns])
+
+
+def test_the_steps_device_times_reach_the_step_and_layer_spans(tmp_path: Path) -> None:
+    """moe.step.device (a runtime's CUDA-event times, one per layer in layer order) is on the step
+    span as a total and on each layer span as its own; a vector of the wrong length is left out."""
+    rng = np.random.default_rng(6)
+    steps = [v2_step(rng, index=i, duration_ns=2 * MS, period_ns=5 * MS, layers=4) for i in range(3)]
+    steps[0].device_time_us = np.array([10.0, 20.0, 30.0, 40.0], dtype=np.float32)
+    steps[1].device_time_us = np.array([1.0, 2.0], dtype=np.float32)  # 2 values for 4 layers: left out
+    _pipeline, _metrics, spans = run(tmp_path, steps, layer_spans_per_s=float("inf"))
+    by_start = {s.start_ns: s for s in spans if s.name == "moe.step"}
+    first, second, third = (by_start[s.start_ns] for s in steps)
+    assert first.attributes["moe.step.device_time_us"] == pytest.approx(100.0)
+    assert "moe.step.device_time_us" not in second.attributes
+    assert "moe.step.device_time_us" not in third.attributes
+    layers = {s.attributes["moe.layer"]: s for s in spans
+              if s.name == "moe.layer" and s.parent_span_id == first.span_id}
+    assert {k: v.attributes["moe.experts.device_time_us"] for k, v in layers.items()} == pytest.approx(
+        {0: 10.0, 1: 20.0, 2: 30.0, 3: 40.0})
+    assert not any("moe.experts.device_time_us" in s.attributes for s in spans
+                   if s.name == "moe.layer" and s.parent_span_id != first.span_id)
