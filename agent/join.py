@@ -253,6 +253,7 @@ class RequestJoin:
         self._num_experts = num_experts or 0
         self._lock = threading.Lock()  # records arrive on the daemon thread; stats() may run elsewhere
         self._outputs: list[Output] = []
+        self._tree_readers: list[Callable[[BufferedStep], bool]] = []  # outputs' layer_tree_needed
         self._output_errors: dict[str, int] = {}
         # (pid, request key) -> buffered steps carrying that key, oldest first
         self._by_key: dict[tuple[int, int], deque[BufferedStep]] = {}
@@ -274,6 +275,9 @@ class RequestJoin:
     # ------------------------------------------------------------------ outputs
     def add_output(self, output: Output) -> None:
         self._outputs.append(output)
+        needed = getattr(output, "layer_tree_needed", None)  # the optional part of Output
+        if needed is not None:
+            self._tree_readers.append(needed)
 
     @property
     def outputs(self) -> list[Output]:
@@ -437,7 +441,7 @@ class RequestJoin:
         # one int32 [layers, 2E] block per step: tokens | over capacity. int32 halves what a
         # buffered step holds (at DeepSeek-V3 shape 58 x 512 counts: 119 KB instead of 238 KB)
         both = np.zeros((len(routers), 2 * num_experts), dtype=np.int32)
-        of_layer = [layer.router for layer in step.layers if layer.router is not None]  # as `routers`
+        of_layer = [layer.router for layer in routers if layer.router is not None]  # (all of them: typed)
         entropy = np.array([NAN if r.entropy_bits is None else r.entropy_bits for r in of_layer], dtype=np.float64)
         index = np.array([layer.layer for layer in routers], dtype=np.int64)
         keep = np.ones(len(routers), dtype=bool)
@@ -508,7 +512,7 @@ class RequestJoin:
     def _release_unread_trees(self, events: Sequence[JoinEvent]) -> None:
         """Steps whose layer tree no output reads after StepSeen (a trace subtree sampled out, or
         no trace output) let it go now: at production depth the buffer is mostly these trees."""
-        readers = [r for r in (getattr(o, "layer_tree_needed", None) for o in self._outputs) if r is not None]
+        readers = self._tree_readers
         seen = [e.step for e in events if isinstance(e, StepSeen)]
         unread = [b for b in seen if b.step.layers and not any(needed(b) for needed in readers)]
         if unread:

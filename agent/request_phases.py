@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 PHASES = ("receive", "queue", "prefill", "decode", "write")  # in order; they sum to the duration
-SUBPHASES = ("expert_load", "routing")  # parts of prefill + decode
 
 
 class KernelTimes(Protocol):

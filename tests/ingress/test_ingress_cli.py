@@ -279,7 +279,7 @@ def run_c_client_under_agent(
 def test_counts_are_exact_when_the_ring_overflows(
     bpf: None, c_pair: CPair, run_agent: Callable[..., AgentRun]
 ) -> None:
-    # A one-page ring (42 records) against ~100k requests/s: most records are lost, no count is.
+    # A one-page ring (~36 records) against ~100k requests/s: most records are lost, no count is.
     match, total = run_c_client_under_agent(c_pair, run_agent, 20_000, "--ingress-ring-pages", "1",
                                             "--ingress-records-per-s", "0")
     assert total == 20_000

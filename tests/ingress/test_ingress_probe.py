@@ -250,7 +250,7 @@ def test_targets_sharing_a_filter_slot_are_told_apart(bpf: None, start_server: C
 
 
 def test_small_ring_wraps_and_every_loss_is_counted(bpf: None, start_server: Callable[..., Server]) -> None:
-    # One page holds 42 records: draining every 10 requests wraps the ring many times without
+    # One page holds ~36 records (104 B + 8 B header): draining every 10 requests wraps the ring many times without
     # loss; 100 requests with no drain overflow it, and every lost record is counted.
     tracer = Tracer(options=loader.IngressOptions(ringbuf_pages=1))
     tracer.probe.load()
@@ -291,7 +291,7 @@ def test_small_ring_wraps_and_every_loss_is_counted(bpf: None, start_server: Cal
 
 
 def test_ring_overflow_under_a_fast_client_loses_records_never_counts(bpf: None, c_pair: CPair) -> None:
-    # The C pair makes requests far faster than one page of ring (42 records) between drains.
+    # The C pair makes requests far faster than one page of ring (~36 records) between drains.
     tracer = Tracer(options=loader.IngressOptions(ringbuf_pages=1))
     tracer.probe.load()
     try:

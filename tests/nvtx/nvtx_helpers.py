@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from moescope.collectors.moe_convention import MoeConventionParser, StepEvent
 from moescope.collectors.nvtx import MARK_DTYPE, RANGE_DTYPE, NvtxBatch, NvtxCollector
 
 HERE = Path(__file__).resolve().parent
@@ -91,3 +92,27 @@ def kill_group(proc: subprocess.Popen[str]) -> None:
     for stream in (proc.stdin, proc.stdout):
         if stream is not None:
             stream.close()
+
+
+def parse_steps(batches: list[NvtxBatch], *, fast: bool) -> tuple[list[StepEvent], dict[str, int]]:
+    """The steps and counters the convention parser gets from ``batches`` (``fast``: the column-wise
+    path for well-formed steps; else every event one by one)."""
+    steps: list[StepEvent] = []
+    parser = MoeConventionParser(sink=steps.extend, fast=fast)
+    for batch in batches:
+        parser(batch)
+    return steps, parser.stats()
+
+
+def plain(value: object) -> object:
+    """A parsed event tree as plain values (arrays as dtype kind + list), for exact comparison."""
+    if isinstance(value, np.ndarray):
+        return ("array", value.dtype.str, value.tolist())
+    slots = getattr(type(value), "__slots__", None)
+    if slots and not isinstance(value, (int, float, str)):
+        return (type(value).__name__, {name: plain(getattr(value, name)) for name in slots})
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    return value

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from nvtx_helpers import parse_steps, plain
 
 from moescope.collectors.moe_convention import MoeConventionParser, StepEvent
 from moescope.collectors.nvtx import (
@@ -170,25 +171,8 @@ def _batches(tape: _Tape, lost: set[int], cuts: list[int]) -> list[NvtxBatch]:
     return out
 
 
-def _plain(value: object) -> object:
-    if isinstance(value, np.ndarray):
-        return ("array", value.dtype.str, value.tolist())
-    slots = getattr(type(value), "__slots__", None)
-    if slots and not isinstance(value, (int, float, str)):
-        return (type(value).__name__, {name: _plain(getattr(value, name)) for name in slots})
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
 def _run(batches: list[NvtxBatch], *, fast: bool) -> tuple[list[StepEvent], dict[str, int]]:
-    steps: list[StepEvent] = []
-    parser = MoeConventionParser(sink=steps.extend, fast=fast)
-    for batch in batches:
-        parser(batch)
-    stats = parser.stats()
+    steps, stats = parse_steps(batches, fast=fast)
     stats.pop("steps_columnar")
     return steps, stats
 
@@ -201,7 +185,7 @@ def test_both_paths_give_the_same_steps_and_counts(steps: list[dict[str, Any]], 
     fast_steps, fast_stats = _run(batches, fast=True)
     slow_steps, slow_stats = _run(batches, fast=False)
     assert fast_stats == slow_stats
-    assert _plain(fast_steps) == _plain(slow_steps)
+    assert plain(fast_steps) == plain(slow_steps)
 
 
 def test_well_formed_steps_in_one_batch_all_take_the_column_wise_path() -> None:

@@ -12,11 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-from nvtx_helpers import HERE, Producer, drain_until_finished, kill_group
+from nvtx_helpers import HERE, Producer, drain_until_finished, kill_group, parse_steps, plain
 
-from moescope.collectors.moe_convention import MoeConventionParser, StepEvent
+from moescope.collectors.moe_convention import StepEvent
 from moescope.collectors.nvtx import NvtxBatch, NvtxCollector, injection_env
 
 REPO = HERE.parent.parent
@@ -60,35 +59,13 @@ def record(tmp_path: Path, ring_dir: Path) -> Iterator[Any]:
             kill_group(proc)
 
 
-def _parse(batches: list[NvtxBatch], *, fast: bool) -> tuple[list[StepEvent], dict[str, int]]:
-    steps: list[StepEvent] = []
-    parser = MoeConventionParser(sink=steps.extend, fast=fast)
-    for batch in batches:
-        parser(batch)
-    return steps, parser.stats()
-
-
-def _plain(value: object) -> object:
-    """A parsed event tree as plain values (arrays as dtype kind + list), for exact comparison."""
-    if isinstance(value, np.ndarray):
-        return ("array", value.dtype.str, value.tolist())
-    slots = getattr(type(value), "__slots__", None)
-    if slots and not isinstance(value, (int, float, str)):
-        return (type(value).__name__, {name: _plain(getattr(value, name)) for name in slots})
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
 def _assert_paths_agree(batches: list[NvtxBatch]) -> tuple[list[StepEvent], dict[str, int]]:
-    fast_steps, fast_stats = _parse(batches, fast=True)
-    slow_steps, slow_stats = _parse(batches, fast=False)
+    fast_steps, fast_stats = parse_steps(batches, fast=True)
+    slow_steps, slow_stats = parse_steps(batches, fast=False)
     assert slow_stats["steps_columnar"] == 0
     assert {k: v for k, v in fast_stats.items() if k != "steps_columnar"} == {
         k: v for k, v in slow_stats.items() if k != "steps_columnar"}
-    assert _plain(fast_steps) == _plain(slow_steps)
+    assert plain(fast_steps) == plain(slow_steps)
     return fast_steps, fast_stats
 
 
