@@ -1,8 +1,10 @@
-"""Package build: the pure-Python agent plus one native piece, the NVTX injection library.
-
-The library is a plain C shared object (no Python API) that NVTX dlopen()s inside the serving
-process; it is built here as an Extension so that `pip install -e .` (scripts/setup.sh) and wheel
-builds both produce collectors/nvtx_inject/libmoescope_nvtx.so, where collectors/nvtx.py finds it.
+"""Package build: the pure-Python agent plus two native pieces, plain C shared objects (no Python
+API) built here as Extensions so that `pip install -e .` (scripts/setup.sh) and wheel builds both
+produce them where the code finds them:
+- collectors/nvtx_inject/libmoescope_nvtx.so, the NVTX injection library NVTX dlopen()s inside the
+  serving process (collectors/nvtx.py);
+- agent/native/libmoescope_health.so, the agent's per-row routing-health reductions, loaded with
+  ctypes (agent/native/__init__.py).
 Each top-level folder installs as a subpackage of `moescope` (see PACKAGE_DIR).
 """
 
@@ -14,6 +16,8 @@ from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 NVTX_EXT_NAME = "moescope.collectors.nvtx_inject.libmoescope_nvtx"
+HEALTH_EXT_NAME = "moescope.agent.native.libmoescope_health"
+PLAIN_LIBRARIES = (NVTX_EXT_NAME, HEALTH_EXT_NAME)
 
 # Everything installs under one import namespace, `moescope`: each top-level folder of the
 # repository is a subpackage (agent/ -> moescope.agent, ...); nothing generic lands in site-packages.
@@ -25,19 +29,19 @@ PACKAGES = ["moescope"] + [
 
 
 class BuildNativeLibrary(build_ext):
-    """build_ext that names the injection library `libmoescope_nvtx.so` (no Python ABI suffix):
-    it is loaded by NVTX through an environment variable, never imported."""
+    """build_ext that names the plain libraries `lib*.so` (no Python ABI suffix): they are loaded
+    by NVTX through an environment variable or with ctypes, never imported."""
 
     def get_ext_filename(self, fullname: str) -> str:
         filename = str(super().get_ext_filename(fullname))
         # called with the full dotted name and with its last part alone, depending on the step
-        if NVTX_EXT_NAME.endswith(fullname):
+        if any(name.endswith(fullname) for name in PLAIN_LIBRARIES):
             suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
             filename = filename[: -len(suffix)] + ".so"
         return filename
 
     def get_export_symbols(self, ext: Extension) -> list[str]:
-        if ext.name == NVTX_EXT_NAME:
+        if ext.name in PLAIN_LIBRARIES:
             return []  # no PyInit_ symbol: this is not a Python module
         return list(super().get_export_symbols(ext))
 
@@ -50,9 +54,16 @@ nvtx_injection = Extension(
     extra_link_args=["-pthread"],
 )
 
+health_reductions = Extension(
+    HEALTH_EXT_NAME,
+    sources=["agent/native/routing_health.c"],
+    extra_compile_args=["-std=c11", "-O2", "-fvisibility=hidden", "-Wall", "-Wextra"],
+    libraries=["m"],
+)
+
 setup(
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
-    ext_modules=[nvtx_injection],
+    ext_modules=[nvtx_injection, health_reductions],
     cmdclass={"build_ext": BuildNativeLibrary},
 )

@@ -35,7 +35,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -50,7 +50,7 @@ from moescope.agent.routing_health import (
     layer_table,
 )
 from moescope.collectors.host import HostSample, MemorySignal
-from moescope.collectors.moe_convention import StepBatch, StepEvent
+from moescope.collectors.moe_convention import ROUTER_NONE, LayerColumns, StepBatch, StepEvent
 from moescope.collectors.netsig import NetSignalRecord
 from moescope.collectors.nvml import NvmlSample
 from moescope.collectors.registry import TelemetryRecord
@@ -202,6 +202,9 @@ def layer_precision_of(state: RuntimeState) -> dict[int, str]:
 def step_phase_times(step: StepEvent) -> tuple[int, int]:
     """(routing ns, expert-load ns) of one step: its moe.router and moe.expert.load ranges summed
     (a range that ends before it starts counts 0)."""
+    columns = step.columns
+    if columns is not None:
+        return columns.routing_ns(), 0  # a columnar step has no expert-load ranges
     routing_ns = load_ns = 0
     for layer in step.layers:
         router = layer.router
@@ -388,7 +391,11 @@ class RequestJoin:
     # ------------------------------------------------------------------ steps
     def _experts_for(self, step: StepEvent) -> tuple[int, bool]:
         """E: the moe.layer payload (moe/v1) wins; else --num-experts; else the largest expert id seen."""
-        reported = max((layer.num_experts or 0 for layer in step.layers), default=0)
+        columns = step.columns
+        if columns is not None:
+            reported = columns.num_experts
+        else:
+            reported = max((layer.num_experts or 0 for layer in step.layers), default=0)
         if reported:
             wanted = reported
         elif self._configured_experts:
@@ -416,12 +423,12 @@ class RequestJoin:
         self._seq += 1
         buffered = BufferedStep(self._seq, step, num_experts, self._table(step, num_experts), len(set(step.requests)))
         buffered.routing_ns, buffered.expert_load_ns = step_phase_times(step)
-        buffered.layer_count = len(step.layers)
+        buffered.layer_count = layers = step.layer_count
         self._buffer.append(buffered)
         for key in set(step.requests):
             self._by_key.setdefault((step.pid, key), deque()).append(buffered)
         events: list[JoinEvent] = [StepSeen(buffered, changed)]
-        self._buffered_layers += len(step.layers)
+        self._buffered_layers += layers
         while len(self._buffer) > self.max_buffered_steps or (
             self._buffered_layers > self.max_buffered_layers and len(self._buffer) > 1
         ):
@@ -435,6 +442,9 @@ class RequestJoin:
         moe/v2 rows arrive as arrays (``RouterEvent.counts``) and are copied in; v1's per-expert
         dicts are converted. A layer with bad counts (an expert id >= a configured E, a negative
         count) is left out of the health and counted (``layers_bad_routing``); its timing stays."""
+        columns = step.columns
+        if columns is not None and columns.num_experts == num_experts:
+            return self._columns_table(columns, num_experts)
         routers = [layer for layer in step.layers if layer.router is not None]
         if num_experts <= 0 or not routers:
             return empty_table(max(1, num_experts))
@@ -491,6 +501,35 @@ class RequestJoin:
         return layer_table(layers=index, tokens=both[:, :num_experts], dropped=both[:, num_experts:],
                            router_entropy_bits=entropy)
 
+    def _columns_table(self, columns: LayerColumns, num_experts: int) -> LayerTable:
+        """_table for a step whose layers are columns (E = num_experts): its routing block is used
+        as it is (the decoded step vector, or the stacked layer vectors), range-checked at once and
+        cast only when it is not int32 already."""
+        routed = columns.router_kind > ROUTER_NONE
+        if not routed.any():
+            return empty_table(max(1, num_experts))
+        rows = np.flatnonzero(routed)
+        every = len(rows) == len(columns)
+        counts = columns.counts
+        if counts is None:
+            block = np.zeros((len(rows), 2 * num_experts), dtype=np.int32)  # routers that sent no routing
+        else:
+            block = counts if every else counts[rows]
+            unrouted = ~columns.has_routing[rows]
+            if unrouted.any():
+                block = block.copy()
+                block[unrouted] = 0
+        entropy, index = columns.entropy_bits[rows], columns.layer[rows]
+        fits = block.min(axis=1) >= 0
+        if block.dtype != np.int32:
+            fits &= block.max(axis=1) <= INT32_MAX
+        if not fits.all():
+            self._counts["layers_bad_routing"] += int((~fits).sum())
+            block, entropy, index = block[fits], entropy[fits], index[fits]
+        block = block.astype(np.int32, copy=False)
+        return layer_table(layers=index, tokens=block[:, :num_experts], dropped=block[:, num_experts:],
+                           router_entropy_bits=entropy)
+
     def _claim_steps(self, record: IngressRecord) -> list[BufferedStep]:
         """Buffered steps of this request (same pid, key == fd, started inside its interval)."""
         queue = self._by_key.get((record.tgid, record.fd))
@@ -514,7 +553,7 @@ class RequestJoin:
         no trace output) let it go now: at production depth the buffer is mostly these trees."""
         readers = self._tree_readers
         seen = [e.step for e in events if isinstance(e, StepSeen)]
-        unread = [b for b in seen if b.step.layers and not any(needed(b) for needed in readers)]
+        unread = [b for b in seen if b.step.layer_count and not any(needed(b) for needed in readers)]
         if unread:
             with self._lock:
                 for b in unread:
@@ -522,10 +561,10 @@ class RequestJoin:
                 self._counts["step_trees_released_unread"] += len(unread)
 
     def _release_tree_locked(self, b: BufferedStep) -> None:
-        if b.retired or not b.step.layers:
+        if b.retired or not b.step.layer_count:
             return
-        self._buffered_layers -= len(b.step.layers)
-        b.step = replace(b.step, layers=[])
+        self._buffered_layers -= b.step.layer_count
+        b.step = b.step.without_layers()
         table = self._empty_tables.get(b.num_experts)
         if table is None:
             table = self._empty_tables[b.num_experts] = empty_table(b.num_experts)
@@ -534,7 +573,7 @@ class RequestJoin:
     def _retire_oldest_locked(self) -> BufferedStep:
         b = self._buffer.popleft()
         b.retired = True
-        self._buffered_layers -= len(b.step.layers)
+        self._buffered_layers -= b.step.layer_count
         for key in set(b.step.requests):
             q = self._by_key.get((b.step.pid, key))
             if q and q[0] is b:

@@ -60,6 +60,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from moescope.agent import native
+
 NAN = float("nan")
 
 CountVector = npt.NDArray[np.int64]
@@ -432,6 +434,20 @@ def layer_table(
         raise ValueError(
             f"shapes differ: tokens {c.shape}, dropped {d.shape}, layers {index.shape}, entropy {h_r.shape}"
         )
+    if e == 1:
+        router_norm = np.full(rows, NAN)
+    else:
+        router_norm = h_r / math.log2(e)
+    fast = _native_health(c, d) if rows else None
+    if fast is not None:
+        entropy = fast.entropy_bits
+        return LayerTable(
+            layers=index, tokens=c, dropped=d, router_entropy_bits=h_r, tokens_total=fast.total,
+            dropped_total=fast.dropped, entropy_bits=entropy,
+            entropy_normalised=np.where(fast.total > 0, 1.0, NAN) if e == 1 else entropy / math.log2(e),
+            gini=fast.gini, max_share=fast.max_share, cv=fast.cv, drop_fraction=fast.drop_fraction,
+            router_entropy_normalised=router_norm,
+        )
     if rows and (c.min() < 0 or d.min() < 0):
         raise ValueError("expert counts must be >= 0")
     n = c.sum(axis=1, dtype=np.int64)
@@ -448,12 +464,7 @@ def layer_table(
         with np.errstate(divide="ignore", invalid="ignore"):
             clogc = np.where(c > 0, x * np.log2(np.where(c > 0, x, 1.0)), 0.0).sum(axis=1)
     entropy = np.where(has, np.maximum(np.log2(safe) - clogc / safe, 0.0), NAN)
-    if e == 1:
-        entropy_norm = np.where(has, 1.0, NAN)
-        router_norm = np.full(rows, NAN)
-    else:
-        entropy_norm = entropy / math.log2(e)
-        router_norm = h_r / math.log2(e)
+    entropy_norm = np.where(has, 1.0, NAN) if e == 1 else entropy / math.log2(e)
     rank_sum = _rank_sums(c, top)
     g = np.clip(2.0 * rank_sum / (e * safe) - (e + 1) / e, 0.0, 1.0)
     mu = safe / e
@@ -476,6 +487,17 @@ def layer_table(
 _CLOG_COUNTS = 1 << 16  # counts with a precomputed c log2 c (512 KB of float64)
 _CLOG2C = np.zeros(_CLOG_COUNTS)
 _CLOG2C[1:] = np.arange(1, _CLOG_COUNTS) * np.log2(np.arange(1, _CLOG_COUNTS))
+
+
+def _native_health(c: CountMatrix, d: CountMatrix) -> native.RowHealth | None:
+    """layer_table's per-row numbers in one native pass (agent/native), or None where numpy makes
+    them: no library built, another dtype, or counts past the exact-integer range."""
+    if not native.available() or c.dtype not in _NATIVE_DTYPES or d.dtype != c.dtype:
+        return None
+    return native.count_rows(c, d, _CLOG2C)  # ValueError on a negative count, as the numpy path
+
+
+_NATIVE_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
 
 def _rank_sums(c: CountMatrix, top: int) -> CountVector:
@@ -515,11 +537,19 @@ class SlidingCounts:
     ``stats(now_ns)`` gives ``load_stats`` of the window's summed counts (and drops).
     """
 
-    def __init__(self, *, duration_ns: int, num_experts: int) -> None:
+    def __init__(self, *, duration_ns: int, num_experts: int, bucket_ns: int = 0) -> None:
         if num_experts < 1:
             raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        if bucket_ns < 0 or bucket_ns >= duration_ns:
+            raise ValueError(f"bucket_ns must be in [0, duration_ns), got {bucket_ns}")
         self.duration_ns = _check_duration(duration_ns)
         self.num_experts = num_experts
+        # 0: each step is an entry of its own, evicted exactly `duration_ns` after it. > 0: steps are
+        # summed into buckets of `bucket_ns`, and a bucket leaves when its last step is that old: the
+        # window then spans duration_ns to duration_ns + bucket_ns, and holds ~duration/bucket [L, E]
+        # sums instead of every step's (at DeepSeek-V3 shape, 200 steps/s x 10 s x 119 KB = 238 MB)
+        self.bucket_ns = bucket_ns
+        self._open: _Bucket | None = None
         self._entries: deque[tuple[int, CountVector, CountVector]] = deque()
         self._sum = np.zeros(num_experts, dtype=np.int64)
         self._dropped_sum = np.zeros(num_experts, dtype=np.int64)
@@ -625,6 +655,31 @@ def add_rows(into: npt.NDArray[Any], rows: CountVector, values: npt.NDArray[Any]
         np.subtract.at(into, rows, values)
 
 
+class _Bucket:
+    """The sums of the steps of one RoutingHealthWindow bucket (rows grow with the window's)."""
+
+    __slots__ = ("start_ns", "last_ns", "tokens", "dropped", "entropy_num", "entropy_den", "entropy_n")
+
+    def __init__(self, start_ns: int, rows: int, num_experts: int) -> None:
+        self.start_ns = self.last_ns = start_ns
+        self.tokens = np.zeros((rows, num_experts), dtype=np.int64)
+        self.dropped = np.zeros((rows, num_experts), dtype=np.int64)
+        self.entropy_num = np.zeros(rows)
+        self.entropy_den = np.zeros(rows)
+        self.entropy_n = np.zeros(rows, dtype=np.int64)
+
+    def grow(self, rows: int) -> None:
+        extra = rows - len(self.tokens)
+        if extra <= 0:
+            return
+        e = self.tokens.shape[1]
+        self.tokens = np.vstack([self.tokens, np.zeros((extra, e), dtype=np.int64)])
+        self.dropped = np.vstack([self.dropped, np.zeros((extra, e), dtype=np.int64)])
+        self.entropy_num = np.concatenate([self.entropy_num, np.zeros(extra)])
+        self.entropy_den = np.concatenate([self.entropy_den, np.zeros(extra)])
+        self.entropy_n = np.concatenate([self.entropy_n, np.zeros(extra, dtype=np.int64)])
+
+
 class RoutingHealthWindow:
     """Per-layer sliding windows of expert counts and router entropy (the policy's routing signals).
 
@@ -635,11 +690,19 @@ class RoutingHealthWindow:
     ``SlidingMean`` keep per layer).
     """
 
-    def __init__(self, *, duration_ns: int, num_experts: int) -> None:
+    def __init__(self, *, duration_ns: int, num_experts: int, bucket_ns: int = 0) -> None:
         if num_experts < 1:
             raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        if bucket_ns < 0 or bucket_ns >= duration_ns:
+            raise ValueError(f"bucket_ns must be in [0, duration_ns), got {bucket_ns}")
         self.duration_ns = _check_duration(duration_ns)
         self.num_experts = num_experts
+        # 0: each step is an entry of its own, evicted exactly `duration_ns` after it. > 0: steps are
+        # summed into buckets of `bucket_ns`, and a bucket leaves when its last step is that old: the
+        # window then spans duration_ns to duration_ns + bucket_ns, and holds ~duration/bucket [L, E]
+        # sums instead of every step's (at DeepSeek-V3 shape, 200 steps/s x 10 s x 119 KB = 238 MB)
+        self.bucket_ns = bucket_ns
+        self._open: _Bucket | None = None
         # per step: (t, layer rows, tokens [L', E], dropped [L', E], entropy x weight, weight, entropy valid)
         self._entries: deque[tuple[int, CountVector, CountMatrix, CountMatrix, FloatVector, FloatVector,
                                    npt.NDArray[np.bool_]]] = deque()
@@ -650,6 +713,7 @@ class RoutingHealthWindow:
         self._entropy_n = np.zeros(0, dtype=np.int64)  # valid entropy entries per layer (reset drift at 0)
         self._seen = np.zeros(0, dtype=bool)
         self._last_ns: int | None = None
+        self._bucket_valid: deque[CountVector] = deque()  # closed buckets' valid-entropy counts per layer
 
     def _grow(self, rows: int) -> None:
         have = self._tokens.shape[0]
@@ -694,23 +758,54 @@ class RoutingHealthWindow:
             add_rows(self._entropy_den, rows, weight)
             add_rows(self._entropy_n, rows, valid.astype(np.int64))
             self._seen[rows] = True
-            self._entries.append((t, rows, table.tokens, table.dropped, weighted, weight, valid))
+            if self.bucket_ns:
+                self._add_to_bucket(t, rows, table.tokens, table.dropped, weighted, weight, valid)
+            else:
+                self._entries.append((t, rows, table.tokens, table.dropped, weighted, weight, valid))
         self.evict(t)
 
+    def _add_to_bucket(self, t: int, rows: CountVector, tokens: CountMatrix, dropped: CountMatrix,
+                       weighted: FloatVector, weight: FloatVector, valid: npt.NDArray[np.bool_]) -> None:
+        bucket = self._open
+        if bucket is not None and t >= bucket.start_ns + self.bucket_ns:
+            self._close_bucket()
+            bucket = None
+        if bucket is None:
+            bucket = self._open = _Bucket(t, len(self._seen), self.num_experts)
+        bucket.grow(len(self._seen))
+        bucket.last_ns = t
+        add_rows(bucket.tokens, rows, tokens)
+        add_rows(bucket.dropped, rows, dropped)
+        add_rows(bucket.entropy_num, rows, weighted)
+        add_rows(bucket.entropy_den, rows, weight)
+        add_rows(bucket.entropy_n, rows, valid.astype(np.int64))
+
+    def _close_bucket(self) -> None:
+        b = self._open
+        if b is None:
+            return
+        self._open = None
+        self._entries.append((b.last_ns, np.arange(len(b.tokens)), b.tokens, b.dropped, b.entropy_num,
+                              b.entropy_den, b.entropy_n.astype(bool)))
+        self._bucket_valid.append(b.entropy_n)
+
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) + (self._open is not None)
 
     def evict(self, now_ns: int) -> None:
-        """Drop steps at or before ``now_ns - duration_ns``."""
+        """Drop steps at or before ``now_ns - duration_ns`` (with buckets: buckets whose last step is)."""
         horizon = now_ns - self.duration_ns
         emptied = False
+        if self._open is not None and self._open.last_ns <= horizon:
+            self._close_bucket()  # its last step is out of the window: so is all of it
         while self._entries and self._entries[0][0] <= horizon:
             _, rows, tokens, dropped, weighted, weight, valid = self._entries.popleft()
             add_rows(self._tokens, rows, tokens, sign=-1)
             add_rows(self._dropped, rows, dropped, sign=-1)
             add_rows(self._entropy_num, rows, weighted, sign=-1)
             add_rows(self._entropy_den, rows, weight, sign=-1)
-            add_rows(self._entropy_n, rows, valid.astype(np.int64), sign=-1)
+            counts = self._bucket_valid.popleft() if self.bucket_ns else valid.astype(np.int64)
+            add_rows(self._entropy_n, rows, counts, sign=-1)
             emptied = True
         if emptied:
             empty = self._entropy_n == 0  # reset float drift wherever a layer's entropy window emptied

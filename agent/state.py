@@ -281,7 +281,10 @@ def bin_expert_shares(
     return shares, per_bin
 
 
-def hottest_experts(tokens_per_expert: Sequence[float], *, k: int = 3) -> list[HotExpert]:
+HOT_EXPERTS = 3  # hottest experts named per layer in the live view
+
+
+def hottest_experts(tokens_per_expert: Sequence[float], *, k: int = HOT_EXPERTS) -> list[HotExpert]:
     """The `k` experts with the most tokens (ties: lower id first), as shares of all tokens."""
     total = float(sum(tokens_per_expert))
     if total <= 0.0 or k < 1:

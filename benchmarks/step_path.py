@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 PRODUCER = REPO / "benchmarks" / "moe_scale_producer.py"
 SHAPES = {"reference": (4, 16, 2), "qwen3-30b-a3b": (48, 128, 8), "deepseek-v3": (58, 256, 8)}
-CONVENTIONS = {"v1": ("v1", None), "v2": ("v2", None), "v2-step": ("v2", "step")}
+CONVENTIONS = ("v1", "v2", "v2-step")
 VARIANTS = ("parse", "nospans", "unjoined", "joined")
 NAMESPACED = ("agent", "collectors", "probes", "examples")
 REQUEST_HALF_WINDOW_NS = 20_000_000  # a request spans its step's mark +-20 ms (steps are ~1 ms apart here)
@@ -54,15 +54,12 @@ def record(*, shape: str, convention: str, steps: int, steps_per_s: float, out: 
     from moescope.collectors.nvtx import NvtxCollector, injection_env
 
     layers, experts, top_k = SHAPES[shape]
-    conv, routing = CONVENTIONS[convention]
     with tempfile.TemporaryDirectory(prefix="moescope-steppath-") as ring_dir:
         env = {k: v for k, v in os.environ.items() if k != "NVTX_INJECTION64_PATH"}
         env.update(injection_env())
         env["MOESCOPE_NVTX_DIR"] = ring_dir
         argv = [PYTHON, str(PRODUCER), "--layers", str(layers), "--experts", str(experts), "--top-k", str(top_k),
-                "--convention", conv, "--steps-per-s", str(steps_per_s), "--duration-s", str(steps / steps_per_s)]
-        if routing:
-            argv += ["--routing", routing]
+                "--convention", convention, "--steps-per-s", str(steps_per_s), "--duration-s", str(steps / steps_per_s)]
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                 start_new_session=True)
         assert proc.stdin is not None and proc.stdout is not None

@@ -75,9 +75,10 @@ EXPERTS_TIME = "moe.experts.time"
 STEP_DEVICE = "moe.step.device"
 STEP_ROUTING = "moe.step.routing"
 STEP_REQUESTS = "moe.step.requests"
+STEP_ENTROPY = "moe.step.entropy"
 RANGE_NAMES = frozenset({STEP, LAYER, ROUTER, EXPERT_LOAD, EXPERT_FFN, EXPERTS})
 MARK_NAMES = frozenset({REQUEST, EXPERT_TOKENS, EXPERT_DROPPED, ROUTING, EXPERTS_TIME, STEP_DEVICE, STEP_ROUTING,
-                        STEP_REQUESTS})
+                        STEP_REQUESTS, STEP_ENTROPY})
 
 # Children waiting for a parent that never completes (e.g. the process died mid-step) are bounded.
 MAX_PENDING_PARENTS = 100_000
@@ -85,15 +86,29 @@ MAX_PENDING_PARENTS = 100_000
 MAX_PENDING_CHILDREN = 1_000_000
 
 _INT_TYPES = frozenset({PAYLOAD_U64, PAYLOAD_I64, PAYLOAD_U32, PAYLOAD_I32})
-_INT_TYPE_LIST = sorted(_INT_TYPES)
 _SIGNED_TYPES = frozenset({PAYLOAD_I64, PAYLOAD_I32})
 # mark names as small codes, for the column-wise mark pass
 (_OTHER, _UNKNOWN, _REQUEST, _TOKENS, _DROPPED, _ROUTING, _EXPERTS_TIME, _STEP_DEVICE, _STEP_ROUTING,
- _STEP_REQUESTS) = range(10)
-_VECTOR_CODES = (_ROUTING, _EXPERTS_TIME, _STEP_DEVICE, _STEP_ROUTING, _STEP_REQUESTS)
+ _STEP_REQUESTS, _STEP_ENTROPY) = range(11)
+_VECTOR_CODES = (_ROUTING, _EXPERTS_TIME, _STEP_DEVICE, _STEP_ROUTING, _STEP_REQUESTS, _STEP_ENTROPY)
 _INT_VECTOR_CODES = (_ROUTING, _STEP_ROUTING, _STEP_REQUESTS)
+_IS_VECTOR_CODE = np.zeros(16, dtype=bool)  # mark code -> a v2 vector mark
+_IS_VECTOR_CODE[list(_VECTOR_CODES)] = True
 _ROUTING_CODES = (_ROUTING, _STEP_ROUTING)  # counted as routing_vectors
 _FLOAT_TYPES = frozenset({PAYLOAD_DOUBLE, PAYLOAD_FLOAT})
+NAN = float("nan")
+
+
+def _type_table(types: frozenset[int]) -> np.ndarray:
+    """payload_type (uint16) -> member of `types`, as a lookup table (np.isin costs ~30x a gather
+    on a batch's few rows)."""
+    table = np.zeros(1 << 16, dtype=bool)
+    table[sorted(types)] = True
+    return table
+
+
+_IS_INT, _IS_SIGNED, _IS_FLOAT = _type_table(_INT_TYPES), _type_table(_SIGNED_TYPES), _type_table(_FLOAT_TYPES)
+_IS_UNSIGNED = _IS_INT & ~_IS_SIGNED
 _U64_AS_DOUBLE = struct.Struct("<Q"), struct.Struct("<d")  # the payload's 64 bits read as a double
 # Columns read once per batch as Python lists: per-row numpy field access costs ~10x a list index.
 _RANGE_COLUMNS = ("uid", "parent_uid", "start_ns", "end_ns", "payload", "payload_type", "category", "tid")
@@ -114,6 +129,9 @@ class RouterEvent:
     # v2: the checked routing row, [2E] of the integer type sent (tokens routed per expert, then over
     # capacity); kept as an array end to end (the agent's step path works on [layers, E] matrices)
     counts: np.ndarray | None = None
+    # False: no moe.router range (moe/v2.2 step vectors gave entropy and routing); start = end = the
+    # layer's start, and no routing time is counted
+    timed: bool = True
 
     def routed(self) -> int:
         """Tokens routed in this layer (sum over experts, before capacity)."""
@@ -202,23 +220,144 @@ class LayerEvent:
         return self.end_ns - self.start_ns
 
 
-@dataclass(slots=True)
+# LayerColumns.router_kind: how a layer's router is known
+ROUTER_NONE, ROUTER_RANGE, ROUTER_STEP_VECTORS = 0, 1, 2
+
+
+@dataclass(slots=True, eq=False)
+class LayerColumns:
+    """One step's layers as arrays, in start order: what the whole-batch path makes of a clean
+    moe/v2 step (every layer with the same E, no per-expert ranges, nothing malformed), so the
+    agent's step path reads columns and makes no Python object per layer. ``materialize()`` builds
+    the same LayerEvent objects the per-event path would, for whoever reads ``StepEvent.layers``."""
+
+    layer: np.ndarray  # int64 [L] layer index
+    start_ns: np.ndarray  # int64 [L]
+    end_ns: np.ndarray  # int64 [L]
+    num_experts: int  # E, every layer's moe.layer payload
+    router_kind: np.ndarray  # int8 [L]: ROUTER_NONE, ROUTER_RANGE (a moe.router range), ROUTER_STEP_VECTORS
+    router_start_ns: np.ndarray  # int64 [L] (where router_kind == ROUTER_RANGE)
+    router_end_ns: np.ndarray  # int64 [L]
+    entropy_bits: np.ndarray  # float64 [L] (where a router is known)
+    has_routing: np.ndarray  # bool [L]: counts[i] is the layer's routing row
+    counts: np.ndarray | None  # [L, 2E] tokens routed | over capacity, integer as sent (None: no routing at all)
+    has_experts: np.ndarray  # bool [L]: a moe.experts range
+    experts_start_ns: np.ndarray  # int64 [L]
+    experts_end_ns: np.ndarray  # int64 [L]
+    experts_tokens: np.ndarray  # int64 [L]
+    experts_time_us: list[np.ndarray | None] | None  # moe.experts.time per layer (None: none at all)
+
+    def __len__(self) -> int:
+        return len(self.layer)
+
+    def routing_ns(self) -> int:
+        """The moe.router ranges' time summed (a range that ends before it starts counts 0)."""
+        timed = self.router_kind == ROUTER_RANGE
+        if not timed.any():
+            return 0
+        return int(np.maximum(self.router_end_ns[timed] - self.router_start_ns[timed], 0).sum())
+
+    def materialize(self) -> list[LayerEvent]:
+        counts = self.counts
+        times = self.experts_time_us
+        out: list[LayerEvent] = []
+        e = self.num_experts
+        for i, (layer, start, end, kind, r_start, r_end, entropy, routed, has_x, x_start, x_end, x_tokens) in enumerate(
+            zip(self.layer.tolist(), self.start_ns.tolist(), self.end_ns.tolist(), self.router_kind.tolist(),
+                self.router_start_ns.tolist(), self.router_end_ns.tolist(), self.entropy_bits.tolist(),
+                self.has_routing.tolist(), self.has_experts.tolist(), self.experts_start_ns.tolist(),
+                self.experts_end_ns.tolist(), self.experts_tokens.tolist(), strict=True)):
+            router = None
+            if kind == ROUTER_RANGE:
+                router = RouterEvent(layer, r_start, r_end, entropy, {}, {}, None,
+                                     counts[i] if routed and counts is not None else None)
+            elif kind == ROUTER_STEP_VECTORS:
+                router = RouterEvent(layer, start, start, entropy, {}, {}, None,
+                                     counts[i] if routed and counts is not None else None, False)
+            fused = ExpertsEvent(x_start, x_end, x_tokens, times[i] if times is not None else None) if has_x else None
+            out.append(LayerEvent(layer, start, end, router, e, [], [], fused))
+        return out
+
+
 class StepEvent:
-    pid: int
-    tid: int
-    start_ns: int
-    end_ns: int
-    tokens: int | None
-    requests: list[int] = field(default_factory=list)  # request keys marked inside the step
-    # moe.step.requests (moe/v2.1): request key -> (input tokens, output tokens) in this step; None
-    # when the producer does not report per-request tokens
-    request_tokens: dict[int, tuple[int, int]] | None = None
-    layers: list[LayerEvent] = field(default_factory=list)
-    device_time_us: np.ndarray | None = None  # v2 moe.step.device: per layer, where the runtime has it
+    """One completed ``moe.step``: its request keys and its layers. A step from the whole-batch
+    path holds its layers as LayerColumns and makes the LayerEvent list only when ``layers`` is
+    read (traces of a kept subtree, tests); the agent's step path reads ``columns``."""
+
+    __slots__ = ("pid", "tid", "start_ns", "end_ns", "tokens", "requests", "request_tokens", "_layers",
+                 "device_time_us", "_columns")
+    __match_args__ = ("pid", "tid", "start_ns", "end_ns", "tokens", "requests", "request_tokens", "layers",
+                      "device_time_us")
+
+    def __init__(self, pid: int, tid: int, start_ns: int, end_ns: int, tokens: int | None,
+                 requests: list[int] | None = None, request_tokens: dict[int, tuple[int, int]] | None = None,
+                 layers: list[LayerEvent] | None = None, device_time_us: np.ndarray | None = None, *,
+                 columns: LayerColumns | None = None) -> None:
+        self.pid = pid
+        self.tid = tid
+        self.start_ns = start_ns
+        self.end_ns = end_ns
+        self.tokens = tokens
+        self.requests: list[int] = [] if requests is None else requests  # request keys marked inside the step
+        # moe.step.requests (moe/v2.1): request key -> (input tokens, output tokens) in this step; None
+        # when the producer does not report per-request tokens
+        self.request_tokens = request_tokens
+        self._layers: list[LayerEvent] | None = [] if layers is None and columns is None else layers
+        self.device_time_us = device_time_us  # v2 moe.step.device: per layer, where the runtime has it
+        self._columns = columns
+
+    @property
+    def layers(self) -> list[LayerEvent]:
+        if self._layers is None:
+            assert self._columns is not None
+            self._layers = self._columns.materialize()
+        return self._layers
+
+    @layers.setter
+    def layers(self, value: list[LayerEvent]) -> None:
+        self._layers, self._columns = value, None
+
+    def set_columns(self, columns: LayerColumns) -> None:
+        self._layers, self._columns = None, columns
+
+    @property
+    def columns(self) -> LayerColumns | None:
+        """The layers as arrays (whole-batch path), None for a step built event by event."""
+        return self._columns
+
+    @property
+    def layer_count(self) -> int:
+        return len(self._columns) if self._columns is not None else len(self._layers or ())
 
     @property
     def duration_ns(self) -> int:
         return self.end_ns - self.start_ns
+
+    def expert_loads(self) -> list[ExpertLoadEvent]:
+        """Every moe.expert.load range of the step (a columnar step has none)."""
+        if self._columns is not None:
+            return []
+        return [load for layer in self._layers or () for load in layer.loads]
+
+    def without_layers(self) -> StepEvent:
+        """The same step with no layer tree (what a buffered step keeps once nothing reads it)."""
+        return StepEvent(self.pid, self.tid, self.start_ns, self.end_ns, self.tokens, self.requests,
+                         self.request_tokens, [], self.device_time_us)
+
+    def _fields(self) -> tuple[object, ...]:
+        return (self.pid, self.tid, self.start_ns, self.end_ns, self.tokens, self.requests, self.request_tokens,
+                self.layers, self.device_time_us)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StepEvent):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass it replaced
+
+    def __repr__(self) -> str:
+        return (f"StepEvent(pid={self.pid}, tid={self.tid}, start_ns={self.start_ns}, end_ns={self.end_ns}, "
+                f"tokens={self.tokens}, requests={self.requests}, layers={self.layer_count})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +374,7 @@ _STAT_NAMES = (
     "unknown_names", "malformed_payloads", "malformed_categories", "misplaced", "orphans",
     "pending_overflow", "sink_errors", "routing_vectors", "experts_ranges", "malformed_vectors",
     "steps_columnar",  # of `steps`: built by the whole-batch path
+    "steps_layer_columns",  # ... of which their layers held as LayerColumns (no object per layer)
 )
 
 
@@ -259,10 +399,11 @@ _RANGE_PARENT_OK = _parent_table(8, {
     _R_STEP: _ANY, _R_OTHER: _ANY, _R_LAYER: (_R_STEP,), _R_ROUTER: (_R_LAYER,), _R_EXPERTS: (_R_LAYER,),
     _R_LOAD: (_R_LAYER, _R_EXPERTS), _R_FFN: (_R_LAYER, _R_EXPERTS),
 })
-_MARK_PARENT_OK = _parent_table(10, {
+_MARK_PARENT_OK = _parent_table(11, {
     _OTHER: _ANY, _REQUEST: (_R_STEP,), _STEP_DEVICE: (_R_STEP,), _STEP_ROUTING: (_R_STEP,),
-    _STEP_REQUESTS: (_R_STEP,), _ROUTING: (_R_ROUTER,), _EXPERTS_TIME: (_R_EXPERTS,),
+    _STEP_REQUESTS: (_R_STEP,), _STEP_ENTROPY: (_R_STEP,), _ROUTING: (_R_ROUTER,), _EXPERTS_TIME: (_R_EXPERTS,),
 })
+COLUMN_MIN_LAYERS = 8  # a step of fewer layers is built as objects (the column set-up costs more)
 _MAX_NESTING = 64  # parent hops resolved per batch; deeper (never well formed) -> per-event path
 
 
@@ -426,7 +567,7 @@ class MoeConventionParser:
         mroot = np.where(mparent >= 0, root[mparent], -1)
         mparent_code = np.where(mparent >= 0, code[mparent], _NO_PARENT)
         mptype = marks["payload_type"]
-        bad_mark = ~_MARK_PARENT_OK[mcode, mparent_code] | ((mcode == _REQUEST) & ~np.isin(mptype, _INT_TYPE_LIST))
+        bad_mark = ~_MARK_PARENT_OK[mcode, mparent_code] | ((mcode == _REQUEST) & ~_IS_INT[mptype])
         bad = np.zeros(n, dtype=bool)  # per step row: sent the per-event way
         bad[root[bad_range & rooted]] = True
         bad[mroot[bad_mark & (mroot >= 0)]] = True
@@ -434,7 +575,7 @@ class MoeConventionParser:
         for kind in (_R_ROUTER, _R_EXPERTS):
             rows = np.flatnonzero((code == kind) & rooted)
             bad[root[rows[_repeated(parent[rows])]]] = True
-        vector_rows = np.flatnonzero(np.isin(mcode, _VECTOR_CODES) & (mroot >= 0))
+        vector_rows = np.flatnonzero(_IS_VECTOR_CODE[mcode] & (mroot >= 0))
         bad[mroot[vector_rows[_repeated(mparent[vector_rows] * 16 + mcode[vector_rows])]]] = True
         fast_step = is_step & ~bad
         in_fast = rooted & fast_step[root]
@@ -521,9 +662,49 @@ class MoeConventionParser:
         layer_rows = layer_rows[np.lexsort((ranges["start_ns"][layer_rows], root[layer_rows]))]
         stats["layers"] += len(layer_rows)
         roots = root.tolist()
-        # one small loop per layer, positional construction (keyword arguments cost twice as much)
-        for i, r, x in zip(layer_rows.tolist(), router_at[layer_rows].tolist(), experts_at[layer_rows].tolist(),
-                           strict=True):
+        batch_columns = (start, end, cat, ptypes, floats)
+        layer_root = root[layer_rows]
+        step_layers: dict[int, tuple[int, int]] = {}  # step row -> its layers' [first, end) in layer_rows
+        if len(layer_rows):
+            cut = np.flatnonzero(layer_root[1:] != layer_root[:-1]) + 1
+            firsts = [0, *cut.tolist()]
+            ends = [*cut.tolist(), len(layer_rows)]
+            step_layers = {roots[layer_rows[f]]: (f, e) for f, e in zip(firsts, ends, strict=True)}
+        columns = None  # LayerColumns pay off from COLUMN_MIN_LAYERS layers a step (below, objects are cheaper)
+        if any(e - f >= COLUMN_MIN_LAYERS for f, e in step_layers.values()):
+            columns = _BatchLayers(ranges, layer_rows, router_at[layer_rows], experts_at[layer_rows], vectors,
+                                   owners=owner if len(leaves) else None)
+        for i, step in steps.items():
+            step.device_time_us = vectors.get((i, _STEP_DEVICE))
+            routing, entropy = vectors.get((i, _STEP_ROUTING)), vectors.get((i, _STEP_ENTROPY))
+            first, end = step_layers.get(i, (0, 0))
+            cols = None
+            if columns is not None and end - first >= COLUMN_MIN_LAYERS:
+                cols = columns.of_step(first, end, routing, entropy)
+            if cols is not None:
+                step.set_columns(cols)
+                stats["steps_layer_columns"] += 1
+                self._finish_step(step, None, vectors.get((i, _STEP_REQUESTS)), None)
+                continue
+            rows = layer_rows[first:end]
+            step.layers = self._layer_objects(rows.tolist(), router_at[rows].tolist(), experts_at[rows].tolist(),
+                                              batch_columns, vectors, loads_of, ffns_of, int_of)
+            self._finish_step(step, routing, vectors.get((i, _STEP_REQUESTS)), entropy)
+        return list(steps.values()), range_rows[~in_fast], mark_rows[~in_fast_mark]
+
+    def _layer_objects(self, rows: list[int], router_rows: list[int], experts_rows: list[int],
+                       batch_columns: tuple[list[int], list[int], list[int], list[int], list[float]],
+                       vectors: dict[tuple[int, int], np.ndarray], loads_of: dict[int, list[ExpertLoadEvent]],
+                       ffns_of: dict[int, list[ExpertFfnEvent]],
+                       int_of: Callable[[int], int | None]) -> list[LayerEvent]:
+        """One step's layers as objects, one small loop per layer: a step not clean enough for
+        LayerColumns (per-expert ranges, mixed E, a malformed payload or vector). `batch_columns` are
+        the batch's start, end, category, payload type and payload-as-double columns as lists."""
+        stats = self._stats
+        start, end, cat, ptypes, floats = batch_columns
+        out: list[LayerEvent] = []
+        # positional construction (keyword arguments cost twice as much)
+        for i, r, x in zip(rows, router_rows, experts_rows, strict=True):
             experts = None if ptypes[i] == PAYLOAD_NONE else int_of(i)
             if experts is not None and experts <= 0:
                 experts = None
@@ -549,11 +730,8 @@ class MoeConventionParser:
                     router.counts = vector
                 else:
                     stats["malformed_vectors"] += 1  # routing left out; the layer's timing still counts
-            steps[roots[i]].layers.append(layer)
-        for i, step in steps.items():
-            step.device_time_us = vectors.get((i, _STEP_DEVICE))
-            self._finish_step(step, vectors.get((i, _STEP_ROUTING)), vectors.get((i, _STEP_REQUESTS)))
-        return list(steps.values()), range_rows[~in_fast], mark_rows[~in_fast_mark]
+            out.append(layer)
+        return out
 
     def _code_tables(self, batch: NvtxBatch) -> tuple[np.ndarray, np.ndarray]:
         """Range and mark codes indexed by string id (the last entry: any id past the table, not ours),
@@ -581,7 +759,10 @@ class MoeConventionParser:
             self._stats["malformed_vectors"] += 1
             fused.time_us = None
 
-    def _finish_step(self, step: StepEvent, routing: np.ndarray | None, requests: np.ndarray | None) -> None:
+    def _finish_step(self, step: StepEvent, routing: np.ndarray | None, requests: np.ndarray | None,
+                     entropy: np.ndarray | None) -> None:
+        if entropy is not None:
+            self._entropy_from_step_vector(step, entropy)
         if routing is not None:
             self._routing_from_step_vector(step, routing)
         if requests is not None:
@@ -601,10 +782,10 @@ class MoeConventionParser:
         unknown = codes == _UNKNOWN
         self._stats["unknown_names"] += int(np.count_nonzero(unknown))
         ptype = marks["payload_type"]
-        valid_int = np.isin(ptype, _INT_TYPE_LIST)
+        valid_int = _IS_INT[ptype]
         ours = (codes == _REQUEST) | (codes == _TOKENS) | (codes == _DROPPED)
         self._stats["malformed_payloads"] += int(np.count_nonzero(ours & ~valid_int))
-        vectors = np.flatnonzero(np.isin(codes, _VECTOR_CODES))
+        vectors = np.flatnonzero(_IS_VECTOR_CODE[codes])
         if len(vectors):
             self._vector_marks(batch, mark_rows[vectors], codes[vectors], marks["parent_uid"][vectors])
         requests = np.flatnonzero(codes == _REQUEST)
@@ -693,6 +874,18 @@ class MoeConventionParser:
                 continue  # a layer with no router has no routing; one with its own keeps it
             _set_routing(router, row)
 
+    def _entropy_from_step_vector(self, step: StepEvent, vector: np.ndarray) -> None:
+        """moe.step.entropy (moe/v2.2): each moe.layer's router entropy, in layer-index order; a
+        layer with no moe.router range gets an untimed router holding it (and then its row of
+        moe.step.routing). A length other than the step's layer count is malformed and left out."""
+        layers = sorted(step.layers, key=lambda layer: layer.layer)
+        if not layers or len(vector) != len(layers):
+            self._stats["malformed_vectors"] += 1
+            return
+        for layer, bits in zip(layers, vector.astype(np.float64).tolist(), strict=True):
+            if layer.router is None:
+                layer.router = RouterEvent(layer.layer, layer.start_ns, layer.start_ns, bits, timed=False)
+
     def _requests_from_step_vector(self, step: StepEvent, vector: np.ndarray) -> None:
         """moe.step.requests: [R keys | R input tokens | R output tokens] -> ``request_tokens``, and
         its keys united with the step's ``moe.request`` keys. A length that is not 3·R, or negative
@@ -728,6 +921,7 @@ class MoeConventionParser:
             step = StepEvent(pid=pid, tid=row.tid, start_ns=start_ns, end_ns=end_ns, tokens=self._int(row))
             step_routing: np.ndarray | None = None
             step_requests: np.ndarray | None = None
+            step_entropy: np.ndarray | None = None
             for child in children:
                 if isinstance(child, LayerEvent):
                     step.layers.append(child)
@@ -739,10 +933,12 @@ class MoeConventionParser:
                     step_routing = child[2]
                 elif _is_vector(child, _STEP_REQUESTS) and step_requests is None:
                     step_requests = child[2]
+                elif _is_vector(child, _STEP_ENTROPY) and step_entropy is None:
+                    step_entropy = child[2]
                 else:
                     self._stats["misplaced"] += _events([child])
             step.layers.sort(key=lambda layer: layer.start_ns)
-            self._finish_step(step, step_routing, step_requests)
+            self._finish_step(step, step_routing, step_requests, step_entropy)
             return step
         if name == LAYER:
             self._stats["layers"] += 1
@@ -833,10 +1029,112 @@ class MoeConventionParser:
         return None
 
 
+class _BatchLayers:
+    """The whole batch's moe.layer rows (in step, then start order) as arrays, and which of them a
+    LayerColumns can hold as they are: an integer E > 0, a router payload that is a double, an
+    experts payload that is a non-negative integer, vectors of the right length, no per-expert
+    ranges under them. ``of_step`` cuts one step's columns out, or answers None (per-event objects)."""
+
+    def __init__(self, ranges: np.ndarray, layer_rows: np.ndarray, router_rows: np.ndarray,
+                 experts_rows: np.ndarray, vectors: dict[tuple[int, int], np.ndarray], *,
+                 owners: np.ndarray | None) -> None:
+        payload, ptype = ranges["payload"], ranges["payload_type"]
+        signed_payload = payload.view(np.int64)
+
+        def int_values(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            """(value, is a non-negative integer) per row; an unsigned value past int64 is not."""
+            types = ptype[rows]
+            is_signed = _IS_SIGNED[types]
+            values = signed_payload[rows]
+            ok = (is_signed | _IS_UNSIGNED[types]) & (values >= 0)
+            return values, ok
+
+        self.layer = ranges["category"][layer_rows].astype(np.int64) - 1
+        self.start_ns = ranges["start_ns"][layer_rows].astype(np.int64)
+        self.end_ns = ranges["end_ns"][layer_rows].astype(np.int64)
+        self.experts, experts_ok = int_values(layer_rows)
+        clean = experts_ok & (self.experts > 0)
+        self.has_router = router_rows >= 0
+        r = np.maximum(router_rows, 0)
+        clean &= ~self.has_router | _IS_FLOAT[ptype[r]]
+        self.router_start_ns = np.where(self.has_router, ranges["start_ns"][r].astype(np.int64), 0)
+        self.router_end_ns = np.where(self.has_router, ranges["end_ns"][r].astype(np.int64), 0)
+        self.entropy_bits = np.where(self.has_router, payload.view(np.float64)[r], NAN)
+        self.has_experts = experts_rows >= 0
+        x = np.maximum(experts_rows, 0)
+        self.experts_tokens, tokens_ok = int_values(x)
+        clean &= ~self.has_experts | tokens_ok
+        self.experts_start_ns = np.where(self.has_experts, ranges["start_ns"][x].astype(np.int64), 0)
+        self.experts_end_ns = np.where(self.has_experts, ranges["end_ns"][x].astype(np.int64), 0)
+        if owners is not None and len(owners):
+            clean &= ~np.isin(layer_rows, owners)  # expert load / FFN ranges: objects
+        # per-layer vectors (moe/v2 moe.routing in each router, moe.experts.time in each experts range)
+        self.routing: list[np.ndarray | None] | None = None
+        self.times: list[np.ndarray | None] | None = None
+        codes = {code for _, code in vectors}
+        if _ROUTING in codes:
+            self.routing = [vectors.get((i, _ROUTING)) if i >= 0 else None for i in router_rows.tolist()]
+        if _EXPERTS_TIME in codes:
+            self.times = [vectors.get((i, _EXPERTS_TIME)) if i >= 0 else None for i in experts_rows.tolist()]
+        self.clean = clean
+
+    def of_step(self, first: int, end: int, routing: np.ndarray | None,
+                entropy: np.ndarray | None) -> LayerColumns | None:
+        at = slice(first, end)
+        n = end - first
+        experts = self.experts[at]
+        e = int(experts[0])
+        if not self.clean[at].all() or (experts != e).any():
+            return None
+        layer = self.layer[at]
+        order = np.argsort(layer, kind="stable")  # the step vectors' rows are in layer-index order
+        in_order = bool((order == np.arange(n)).all())
+        rank = order if in_order else np.argsort(order, kind="stable")
+        has_router = self.has_router[at]
+        kind = np.where(has_router, ROUTER_RANGE, ROUTER_NONE).astype(np.int8)
+        entropy_bits = self.entropy_bits[at]
+        if entropy is not None:
+            if len(entropy) != n:
+                return None  # counted by the per-event path
+            if not has_router.all():
+                entropy_bits = entropy_bits.copy()
+                missing = ~has_router
+                entropy_bits[missing] = entropy.astype(np.float64)[rank][missing]
+                kind[missing] = ROUTER_STEP_VECTORS
+        counts: np.ndarray | None = None
+        has_routing = np.zeros(n, dtype=bool)
+        own = self.routing[first:end] if self.routing is not None else None
+        if own is not None and any(v is not None for v in own):
+            if routing is not None:
+                return None  # rows of both kinds: the per-event path's precedence rules
+            present = [v for v in own if v is not None]
+            if any(len(v) != 2 * e or v.dtype != present[0].dtype for v in present):
+                return None
+            if len(present) == n:
+                counts = np.stack(present)
+                has_routing[:] = True
+            else:
+                counts = np.zeros((n, 2 * e), dtype=present[0].dtype)
+                has_routing = np.array([v is not None for v in own], dtype=bool)
+                counts[has_routing] = np.stack(present)
+        elif routing is not None:
+            if len(routing) != n * 2 * e:
+                return None
+            by_index = routing.reshape(n, 2 * e)
+            counts = by_index if in_order else by_index[rank]
+            has_routing = kind > ROUTER_NONE
+        times = self.times[first:end] if self.times is not None else None
+        if times is not None and any(t is not None and len(t) != e for t in times):
+            return None
+        return LayerColumns(layer, self.start_ns[at], self.end_ns[at], e, kind, self.router_start_ns[at],
+                            self.router_end_ns[at], entropy_bits, has_routing, counts, self.has_experts[at],
+                            self.experts_start_ns[at], self.experts_end_ns[at], self.experts_tokens[at], times)
+
+
 _MARK_CODES = {
     REQUEST: _REQUEST, EXPERT_TOKENS: _TOKENS, EXPERT_DROPPED: _DROPPED,
     ROUTING: _ROUTING, EXPERTS_TIME: _EXPERTS_TIME, STEP_DEVICE: _STEP_DEVICE, STEP_ROUTING: _STEP_ROUTING,
-    STEP_REQUESTS: _STEP_REQUESTS,
+    STEP_REQUESTS: _STEP_REQUESTS, STEP_ENTROPY: _STEP_ENTROPY,
 }
 
 

@@ -260,11 +260,10 @@ class MetricsOutput:
             m.inc("moescope_step_tokens", step.tokens)
         m.observe("moescope_step_duration_seconds", step.duration_ns / 1e9)
         self._rank_step(step.pid, step.duration_ns, step.tokens)
-        for layer in step.layers:
-            for load in layer.loads:
-                m.observe("moescope_expert_load_duration_seconds", load.duration_ns / 1e9)
-                if load.bytes_moved is not None and load.bytes_moved > 0:
-                    m.inc("moescope_expert_load_bytes", load.bytes_moved)
+        for load in step.expert_loads():
+            m.observe("moescope_expert_load_duration_seconds", load.duration_ns / 1e9)
+            if load.bytes_moved is not None and load.bytes_moved > 0:
+                m.inc("moescope_expert_load_bytes", load.bytes_moved)
         table = b.table
         if len(table):
             with self._lock:

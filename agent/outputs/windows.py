@@ -40,6 +40,9 @@ from moescope.collectors.nvml import NvmlSample
 from moescope.latency import SlidingQuantile, nearest_rank_position
 
 DEFAULT_WINDOW_NS = 10_000_000_000  # the policy's sliding windows (DESIGN.md: 10 s)
+# The routing window sums steps per 1/20 of it (10 s: 0.5 s buckets) instead of keeping every
+# step's counts: it spans 10-10.5 s, and holds ~20 [layers, E] sums whatever the step rate.
+ROUTING_BUCKETS = 20
 MAX_RANKS = 64  # producer processes with a row of their own (agent/metrics.py MAX_RANK_SERIES: the same bound)
 MAX_RANK_STEPS = 4096  # steps kept per pid over the window (60 steps/s x 10 s is 600): the oldest leave first
 RANK_RETENTION_NS = 60_000_000_000  # a pid with no step for this long leaves the ranks panel
@@ -300,6 +303,31 @@ class RankWindow:
                         untracked_steps=self.untracked_steps)
 
 
+SHARE_DECIMALS = 6  # the live view's expert shares: 1e-6 of a layer's tokens (shorter state JSON)
+
+
+def expert_shares(tokens: np.ndarray) -> tuple[list[list[float]], int, list[list[st.HotExpert]]]:
+    """Per row of a [layers, E] token matrix: its share per bin of experts (at most
+    st.MAX_EXPERT_BINS bins; [] for a row with no tokens), experts per bin, and its
+    st.HOT_EXPERTS hottest experts (ties: lower id first): what st.bin_expert_shares and
+    st.hottest_experts give row by row, for all rows at once."""
+    rows, e = tokens.shape
+    per_bin = max(1, math.ceil(e / st.MAX_EXPERT_BINS))
+    totals = tokens.sum(axis=1, dtype=np.int64)
+    safe = np.where(totals > 0, totals, 1).astype(np.float64)
+    padded = tokens if e % per_bin == 0 else np.pad(tokens, ((0, 0), (0, per_bin - e % per_bin)))
+    binned = padded.reshape(rows, -1, per_bin).sum(axis=2) / safe[:, None]
+    share_rows = np.round(binned, SHARE_DECIMALS).tolist()
+    k = min(st.HOT_EXPERTS, e)
+    top = np.argsort(-tokens, axis=1, kind="stable")[:, :k]
+    top_share = (np.take_along_axis(tokens, top, axis=1) / safe[:, None]).tolist()
+    has = (totals > 0).tolist()
+    shares = [row if ok else [] for row, ok in zip(share_rows, has, strict=True)]
+    hot = [[st.HotExpert(expert=x, share=v) for x, v in zip(ids, vals, strict=True)] if ok else []
+           for ids, vals, ok in zip(top.tolist(), top_share, has, strict=True)]
+    return shares, per_bin, hot
+
+
 class WindowsOutput:
     name = "windows"
 
@@ -343,15 +371,15 @@ class WindowsOutput:
                         self._step_rate.add(now)
                         self._ranks.add(pid=step.pid, end_ns=step.end_ns, duration_ms=step.duration_ns / 1e6,
                                         tokens=step.tokens)
-                        for layer in step.layers:
-                            for load in layer.loads:
-                                self._load_ms.add(load.end_ns, load.duration_ns / 1e6)
+                        for load in step.expert_loads():
+                            self._load_ms.add(load.end_ns, load.duration_ns / 1e6)
                         if changed:
                             self._routing = None  # windows are per E: restart them
                         if b.num_experts > 0:
                             if self._routing is None:
                                 self._routing = RoutingHealthWindow(
-                                    duration_ns=self.window_ns, num_experts=b.num_experts
+                                    duration_ns=self.window_ns, num_experts=b.num_experts,
+                                    bucket_ns=self.window_ns // ROUTING_BUCKETS,
                                 )
                             self._routing.add_table(step.end_ns, b.table)
                     case TelemetrySeen(sample=sample, memory=memory):
@@ -476,16 +504,15 @@ class WindowsOutput:
             routing = self._routing
             if routing is not None:
                 table = routing.table(now)
+                shares, per_bin, hot = expert_shares(table.tokens)
                 for i, layer in enumerate(table.layers.tolist()):
-                    tokens = table.tokens[i].astype(np.float64).tolist()
-                    share_bins, per_bin = st.bin_expert_shares(tokens)
                     layers.append(
                         st.MoeLayer(
                             layer=layer,
                             num_experts=routing.num_experts,
-                            experts_per_bin=per_bin,
-                            expert_token_share=share_bins,
-                            hot_experts=st.hottest_experts(tokens),
+                            experts_per_bin=per_bin if shares[i] else 1,
+                            expert_token_share=shares[i],
+                            hot_experts=hot[i],
                             tokens_total=int(table.tokens_total[i]),
                             entropy_bits=float_or_none(float(table.router_entropy_bits[i])),
                             gini=float_or_none(float(table.gini[i])),

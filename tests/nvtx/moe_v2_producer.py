@@ -1,7 +1,7 @@
 """A producer of moe/v2 (or v1) steps through the reference runtime's instrumentation, with seeded
 routing, for tests/nvtx/test_nvtx_moe_v2.py. Writes what it sent as JSON (the truth).
 
-    python moe_v2_producer.py --log FILE --convention v2 [--routing layer|step] [--hostile]
+    python moe_v2_producer.py --log FILE --convention v2 [--routing layer|step|compact] [--hostile]
                               --steps N --layers L --experts E --seed S
 
 Prints "ready" once the NVTX domain exists (the ring file is there), waits for "go" on stdin.
@@ -77,6 +77,41 @@ def run(*, convention: str, routing_place: str, steps: int, layers: int, experts
     return {"convention": convention, "steps": truth}
 
 
+def run_compact(*, steps: int, layers: int, experts: int, top_k: int, seed: int) -> dict[str, Any]:
+    """moe/v2.2's compact form straight through the `nvtx` package: per layer only push/pop
+    moe.layer; the step carries every layer's routing (moe.step.routing) and router entropy
+    (moe.step.entropy). Draws the same random numbers as run() so the routing is the same."""
+    import nvtx
+
+    d = nvtx.get_domain("moe")
+    rng = np.random.default_rng(seed)
+    truth: list[dict[str, Any]] = []
+    for s in range(steps):
+        tokens = 32 + s
+        t0 = time.monotonic_ns()
+        d.push_range(message="moe.step", payload=tokens)
+        d.mark(message="moe.request", payload=9000 + s)
+        step: dict[str, Any] = {"tokens": tokens, "requests": [9000 + s], "layers": [],
+                                "tid": threading.get_native_id()}
+        rows, entropies = [], []
+        for layer in range(layers):
+            demand, dropped = routing(rng, experts=experts, tokens=tokens, top_k=top_k)
+            entropy = float(rng.uniform(0.5, np.log2(experts)))
+            d.push_range(message="moe.layer", category=layer + 1, payload=experts)
+            d.pop_range()
+            rng.uniform(1.0, 50.0, size=int(np.count_nonzero(demand - dropped)))  # run()'s expert times
+            rows.append(np.concatenate((demand, dropped)).astype(np.int32))
+            entropies.append(entropy)
+            step["layers"].append({"layer": layer, "entropy": entropy, "demand": demand.tolist(),
+                                   "dropped": dropped.tolist()})
+        d.mark(message="moe.step.routing", payload=np.concatenate(rows))
+        d.mark(message="moe.step.entropy", payload=np.asarray(entropies, dtype=np.float64))
+        d.pop_range()
+        step["t0"], step["t1"] = t0, time.monotonic_ns()
+        truth.append(step)
+    return {"convention": "v2", "steps": truth}
+
+
 def run_hostile(*, experts: int) -> dict[str, Any]:
     """moe/v2 vectors of the wrong type or length, one per case: each must be counted, the steps kept."""
     import nvtx
@@ -109,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--log", required=True)
     p.add_argument("--convention", choices=("v1", "v2"), required=True)
-    p.add_argument("--routing", choices=("layer", "step"), default="layer")
+    p.add_argument("--routing", choices=("layer", "step", "compact"), default="layer")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=64)
@@ -123,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.hostile:
         result = run_hostile(experts=args.experts)
+    elif args.routing == "compact":
+        result = run_compact(steps=args.steps, layers=args.layers, experts=args.experts, top_k=args.top_k,
+                             seed=args.seed)
     else:
         result = run(convention=args.convention, routing_place=args.routing, steps=args.steps, layers=args.layers,
                      experts=args.experts, top_k=args.top_k, seed=args.seed)

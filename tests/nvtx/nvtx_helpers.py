@@ -108,7 +108,8 @@ def plain(value: object) -> object:
     """A parsed event tree as plain values (arrays as dtype kind + list), for exact comparison."""
     if isinstance(value, np.ndarray):
         return ("array", value.dtype.str, value.tolist())
-    slots = getattr(type(value), "__slots__", None)
+    # the public fields (a dataclass's, or StepEvent's: its layers whether held as objects or columns)
+    slots = getattr(type(value), "__match_args__", None) or getattr(type(value), "__slots__", None)
     if slots and not isinstance(value, (int, float, str)):
         return (type(value).__name__, {name: plain(getattr(value, name)) for name in slots})
     if isinstance(value, (list, tuple)):

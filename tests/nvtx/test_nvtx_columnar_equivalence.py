@@ -9,10 +9,12 @@ import struct
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from nvtx_helpers import parse_steps, plain
 
+from moescope.collectors import moe_convention
 from moescope.collectors.moe_convention import MoeConventionParser, StepEvent
 from moescope.collectors.nvtx import (
     MARK_DTYPE,
@@ -30,7 +32,8 @@ NAMES = ["moe.step", "moe.layer", "moe.router", "moe.experts", "moe.expert.load"
          "moe.expert.tokens", "moe.bogus", "attention"]
 SID = {name: i + 1 for i, name in enumerate(NAMES)}
 EDITS = ("none", "unknown name", "foreign name", "payload type", "category 0", "second router", "request on layer",
-         "v1 mark", "lose parent")
+         "v1 mark", "lose parent", "no router", "no experts", "experts payload negative", "router payload int",
+         "other E")
 
 
 def _strings() -> StringTable:
@@ -114,6 +117,8 @@ def _tape(steps: list[dict[str, Any]]) -> tuple[_Tape, set[int]]:
         for layer in range(s["layers"]):
             row = tape.push("moe.layer", category=layer + 1, payload=8,
                             ptype=PAYLOAD_NONE if s["layer_payload_none"] else PAYLOAD_I64)
+            if edit == "other E" and here():
+                row["payload"] = 6
             if edit == "category 0" and here():
                 row["category"] = 0
             if edit == "unknown name" and here():
@@ -121,8 +126,12 @@ def _tape(steps: list[dict[str, Any]]) -> tuple[_Tape, set[int]]:
             if edit == "lose parent" and here():
                 lost.add(row["uid"])
             routers = 2 if edit == "second router" and here() else 1
+            if edit == "no router" and here():
+                routers = 0
             for _ in range(routers):
-                tape.push("moe.router", category=layer + 1, payload=_double(1.25 + layer), ptype=PAYLOAD_DOUBLE)
+                router = tape.push("moe.router", category=layer + 1, payload=_double(1.25 + layer), ptype=PAYLOAD_DOUBLE)
+                if edit == "router payload int" and here():
+                    router["payload"], router["payload_type"] = 3, PAYLOAD_I64
                 if edit == "v1 mark" and here():
                     tape.mark("moe.expert.tokens", category=2, payload=5)
                 tape.pop()
@@ -133,11 +142,14 @@ def _tape(steps: list[dict[str, Any]]) -> tuple[_Tape, set[int]]:
                 tape.push("moe.expert.ffn", category=1, payload=3)  # a moe range inside a foreign one
                 tape.pop()
                 tape.pop()
-            tape.push("moe.experts", category=layer + 1, payload=12)
-            for e in range(s["loads"]):
-                tape.push("moe.expert.load", category=e + 2, payload=4096 * (e + 1))
+            if not (edit == "no experts" and here()):
+                experts = tape.push("moe.experts", category=layer + 1, payload=12)
+                if edit == "experts payload negative" and here():
+                    experts["payload"] = (1 << 64) - 5  # int64 -5
+                for e in range(s["loads"]):
+                    tape.push("moe.expert.load", category=e + 2, payload=4096 * (e + 1))
+                    tape.pop()
                 tape.pop()
-            tape.pop()
             for e in range(s["ffns"]):
                 tape.push("moe.expert.ffn", category=e + 1, payload=6)
                 tape.pop()
@@ -174,15 +186,21 @@ def _batches(tape: _Tape, lost: set[int], cuts: list[int]) -> list[NvtxBatch]:
 def _run(batches: list[NvtxBatch], *, fast: bool) -> tuple[list[StepEvent], dict[str, int]]:
     steps, stats = parse_steps(batches, fast=fast)
     stats.pop("steps_columnar")
+    stats.pop("steps_layer_columns")
     return steps, stats
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(step_shape, min_size=1, max_size=6), st.lists(st.integers(0, 200), max_size=4))
-def test_both_paths_give_the_same_steps_and_counts(steps: list[dict[str, Any]], cuts: list[int]) -> None:
+@given(st.lists(step_shape, min_size=1, max_size=6), st.lists(st.integers(0, 200), max_size=4),
+       st.sampled_from([1, moe_convention.COLUMN_MIN_LAYERS]))
+def test_both_paths_give_the_same_steps_and_counts(steps: list[dict[str, Any]], cuts: list[int],
+                                                   column_min_layers: int) -> None:
+    """(column_min_layers 1: every clean step of this test's 0-4 layers takes LayerColumns too)"""
     tape, lost = _tape(steps)
     batches = _batches(tape, lost, cuts)
-    fast_steps, fast_stats = _run(batches, fast=True)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(moe_convention, "COLUMN_MIN_LAYERS", column_min_layers)
+        fast_steps, fast_stats = _run(batches, fast=True)
     slow_steps, slow_stats = _run(batches, fast=False)
     assert fast_stats == slow_stats
     assert plain(fast_steps) == plain(slow_steps)

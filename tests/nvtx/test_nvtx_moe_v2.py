@@ -17,6 +17,7 @@ from nvtx_helpers import HERE, Producer, drain_until_finished, kill_group
 
 from moescope.agent.metrics import Metrics
 from moescope.agent.pipeline import Pipeline
+from moescope.collectors import moe_convention
 from moescope.collectors.moe_convention import MoeConventionParser, StepEvent
 from moescope.collectors.nvtx import NvtxCollector, injection_env
 
@@ -104,6 +105,30 @@ def test_v2_steps_equal_what_the_producer_sent(run_producer: Any, routing: str) 
     assert cstats["records_received"] == STEPS * (2 + 1 + LAYERS * (2 + 2 + 2 + 1)) + vectors + 2 * loads
 
 
+def test_compact_steps_carry_routing_and_entropy_in_step_vectors(run_producer: Any,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(moe_convention, "COLUMN_MIN_LAYERS", 1)  # this test's 4 layers as columns too
+    steps, truth, stats, cstats = run_producer("--convention", "v2", "--routing", "compact")
+    assert cstats["dropped_ring_full"] == 0
+    assert len(steps) == len(truth["steps"]) == STEPS
+    # small batches: a step in one batch holds its layers as columns, a split one as objects; alike
+    assert 0 < stats["steps_layer_columns"] < STEPS
+    for got, want in zip(steps, truth["steps"], strict=True):
+        assert got.tokens == want["tokens"] and got.requests == want["requests"]
+        assert got.layer_count == LAYERS and [layer.layer for layer in got.layers] == list(range(LAYERS))
+        for layer, wl in zip(got.layers, want["layers"], strict=True):
+            router = layer.router
+            assert router is not None and not router.timed and router.start_ns == router.end_ns == layer.start_ns
+            assert router.entropy_bits == wl["entropy"]
+            assert router.tokens_by_expert() == _nonzero(wl["demand"])
+            assert router.dropped_by_expert() == _nonzero(wl["dropped"])
+            assert layer.experts is None and layer.num_experts == EXPERTS
+    assert stats["routing_vectors"] == STEPS and stats["routers"] == stats["experts_ranges"] == 0
+    assert stats["malformed_vectors"] == stats["misplaced"] == stats["orphans"] == stats["unknown_names"] == 0
+    # O(1) vectors and 2 events per layer: step, request, layers, routing, entropy
+    assert cstats["records_received"] == STEPS * (2 + 1 + 2 * LAYERS + 2)
+
+
 def test_malformed_v2_vectors_are_counted_and_the_steps_kept(run_producer: Any) -> None:
     steps, _truth, stats, cstats = run_producer("--convention", "v2", "--hostile")
     assert cstats["dropped_ring_full"] == 0
@@ -134,11 +159,18 @@ def _metrics_of(steps: list[StepEvent]) -> dict[str, float]:
     return out
 
 
-def test_v1_and_v2_give_identical_metrics_for_the_same_routing(run_producer: Any) -> None:
+@pytest.mark.parametrize("column_min_layers", [1, moe_convention.COLUMN_MIN_LAYERS])
+def test_v1_and_v2_give_identical_metrics_for_the_same_routing(run_producer: Any, monkeypatch: pytest.MonkeyPatch,
+                                                               column_min_layers: int) -> None:
+    """(column_min_layers 1: the v2 steps that fit one batch reach the join as LayerColumns; v1 never does)"""
+    monkeypatch.setattr(moe_convention, "COLUMN_MIN_LAYERS", column_min_layers)
     v2_steps, v2_truth, _, v2_stats = run_producer("--convention", "v2", "--seed", "11")
     v1_steps, v1_truth, v1_parser, v1_stats = run_producer("--convention", "v1", "--seed", "11")
     per_step, step_truth, _, step_stats = run_producer("--convention", "v2", "--routing", "step", "--seed", "11")
+    compact, compact_truth, _, compact_stats = run_producer("--convention", "v2", "--routing", "compact",
+                                                            "--seed", "11")
     assert v2_stats["dropped_ring_full"] == v1_stats["dropped_ring_full"] == step_stats["dropped_ring_full"] == 0
+    assert compact_stats["dropped_ring_full"] == 0
     assert [s["layers"] for s in v1_truth["steps"]] == [s["layers"] for s in v2_truth["steps"]]  # same routing sent
     assert [s["layers"] for s in step_truth["steps"]] == [s["layers"] for s in v2_truth["steps"]]
     assert v1_parser["routing_vectors"] == 0 and v1_parser["expert_marks"] > STEPS * LAYERS  # v1 really was v1
@@ -150,6 +182,13 @@ def test_v1_and_v2_give_identical_metrics_for_the_same_routing(run_producer: Any
     v1_metrics, v2_metrics = _metrics_of(v1_steps), _metrics_of(v2_steps)
     assert any(k.startswith("moescope_expert_tokens_total") for k in v1_metrics)
     assert v1_metrics == v2_metrics == _metrics_of(per_step)
+    # the compact form (no router or experts ranges) gives the same routing numbers too
+    assert [[{k: wl[k] for k in ("layer", "entropy", "demand", "dropped")} for wl in s["layers"]]
+            for s in v2_truth["steps"]] == [s["layers"] for s in compact_truth["steps"]]
+    def routing_only(metrics: dict[str, float]) -> dict[str, float]:  # compact sends no expert-load ranges
+        return {k: v for k, v in metrics.items() if not k.startswith("moescope_expert_load_bytes")}
+
+    assert routing_only(v2_metrics) == routing_only(_metrics_of(compact))
     # and they are the numbers that were sent: per-expert token counters summed over the steps
     sent = np.sum([np.asarray(wl["demand"]) for s in v2_truth["steps"] for wl in s["layers"] if wl["layer"] == 0],
                   axis=0)

@@ -80,7 +80,8 @@ def shifted(step: StepEvent, shift: int) -> StepEvent:
             loads=[replace(ld, start_ns=ld.start_ns + shift, end_ns=ld.end_ns + shift) for ld in layer.loads],
             ffns=[replace(f, start_ns=f.start_ns + shift, end_ns=f.end_ns + shift) for f in layer.ffns],
         ))
-    return replace(step, start_ns=step.start_ns + shift, end_ns=step.end_ns + shift, layers=layers)
+    return StepEvent(step.pid, step.tid, step.start_ns + shift, step.end_ns + shift, step.tokens, step.requests,
+                     step.request_tokens, layers, step.device_time_us)
 
 
 def routing_and_load_ns(steps: list[StepEvent]) -> tuple[int, int]:

@@ -12,6 +12,7 @@ import pytest
 
 from moescope.agent import state as st
 from moescope.agent.metrics import Metrics
+from moescope.agent.outputs.windows import ROUTING_BUCKETS
 from moescope.agent.pipeline import Pipeline
 from moescope.agent.policy.rules import Signals
 from moescope.collectors.moe_convention import StepEvent
@@ -99,6 +100,27 @@ def in_window(t_ns: int, now_ns: int) -> bool:
     return t_ns > now_ns - WINDOW_NS  # a window covers (now - W, now]
 
 
+def routing_window_steps(steps: list[StepEvent], now_ns: int) -> list[StepEvent]:
+    """The steps the routing window still holds: it sums steps (by end time, in arrival order) into
+    buckets of WINDOW_NS / ROUTING_BUCKETS, a bucket starting at its first step, and holds a bucket
+    while its last step is inside the window (agent/outputs/windows.py)."""
+    bucket_ns = WINDOW_NS // ROUTING_BUCKETS
+    buckets: list[list[StepEvent]] = []
+    start = last = 0
+    for step in steps:
+        t = max(step.end_ns, last)
+        if not buckets or t >= start + bucket_ns:
+            buckets.append([])
+            start = t
+        buckets[-1].append(step)
+        last = t
+    held: list[StepEvent] = []
+    for bucket in buckets:
+        if in_window(max(s.end_ns for s in bucket), now_ns):
+            held.extend(bucket)
+    return held
+
+
 def expected_signals(steps: Iterable[StepEvent], records: Iterable[IngressRecord], now_ns: int) -> Signals:
     steps = list(steps)
     # loads are windowed by their own end time, steps by theirs
@@ -106,13 +128,14 @@ def expected_signals(steps: Iterable[StepEvent], records: Iterable[IngressRecord
         (ld.end_ns - ld.start_ns) / 1e6
         for s in steps for layer in s.layers for ld in layer.loads if in_window(ld.end_ns, now_ns)
     ]
+    routed = routing_window_steps(steps, now_ns)
     steps = [s for s in steps if in_window(s.end_ns, now_ns)]
     step_ms = [(s.end_ns - s.start_ns) / 1e6 for s in steps]
     request_ms = [(r.end_ns - r.start_ns) / 1e6 for r in records if in_window(r.end_ns, now_ns)]
     gini: dict[int, float] = {}
     ratio: dict[int, float] = {}
     for layer in range(NUM_LAYERS):
-        routers = [s.layers[layer].router for s in steps]
+        routers = [s.layers[layer].router for s in routed]
         if not routers:
             continue
         counts = np.sum([counts_vector(r.tokens, NUM_EXPERTS) for r in routers if r is not None], axis=0)
@@ -234,7 +257,7 @@ def test_panels_make_a_snapshot_that_round_trips() -> None:
         assert panel.capacity_drops == int(drops.sum())
         assert panel.gini == pytest.approx(ref_gini(counts), rel=1e-9)
         assert panel.entropy_bits == pytest.approx(np.average([r.entropy_bits for r in routers if r], weights=w))
-        assert panel.expert_token_share == pytest.approx(list(counts / counts.sum()))
+        assert panel.expert_token_share == pytest.approx(list(counts / counts.sum()), abs=1e-6)  # rounded to 1e-6
         hottest = sorted(range(NUM_EXPERTS), key=lambda e: (-counts[e], e))[:3]
         assert [(h.expert, h.share) for h in panel.hot_experts] == [
             (e, pytest.approx(counts[e] / counts.sum())) for e in hottest
