@@ -1,12 +1,20 @@
-"""Keep the agent's resident memory flat over days: glibc malloc tuning, applied by `agent start`.
+"""Keep the agent's resident memory near what it uses: glibc malloc tuning, applied by `agent start`.
 
 Python's small objects live in its own arenas, but numpy arrays, dicts past a size and bytes go to
-malloc. With several threads allocating (main loop, exporter, policy, collectors) glibc gives each
-thread its own malloc arena, and freed memory inside an arena is not returned to the kernel while
-any allocation sits above it: RSS creeps even though nothing leaks (tracemalloc over a 5-minute
-window of the reference load: no growth in Python allocations, while RSS rose ~12 MB/h in a soak).
-So: at most two arenas (M_ARENA_MAX), and `malloc_trim(0)` once a minute, which hands free pages
-at the top and in the middle of every arena back to the kernel. Both are no-ops off glibc.
+malloc, and glibc hands freed memory back to the kernel only from the top of a heap. Measured at
+DeepSeek-V3 shape (8 producers x 25 steps/s, benchmarks/agent_memory.py --step-retention-s 2):
+after 45 s the main heap was 304 MB, 59 MB in use and 245 MB free but resident in holes. Three
+causes, three settings, all no-ops off glibc:
+
+- glibc's mmap threshold is dynamic: freeing one mmapped block (an NVTX drain's multi-MB arrays)
+  raises it to that size, up to 32 MB, and the trim threshold to twice that, so from then on the
+  drain's big temporaries come from the heap and their holes stay. Setting M_MMAP_THRESHOLD fixes
+  both thresholds: blocks of MMAP_THRESHOLD_BYTES and more are mmapped and unmapped at free.
+- Free pages in the middle of a heap are returned only by `malloc_trim(0)`: once right after
+  start-up, then every TRIM_PERIOD_NS (under 1 ms with little to return; 94 ms measured to hand
+  back 235 MB of holes, which a 5 s period keeps from piling up).
+- Each thread that allocates gets its own arena (main loop, exporter, metrics server, collectors),
+  each with its own holes: at most ARENAS (M_ARENA_MAX), set before the agent starts any thread.
 """
 
 from __future__ import annotations
@@ -14,13 +22,20 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import time
 
 log = logging.getLogger(__name__)
 
-M_ARENA_MAX = -8  # mallopt parameter, <malloc.h>
+# mallopt parameters, <malloc.h>
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
 ARENAS = 2
-TRIM_PERIOD_NS = 60_000_000_000
+# The drain's arrays (MBs each, freed within the tick) and the join's per-batch routing blocks go
+# to mmap; small objects stay in the heap. 256 KiB: twice glibc's starting value (128 KiB), so a
+# 119 KB single-step table (DeepSeek-V3 shape) is not an mmap + page faults of its own.
+MMAP_THRESHOLD_BYTES = 256 << 10
+TRIM_THRESHOLD_BYTES = 1 << 20  # free top of a heap above this goes back at free()
+TRIM_PERIOD_NS = 5_000_000_000
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -34,20 +49,40 @@ def _libc() -> ctypes.CDLL | None:
 
 
 class Allocator:
-    def __init__(self) -> None:
+    def __init__(self, *, trim_period_ns: int = TRIM_PERIOD_NS) -> None:
         self._libc = _libc()
-        self._last_trim_ns = time.monotonic_ns()
+        self.trim_period_ns = trim_period_ns
+        self._last_trim_ns: int | None = None
         self.trims = 0
 
-    def limit_arenas(self) -> bool:
-        """Cap malloc arenas; call before the agent starts its threads."""
-        return self._libc is not None and self._libc.mallopt(M_ARENA_MAX, ARENAS) == 1
+    @property
+    def available(self) -> bool:
+        """glibc's malloc is there to tune."""
+        return self._libc is not None
+
+    def configure(self) -> bool:
+        """Cap arenas and fix the mmap/trim thresholds; call before the agent starts any thread.
+        True when glibc took every setting."""
+        libc = self._libc
+        if libc is None:
+            return False
+        settings = ((M_ARENA_MAX, ARENAS), (M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
+                    (M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+        return all([libc.mallopt(param, value) == 1 for param, value in settings])
+
+    def trim_now(self) -> None:
+        """Hand every free page of every arena back to the kernel (after start-up, say)."""
+        if self._libc is not None:
+            self._libc.malloc_trim(0)
+            self.trims += 1
 
     def trim(self, now_ns: int) -> None:
-        """Daemon tick hook: malloc_trim(0) once per TRIM_PERIOD_NS."""
-        if self._libc is None or now_ns - self._last_trim_ns < TRIM_PERIOD_NS:
+        """Daemon tick hook: malloc_trim(0) once per trim period (the first tick only starts the clock)."""
+        if self._libc is None:
             return None
-        self._last_trim_ns = now_ns
-        self._libc.malloc_trim(0)
-        self.trims += 1
+        if self._last_trim_ns is None:
+            self._last_trim_ns = now_ns
+        elif now_ns - self._last_trim_ns >= self.trim_period_ns:
+            self._last_trim_ns = now_ns
+            self.trim_now()
         return None

@@ -66,6 +66,12 @@ DEFAULT_MAX_BUFFERED_STEPS = 20_000
 # reference model (L=4), 862 of DeepSeek-V3 (4 s at 200 steps/s); past it the oldest step leaves
 # the buffer (steps_evicted_overflow: its metrics were counted, its trace subtree is not made).
 DEFAULT_MAX_BUFFERED_LAYERS = 50_000
+# ... and in bytes, which is what grows with E: a layer's tree is its [2E] int32 routing row plus
+# ~LAYER_TREE_OVERHEAD_BYTES of columns and health (2.2 KB at E = 256; 288 B at the reference's
+# E = 16). 32 MiB: ~260 DeepSeek-V3 steps whose subtree a trace keeps (sampled-out and fully
+# claimed steps let theirs go at once), the layer bound above at the reference shape.
+DEFAULT_MAX_BUFFERED_TREE_BYTES = 32 << 20
+LAYER_TREE_OVERHEAD_BYTES = 160
 DRAIN_ALL_NS = 2**63 - 1
 INT32_MAX = 2**31 - 1  # per-step token counts per expert fit (a bigger one is a bad payload, counted)
 
@@ -199,6 +205,11 @@ def layer_precision_of(state: RuntimeState) -> dict[int, str]:
     return out
 
 
+def tree_bytes(b: BufferedStep) -> int:
+    """What a buffered step's layer tree holds, about (0 once it was let go)."""
+    return b.step.layer_count * (8 * b.num_experts + LAYER_TREE_OVERHEAD_BYTES)
+
+
 def step_phase_times(step: StepEvent) -> tuple[int, int]:
     """(routing ns, expert-load ns) of one step: its moe.router and moe.expert.load ranges summed
     (a range that ends before it starts counts 0)."""
@@ -240,13 +251,16 @@ class RequestJoin:
         step_retention_ns: int = DEFAULT_STEP_RETENTION_NS,
         max_buffered_steps: int = DEFAULT_MAX_BUFFERED_STEPS,
         max_buffered_layers: int = DEFAULT_MAX_BUFFERED_LAYERS,
+        max_buffered_tree_bytes: int = DEFAULT_MAX_BUFFERED_TREE_BYTES,
         clock: Callable[[], int] = time.monotonic_ns,
         defer_requests: bool = False,
     ) -> None:
         self.step_retention_ns = step_retention_ns
         self.max_buffered_steps = max_buffered_steps
         self.max_buffered_layers = max_buffered_layers
+        self.max_buffered_tree_bytes = max_buffered_tree_bytes
         self._buffered_layers = 0  # layer trees held by buffered steps (trimmed ones count 0)
+        self._buffered_tree_bytes = 0  # ... and their size (tree_bytes)
         self.clock = clock
         # sink() holds request records until drain_requests(now_ns) (a daemon tick hook) sees they ended
         # before the tick started: the steps of such a request were in the NVTX ring when it was drained.
@@ -345,6 +359,7 @@ class RequestJoin:
                 events.extend(self._add_step(step))
         self._export(events)
         self._release_unread_trees(events)
+        self._evict_over_tree_bounds()
         self.expire()
 
     def on_telemetry(self, record: TelemetryRecord) -> None:
@@ -429,12 +444,22 @@ class RequestJoin:
             self._by_key.setdefault((step.pid, key), deque()).append(buffered)
         events: list[JoinEvent] = [StepSeen(buffered, changed)]
         self._buffered_layers += layers
-        while len(self._buffer) > self.max_buffered_steps or (
-            self._buffered_layers > self.max_buffered_layers and len(self._buffer) > 1
-        ):
+        self._buffered_tree_bytes += tree_bytes(buffered)
+        while len(self._buffer) > self.max_buffered_steps:
             self._counts["steps_evicted_overflow"] += 1
             events.append(StepRetired(self._retire_oldest_locked(), evicted=True))
         return events
+
+    def _evict_over_tree_bounds(self) -> None:
+        """After the unread trees went: the oldest steps leave while the trees still held are over
+        the layer or byte bound (their metrics were counted; their trace subtree is exported now)."""
+        evicted: list[JoinEvent] = []
+        with self._lock:
+            while len(self._buffer) > 1 and (self._buffered_layers > self.max_buffered_layers
+                                             or self._buffered_tree_bytes > self.max_buffered_tree_bytes):
+                self._counts["steps_evicted_overflow"] += 1
+                evicted.append(StepRetired(self._retire_oldest_locked(), evicted=True))
+        self._export(evicted)
 
     def _table(self, step: StepEvent, num_experts: int) -> LayerTable:
         """The step's routed layers as [layers, E] count matrices and their health, all at once.
@@ -499,7 +524,7 @@ class RequestJoin:
             if router is not None and router.counts is not None:
                 router.counts = row  # the same counts, now a view of the block: the decoded vector can go
         return layer_table(layers=index, tokens=both[:, :num_experts], dropped=both[:, num_experts:],
-                           router_entropy_bits=entropy)
+                           router_entropy_bits=entropy, block=both)
 
     def _columns_table(self, columns: LayerColumns, num_experts: int) -> LayerTable:
         """_table for a step whose layers are columns (E = num_experts): its routing block is used
@@ -528,7 +553,7 @@ class RequestJoin:
             block, entropy, index = block[fits], entropy[fits], index[fits]
         block = block.astype(np.int32, copy=False)
         return layer_table(layers=index, tokens=block[:, :num_experts], dropped=block[:, num_experts:],
-                           router_entropy_bits=entropy)
+                           router_entropy_bits=entropy, block=block)
 
     def _claim_steps(self, record: IngressRecord) -> list[BufferedStep]:
         """Buffered steps of this request (same pid, key == fd, started inside its interval)."""
@@ -564,6 +589,7 @@ class RequestJoin:
         if b.retired or not b.step.layer_count:
             return
         self._buffered_layers -= b.step.layer_count
+        self._buffered_tree_bytes -= tree_bytes(b)
         b.step = b.step.without_layers()
         table = self._empty_tables.get(b.num_experts)
         if table is None:
@@ -574,6 +600,7 @@ class RequestJoin:
         b = self._buffer.popleft()
         b.retired = True
         self._buffered_layers -= b.step.layer_count
+        self._buffered_tree_bytes -= tree_bytes(b)
         for key in set(b.step.requests):
             q = self._by_key.get((b.step.pid, key))
             if q and q[0] is b:
@@ -611,5 +638,6 @@ class RequestJoin:
             out = dict(self._counts)
             out["buffered_steps"] = len(self._buffer)
             out["buffered_layers"] = self._buffered_layers
+            out["buffered_tree_bytes"] = self._buffered_tree_bytes
             out["output_errors"] = sum(self._output_errors.values())
             return out

@@ -368,6 +368,9 @@ class LayerTable:
     cv: FloatVector
     drop_fraction: FloatVector
     router_entropy_normalised: FloatVector
+    # [L', 2E]: tokens | dropped side by side, where they are views of one block (the join's): sums
+    # over steps add it in one operation; None when the two came apart
+    block: CountMatrix | None = None
 
     def __len__(self) -> int:
         return int(self.layers.size)
@@ -412,10 +415,11 @@ class LayerTable:
 
 def layer_table(
     *, layers: npt.ArrayLike, tokens: npt.ArrayLike, dropped: npt.ArrayLike | None = None,
-    router_entropy_bits: npt.ArrayLike | None = None,
+    router_entropy_bits: npt.ArrayLike | None = None, block: CountMatrix | None = None,
 ) -> LayerTable:
     """The ``LayerTable`` of count matrices ``tokens`` / ``dropped`` ([L', E], E >= 1) for rows
-    ``layers``. ``ValueError`` on negative counts or mismatched shapes (as ``as_counts``)."""
+    ``layers``; ``block``, when given, is the [L', 2E] matrix they are the two halves of (kept if
+    they still are after the dtype checks). ``ValueError`` on negative counts or mismatched shapes."""
     c = np.asarray(tokens)
     if c.ndim != 2 or c.shape[1] < 1:
         raise ValueError(f"token counts must be a [layers, experts] matrix with experts >= 1, got shape {c.shape}")
@@ -438,6 +442,9 @@ def layer_table(
         router_norm = np.full(rows, NAN)
     else:
         router_norm = h_r / math.log2(e)
+    if block is not None and not (block.shape == (rows, 2 * e) and block.dtype == c.dtype
+                                  and np.shares_memory(block, c) and np.shares_memory(block, d)):
+        block = None
     fast = _native_health(c, d) if rows else None
     if fast is not None:
         entropy = fast.entropy_bits
@@ -446,7 +453,7 @@ def layer_table(
             dropped_total=fast.dropped, entropy_bits=entropy,
             entropy_normalised=np.where(fast.total > 0, 1.0, NAN) if e == 1 else entropy / math.log2(e),
             gini=fast.gini, max_share=fast.max_share, cv=fast.cv, drop_fraction=fast.drop_fraction,
-            router_entropy_normalised=router_norm,
+            router_entropy_normalised=router_norm, block=block,
         )
     if rows and (c.min() < 0 or d.min() < 0):
         raise ValueError("expert counts must be >= 0")
@@ -480,7 +487,7 @@ def layer_table(
         entropy_bits=entropy, entropy_normalised=entropy_norm,
         gini=np.where(has, g, NAN), max_share=np.where(has, c.max(axis=1, initial=0) / safe, NAN),
         cv=np.where(has, cv, NAN), drop_fraction=np.where(has, n_drop / safe, NAN),
-        router_entropy_normalised=router_norm,
+        router_entropy_normalised=router_norm, block=block,
     )
 
 
@@ -656,25 +663,23 @@ def add_rows(into: npt.NDArray[Any], rows: CountVector, values: npt.NDArray[Any]
 
 
 class _Bucket:
-    """The sums of the steps of one RoutingHealthWindow bucket (rows grow with the window's)."""
+    """The sums of the steps of one RoutingHealthWindow bucket: tokens | dropped as one [R, 2E]
+    matrix (a step's block is one add), rows growing with the window's."""
 
-    __slots__ = ("start_ns", "last_ns", "tokens", "dropped", "entropy_num", "entropy_den", "entropy_n")
+    __slots__ = ("start_ns", "last_ns", "counts", "entropy_num", "entropy_den", "entropy_n")
 
     def __init__(self, start_ns: int, rows: int, num_experts: int) -> None:
         self.start_ns = self.last_ns = start_ns
-        self.tokens = np.zeros((rows, num_experts), dtype=np.int64)
-        self.dropped = np.zeros((rows, num_experts), dtype=np.int64)
+        self.counts = np.zeros((rows, 2 * num_experts), dtype=np.int64)
         self.entropy_num = np.zeros(rows)
         self.entropy_den = np.zeros(rows)
         self.entropy_n = np.zeros(rows, dtype=np.int64)
 
     def grow(self, rows: int) -> None:
-        extra = rows - len(self.tokens)
+        extra = rows - len(self.counts)
         if extra <= 0:
             return
-        e = self.tokens.shape[1]
-        self.tokens = np.vstack([self.tokens, np.zeros((extra, e), dtype=np.int64)])
-        self.dropped = np.vstack([self.dropped, np.zeros((extra, e), dtype=np.int64)])
+        self.counts = np.vstack([self.counts, np.zeros((extra, self.counts.shape[1]), dtype=np.int64)])
         self.entropy_num = np.concatenate([self.entropy_num, np.zeros(extra)])
         self.entropy_den = np.concatenate([self.entropy_den, np.zeros(extra)])
         self.entropy_n = np.concatenate([self.entropy_n, np.zeros(extra, dtype=np.int64)])
@@ -752,20 +757,21 @@ class RoutingHealthWindow:
             valid = ~np.isnan(table.router_entropy_bits) & (weight > 0)
             weighted = np.where(valid, table.router_entropy_bits * weight, 0.0)
             weight = np.where(valid, weight, 0.0)
+            self._seen[rows] = True
+            if self.bucket_ns:  # into the open bucket only: the totals take it whole when it closes
+                self._add_to_bucket(t, rows, table, weighted, weight, valid)
+                self._evict_closed(t)
+                return
             add_rows(self._tokens, rows, table.tokens)
             add_rows(self._dropped, rows, table.dropped)
             add_rows(self._entropy_num, rows, weighted)
             add_rows(self._entropy_den, rows, weight)
             add_rows(self._entropy_n, rows, valid.astype(np.int64))
-            self._seen[rows] = True
-            if self.bucket_ns:
-                self._add_to_bucket(t, rows, table.tokens, table.dropped, weighted, weight, valid)
-            else:
-                self._entries.append((t, rows, table.tokens, table.dropped, weighted, weight, valid))
+            self._entries.append((t, rows, table.tokens, table.dropped, weighted, weight, valid))
         self.evict(t)
 
-    def _add_to_bucket(self, t: int, rows: CountVector, tokens: CountMatrix, dropped: CountMatrix,
-                       weighted: FloatVector, weight: FloatVector, valid: npt.NDArray[np.bool_]) -> None:
+    def _add_to_bucket(self, t: int, rows: CountVector, table: LayerTable, weighted: FloatVector,
+                       weight: FloatVector, valid: npt.NDArray[np.bool_]) -> None:
         bucket = self._open
         if bucket is not None and t >= bucket.start_ns + self.bucket_ns:
             self._close_bucket()
@@ -774,18 +780,29 @@ class RoutingHealthWindow:
             bucket = self._open = _Bucket(t, len(self._seen), self.num_experts)
         bucket.grow(len(self._seen))
         bucket.last_ns = t
-        add_rows(bucket.tokens, rows, tokens)
-        add_rows(bucket.dropped, rows, dropped)
+        e = self.num_experts
+        if table.block is not None:
+            add_rows(bucket.counts, rows, table.block)
+        else:
+            add_rows(bucket.counts[:, :e], rows, table.tokens)
+            add_rows(bucket.counts[:, e:], rows, table.dropped)
         add_rows(bucket.entropy_num, rows, weighted)
         add_rows(bucket.entropy_den, rows, weight)
         add_rows(bucket.entropy_n, rows, valid.astype(np.int64))
 
     def _close_bucket(self) -> None:
+        """The open bucket joins the totals and the entries."""
         b = self._open
         if b is None:
             return
         self._open = None
-        self._entries.append((b.last_ns, np.arange(len(b.tokens)), b.tokens, b.dropped, b.entropy_num,
+        n, e = len(b.counts), self.num_experts
+        self._tokens[:n] += b.counts[:, :e]
+        self._dropped[:n] += b.counts[:, e:]
+        self._entropy_num[:n] += b.entropy_num
+        self._entropy_den[:n] += b.entropy_den
+        self._entropy_n[:n] += b.entropy_n
+        self._entries.append((b.last_ns, np.arange(n), b.counts[:, :e], b.counts[:, e:], b.entropy_num,
                               b.entropy_den, b.entropy_n.astype(bool)))
         self._bucket_valid.append(b.entropy_n)
 
@@ -794,10 +811,30 @@ class RoutingHealthWindow:
 
     def evict(self, now_ns: int) -> None:
         """Drop steps at or before ``now_ns - duration_ns`` (with buckets: buckets whose last step is)."""
+        b = self._open
+        if b is not None and b.last_ns <= now_ns - self.duration_ns:
+            self._close_bucket()  # all of it is out of the window: it leaves through the entries
+        self._evict_closed(now_ns)
+
+    def _sums(self) -> tuple[CountMatrix, CountMatrix, FloatVector, FloatVector, CountVector]:
+        """(tokens, dropped, entropy x weight, weight, valid-entropy count) per layer row over the
+        window: the closed entries' running totals, plus the open bucket's (read, not closed)."""
+        b = self._open
+        if b is None:
+            return self._tokens, self._dropped, self._entropy_num, self._entropy_den, self._entropy_n
+        n, e = len(b.counts), self.num_experts
+        tokens, dropped = self._tokens.copy(), self._dropped.copy()
+        num, den, valid = self._entropy_num.copy(), self._entropy_den.copy(), self._entropy_n.copy()
+        tokens[:n] += b.counts[:, :e]
+        dropped[:n] += b.counts[:, e:]
+        num[:n] += b.entropy_num
+        den[:n] += b.entropy_den
+        valid[:n] += b.entropy_n
+        return tokens, dropped, num, den, valid
+
+    def _evict_closed(self, now_ns: int) -> None:
         horizon = now_ns - self.duration_ns
         emptied = False
-        if self._open is not None and self._open.last_ns <= horizon:
-            self._close_bucket()  # its last step is out of the window: so is all of it
         while self._entries and self._entries[0][0] <= horizon:
             _, rows, tokens, dropped, weighted, weight, valid = self._entries.popleft()
             add_rows(self._tokens, rows, tokens, sign=-1)
@@ -820,23 +857,24 @@ class RoutingHealthWindow:
         self.evict(now_ns)
         if not 0 <= layer < len(self._seen) or not self._seen[layer]:
             return np.zeros(self.num_experts, dtype=np.int64)
-        return self._tokens[layer].copy()
+        return self._sums()[0][layer].copy()
 
     def layer_stats(self, layer: int, now_ns: int) -> LoadStats:
         self.evict(now_ns)
         if not 0 <= layer < len(self._seen) or not self._seen[layer]:
             return load_stats(np.zeros(self.num_experts, dtype=np.int64))
-        return load_stats(self._tokens[layer], dropped=self._dropped[layer])
+        tokens, dropped, *_ = self._sums()
+        return load_stats(tokens[layer], dropped=dropped[layer])
 
     def table(self, now_ns: int) -> LayerTable:
         """The window's summed counts of every seen layer as one ``LayerTable`` (router entropy:
         the window's token-weighted mean per layer)."""
         self.evict(now_ns)
+        tokens, dropped, num, den, valid = self._sums()
         rows = np.flatnonzero(self._seen)
         with np.errstate(invalid="ignore", divide="ignore"):
-            entropy = np.where(self._entropy_n[rows] > 0, self._entropy_num[rows] / self._entropy_den[rows], NAN)
-        return layer_table(layers=rows, tokens=self._tokens[rows], dropped=self._dropped[rows],
-                           router_entropy_bits=entropy)
+            entropy = np.where(valid[rows] > 0, num[rows] / den[rows], NAN)
+        return layer_table(layers=rows, tokens=tokens[rows], dropped=dropped[rows], router_entropy_bits=entropy)
 
     def max_gini(self, now_ns: int) -> tuple[int, float]:
         """The layer with the highest windowed Gini and that Gini; ``(-1, NaN)`` with no data."""
@@ -849,15 +887,17 @@ class RoutingHealthWindow:
 
     def router_entropy_bits(self, layer: int, now_ns: int) -> float:
         self.evict(now_ns)
-        if not 0 <= layer < len(self._seen) or self._entropy_n[layer] <= 0:
+        _, _, num, den, valid = self._sums()
+        if not 0 <= layer < len(self._seen) or valid[layer] <= 0:
             return NAN
-        return float(self._entropy_num[layer] / self._entropy_den[layer])
+        return float(num[layer] / den[layer])
 
     def router_entropy_normalised(self, now_ns: int) -> float:
         """Token-weighted mean over layers and window of ``H_r / log2 E``."""
+        self.evict(now_ns)
+        tokens, _, num, den, valid = self._sums()
         pairs = []
         for layer in self.layers():
-            bits = self.router_entropy_bits(layer, now_ns)
-            weight = int(self._tokens[layer].sum())
-            pairs.append((normalised_router_entropy(bits, self.num_experts), weight))
+            bits = float(num[layer] / den[layer]) if valid[layer] > 0 else NAN
+            pairs.append((normalised_router_entropy(bits, self.num_experts), int(tokens[layer].sum())))
         return _weighted_mean(pairs)

@@ -389,6 +389,9 @@ def _observe(
     export_config: ExportConfig,
 ) -> int:
     started_ns = time.monotonic_ns()
+    allocator = Allocator()
+    allocator.configure()  # before netsig's loader thread, the first thread: see agent/allocator.py
+    daemon.add_tick_hook(allocator.trim)
     probe = IngressProbe(on_record=daemon.emit, options=options)
     launched: LaunchedCommand | None = None
     observers: Observers | None = None
@@ -416,9 +419,6 @@ def _observe(
         # Before any thread exists (Observers.build starts the exporters): see agent/privileges.py.
         if not args.keep_privileges:
             print(f"agent: {privileges.drop_to(privileges_to_keep(args))}", file=sys.stderr, flush=True)
-        allocator = Allocator()
-        allocator.limit_arenas()  # before the threads: see agent/allocator.py
-        daemon.add_tick_hook(allocator.trim)
         observers = KernelObservers.build(args, daemon=daemon, config=export_config)
         assert isinstance(observers, KernelObservers)  # build() is typed as returning the base class
         # Counts, bytes and latency from the kernel aggregate: exact whatever happens to records.
@@ -435,6 +435,7 @@ def _observe(
             launched.release()
         for line in observers.describe():
             print(f"agent: {line}", file=sys.stderr)
+        allocator.trim_now()  # what start-up allocated and freed goes back to the kernel now
     except BaseException:
         if launched is not None:
             launched.stop()

@@ -4,13 +4,15 @@
  * function, NULL with no tool (a load and a branch), filled by the tool's InitializeInjectionNvtx2
  * when NVTX_INJECTION64_PATH names one.
  *
- *   moe_scale_producer LAYERS EXPERTS TOPK v1|v2 STEPS_PER_S DURATION_S TOKENS REQUESTS SEED
+ *   moe_scale_producer LAYERS EXPERTS TOPK v1|v2|v2-compact STEPS_PER_S DURATION_S TOKENS REQUESTS SEED
  *
  * v2 sends the routing vector (moe.routing, int32[2E]) and moe.experts.time (float32[E]) as NVTX
  * extended payloads, registering the same schemas the PyPI nvtx package registers for a 1-D numpy
  * array (a static scalar schema, then a dynamic one: uint64 length, then the length-indexed data);
- * that needs the tool's payload extension (InitializeInjectionNvtxExtension, declared in
- * nvtx_abi.h): without it v2 exits 3 with one line and the harness records why. Routing: k x tokens assignments per layer drawn from a Zipf-like law (weight 1/rank, ranks
+ * v2-compact (moe/v2.2) sends per layer only its moe.layer range and per step moe.step.routing
+ * (int32[L·2E]) and moe.step.entropy (float32[L]) the same way. Both need the tool's payload
+ * extension (InitializeInjectionNvtxExtension, declared in nvtx_abi.h): without it they exit 3
+ * with one line and the harness records why. Routing: k x tokens assignments per layer drawn from a Zipf-like law (weight 1/rank, ranks
  * shuffled per layer), capacity ceil(1.25 k tokens / E), a pool of steps drawn before stepping.
  * Protocol as benchmarks/moe_scale_producer.py: a "ready" JSON line, wait for a line on stdin, step
  * with absolute deadlines, a result JSON line, wait for a line (or EOF) before exiting. Emission cost
@@ -153,7 +155,8 @@ static int cmp_u64(const void *a, const void *b) {
 
 int main(int argc, char **argv) {
     if (argc < 10) {
-        fprintf(stderr, "usage: %s LAYERS EXPERTS TOPK v1|v2 STEPS_PER_S DURATION_S TOKENS REQUESTS SEED\n", argv[0]);
+        fprintf(stderr, "usage: %s LAYERS EXPERTS TOPK v1|v2|v2-compact STEPS_PER_S DURATION_S TOKENS REQUESTS SEED\n",
+                argv[0]);
         return 2;
     }
     int layers = atoi(argv[1]), experts = atoi(argv[2]), top_k = atoi(argv[3]);
@@ -162,11 +165,12 @@ int main(int argc, char **argv) {
     int tokens = atoi(argv[7]), requests = atoi(argv[8]);
     rng_state = (uint64_t)atoll(argv[9]) * 7919u + 1u;
     if (layers < 1 || experts < 1 || top_k < 1 || top_k > experts || tokens < 1 || requests < 0 ||
-        !(steps_per_s > 0) || !(duration_s > 0) || (strcmp(convention, "v1") && strcmp(convention, "v2"))) {
+        !(steps_per_s > 0) || !(duration_s > 0) ||
+        (strcmp(convention, "v1") && strcmp(convention, "v2") && strcmp(convention, "v2-compact"))) {
         fprintf(stderr, "moe_scale_producer: bad arguments\n");
         return 2;
     }
-    int v2 = strcmp(convention, "v2") == 0;
+    int v2 = strcmp(convention, "v2") == 0, compact = strcmp(convention, "v2-compact") == 0;
     for (int i = 0; i < 16; i++) {
         core_table[i] = &core_slots[i];
         core2_table[i] = &core2_slots[i];
@@ -186,7 +190,7 @@ int main(int argc, char **argv) {
             return 1;
         }
         have_tool = 1;
-        if (v2) {
+        if (v2 || compact) {
 #if HAVE_PAYLOAD_EXT
             int (*ext_init)(msnvtx_ext_module_info *) =
                 (int (*)(msnvtx_ext_module_info *))dlsym(lib, "InitializeInjectionNvtxExtension");
@@ -215,13 +219,15 @@ int main(int argc, char **argv) {
     init_attr(&a_drop, "moe.expert.dropped");
     init_attr(&a_ffn, "moe.expert.ffn");
     a_router.payload_type = MSNVTX_PAYLOAD_DOUBLE;
-    msnvtx_event_attributes a_routing, a_experts, a_time;
+    msnvtx_event_attributes a_routing, a_experts, a_time, a_step_routing, a_step_entropy;
     init_attr(&a_routing, "moe.routing");
     init_attr(&a_experts, "moe.experts");
     init_attr(&a_time, "moe.experts.time");
+    init_attr(&a_step_routing, "moe.step.routing");
+    init_attr(&a_step_entropy, "moe.step.entropy");
 #if HAVE_PAYLOAD_EXT
     uint64_t routing_schema = 0, time_schema = 0;
-    if (v2 && have_tool) {
+    if ((v2 || compact) && have_tool) {
         schema_register_fn reg = (schema_register_fn)ext_slots[MSNVTX_PAYLOAD_SLOT_SchemaRegister];
         routing_schema = register_array_schema(reg, ENTRY_TYPE_INT32, "int32");
         time_schema = register_array_schema(reg, ENTRY_TYPE_FLOAT32, "float32");
@@ -239,6 +245,17 @@ int main(int argc, char **argv) {
     a_time.payload_type = MSNVTX_PAYLOAD_EXT;
     a_time.reserved0 = 1;
     a_time.payload.u64 = (uint64_t)(uintptr_t)&time_data;
+    /* v2-compact, per step: [uint64 L·2E][per layer demand[E] ++ over capacity[E]], [uint64 L][entropy] */
+    size_t step_routing_bytes = sizeof(uint64_t) + (size_t)layers * 2 * (size_t)experts * sizeof(int32_t);
+    size_t step_entropy_bytes = sizeof(uint64_t) + (size_t)layers * sizeof(float);
+    unsigned char *step_routing_block = malloc(step_routing_bytes), *step_entropy_block = malloc(step_entropy_bytes);
+    if (!step_routing_block || !step_entropy_block) return 1;
+    msnvtx_payload_data step_routing_data = {routing_schema, step_routing_bytes, step_routing_block};
+    msnvtx_payload_data step_entropy_data = {time_schema, step_entropy_bytes, step_entropy_block};
+    a_step_routing.payload_type = a_step_entropy.payload_type = MSNVTX_PAYLOAD_EXT;
+    a_step_routing.reserved0 = a_step_entropy.reserved0 = 1;
+    a_step_routing.payload.u64 = (uint64_t)(uintptr_t)&step_routing_data;
+    a_step_entropy.payload.u64 = (uint64_t)(uintptr_t)&step_entropy_data;
 #endif
 
     /* Routing pool: per layer a shuffled Zipf law; per pooled step a draw of k x tokens assignments. */
@@ -313,6 +330,38 @@ int main(int argc, char **argv) {
             mark(&a_req);
         }
         calls += 2 + (uint64_t)requests;
+#if HAVE_PAYLOAD_EXT
+        if (compact) {
+            /* moe/v2.2: a layer is its moe.layer range; the step's vectors, built as the runtime's
+             * once-per-step copy would hold them, go after the last layer */
+            uint64_t n = (uint64_t)layers * 2 * (uint64_t)experts;
+            int32_t *values = (int32_t *)(step_routing_block + sizeof n);
+            float *bits = (float *)(step_entropy_block + sizeof n);
+            memcpy(step_routing_block, &n, sizeof n);
+            n = (uint64_t)layers;
+            memcpy(step_entropy_block, &n, sizeof n);
+            for (int l = 0; l < layers; l++) {
+                const int32_t *d = step + (size_t)l * experts;
+                a_layer.category = (uint32_t)l + 1;
+                a_layer.payload.i64 = experts;
+                push(&a_layer);
+                pop();
+                int32_t *row = values + (size_t)l * 2 * experts;
+                for (int e = 0; e < experts; e++) {
+                    row[e] = d[e];
+                    row[experts + e] = d[e] > capacity ? d[e] - capacity : 0;
+                }
+                bits[l] = (float)entropy[l];
+            }
+            mark(&a_step_routing);
+            mark(&a_step_entropy);
+            pop();
+            calls += 2 * (uint64_t)layers + 2; /* the layers, the two vectors (step push + pop counted above) */
+            cpu[i] = clock_ns(CLOCK_THREAD_CPUTIME_ID) - c0;
+            wall[i] = clock_ns(CLOCK_MONOTONIC) - w0;
+            continue;
+        }
+#endif
         for (int l = 0; l < layers; l++) {
             const int32_t *d = step + (size_t)l * experts;
             a_layer.category = (uint32_t)l + 1;

@@ -42,14 +42,15 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 PRODUCER = REPO / "benchmarks" / "moe_scale_producer.py"
 SHAPES = {"reference": (4, 16, 2), "qwen3-30b-a3b": (48, 128, 8), "deepseek-v3": (58, 256, 8)}
-CONVENTIONS = ("v1", "v2", "v2-step")
+CONVENTIONS = ("v1", "v2", "v2-step", "v2-compact")
 VARIANTS = ("parse", "nospans", "unjoined", "joined")
 NAMESPACED = ("agent", "collectors", "probes", "examples")
 REQUEST_HALF_WINDOW_NS = 20_000_000  # a request spans its step's mark +-20 ms (steps are ~1 ms apart here)
 
 
 # ------------------------------------------------------------------------------------- recording
-def record(*, shape: str, convention: str, steps: int, steps_per_s: float, out: Path) -> dict[str, Any]:
+def record(*, shape: str, convention: str, steps: int, steps_per_s: float, out: Path,
+           vectors: str = "set") -> dict[str, Any]:
     """Run one producer under the injection library and save its drained batches."""
     from moescope.collectors.nvtx import NvtxCollector, injection_env
 
@@ -59,7 +60,8 @@ def record(*, shape: str, convention: str, steps: int, steps_per_s: float, out: 
         env.update(injection_env())
         env["MOESCOPE_NVTX_DIR"] = ring_dir
         argv = [PYTHON, str(PRODUCER), "--layers", str(layers), "--experts", str(experts), "--top-k", str(top_k),
-                "--convention", convention, "--steps-per-s", str(steps_per_s), "--duration-s", str(steps / steps_per_s)]
+                "--convention", convention, "--steps-per-s", str(steps_per_s), "--duration-s", str(steps / steps_per_s),
+                "--vectors", vectors]
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                 start_new_session=True)
         assert proc.stdin is not None and proc.stdout is not None
@@ -230,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--convention", choices=CONVENTIONS, default="v2")
     parser.add_argument("--steps", type=int, default=300, help="steps to record (default 300)")
     parser.add_argument("--record-steps-per-s", type=float, default=25.0, help="producer pace while recording")
+    parser.add_argument("--vectors", choices=("set", "held"), default="set",
+                        help="the recording producer's vectors (moe_scale_producer.py --vectors)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated of {', '.join(VARIANTS)}")
     parser.add_argument("--runs", type=int, default=3, help="runs per side and variant (A/B alternating)")
     parser.add_argument("--baseline-tree", type=Path, help="another checkout to compare against (A)")
@@ -250,14 +254,15 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
     from benchmarks.common import RESULTS_DIR, alternate_ab, write_result
 
-    recording = (args.recording or RESULTS_DIR / f"step_path-{args.shape}-{args.convention}.pickle").resolve()
+    held = "-held" if args.vectors == "held" else ""
+    recording = (args.recording or RESULTS_DIR / f"step_path-{args.shape}-{args.convention}{held}.pickle").resolve()
     recorded: dict[str, Any] = {}
     if args.recording is None:
         if os.geteuid() != 0:
             print("step_path: recording needs root (the injection library's ring in a shared dir)", file=sys.stderr)
             return 3
         recorded = record(shape=args.shape, convention=args.convention, steps=args.steps,
-                          steps_per_s=args.record_steps_per_s, out=recording)
+                          steps_per_s=args.record_steps_per_s, out=recording, vectors=args.vectors)
         print(f"recorded {recorded}", file=sys.stderr)
     results: dict[str, Any] = {}
     for variant in variants:

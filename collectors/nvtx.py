@@ -310,6 +310,7 @@ SCHEMA_ID_STATIC_START = 1 << 24  # below: a predefined entry type used directly
 SCHEMA_TYPE_STATIC = 1
 SCHEMA_TYPE_DYNAMIC = 2
 ENTRY_FLAG_ARRAY_MASK = 0x70
+ENTRY_FLAG_ARRAY_FIXED_SIZE = 0x10
 ENTRY_FLAG_ARRAY_LENGTH_INDEX = 0x30
 # Predefined entry types that decode to a numpy number (LP64 sizes for the C types 1-10, 22).
 ENTRY_TYPE_DTYPES: dict[int, np.dtype] = {
@@ -394,6 +395,30 @@ class SchemaTable:
             return None
         return dtype
 
+    def fixed_array(self, schema_id: int) -> tuple[np.dtype, int] | None:
+        """(element dtype, count) of a static one-field schema whose field is a fixed-size array of a
+        numeric type, directly or through one more static one-field schema: what the nvtx package
+        registers for a 0-d numpy array of dtype [(name, T, (n,))], a vector it does not copy per
+        set. None for anything else."""
+        for _ in range(2):
+            schema = self.schemas.get(schema_id)
+            if schema is None or schema.type != SCHEMA_TYPE_STATIC or len(schema.fields) != 1:
+                return None
+            only = schema.fields[0]
+            if only.offset != 0:
+                return None
+            if only.flags & ENTRY_FLAG_ARRAY_MASK == ENTRY_FLAG_ARRAY_FIXED_SIZE:
+                dtype = self.element_dtype(only.type)
+                if dtype is None or only.array_detail <= 0:
+                    return None
+                if schema.static_size and schema.static_size != dtype.itemsize * only.array_detail:
+                    return None
+                return dtype, only.array_detail
+            if only.flags & ENTRY_FLAG_ARRAY_MASK or only.type < SCHEMA_ID_STATIC_START:
+                return None
+            schema_id = only.type
+        return None
+
     def decode_array(self, schema_id: int, raw: bytes | memoryview | np.ndarray) -> np.ndarray | None:
         """Payload bytes -> 1-D numpy array (a copy), for the layouts the `nvtx` package sends: a
         predefined numeric type as the schema id (elements = size // itemsize), a static scalar
@@ -411,6 +436,12 @@ class SchemaTable:
         if schema is None:
             return None
         if len(schema.fields) == 1 and schema.type == SCHEMA_TYPE_STATIC:
+            fixed = self.fixed_array(schema_id)
+            if fixed is not None:  # a held vector (0-d structured array): n elements, no length
+                dtype, count = fixed
+                if nbytes < count * dtype.itemsize:
+                    return None
+                return buf[: count * dtype.itemsize].view(dtype).copy()
             dtype = self.element_dtype(schema_id)
             if dtype is None or nbytes < dtype.itemsize:
                 return None

@@ -47,36 +47,38 @@ def model_label(model: str | None) -> str:
 
 
 class PendingCounts:
-    """Tokens and drops per (layer, expert) summed between flushes, as [layers, E] matrices: one
-    array add per step (per-expert dicts cost ~2 ms a step at E = 256, L = 58)."""
+    """Tokens and drops per (layer, expert) summed between flushes, as one [layers, 2E] matrix
+    (tokens | dropped): one array add per step (per-expert dicts cost ~2 ms a step at E = 256,
+    L = 58)."""
 
     def __init__(self) -> None:
-        self._tokens = np.zeros((0, 0), dtype=np.int64)
-        self._dropped = np.zeros((0, 0), dtype=np.int64)
+        self._counts = np.zeros((0, 0), dtype=np.int64)
         self._layers_seen = np.zeros(0, dtype=bool)
         self._batches: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # E changed: kept apart
 
     def add(self, table: LayerTable) -> None:
         rows, experts = int(table.layers.max()) + 1, table.num_experts
-        if self._tokens.shape[1] not in (0, experts):
+        if self._counts.shape[1] not in (0, 2 * experts):
             self._batches.extend(self._drain())  # another E: the sums so far are flushed as they are
-        if rows > self._tokens.shape[0] or self._tokens.shape[1] != experts:
-            grown = np.zeros((max(rows, self._tokens.shape[0]), experts), dtype=np.int64)
-            grown_dropped = grown.copy()
+        if rows > self._counts.shape[0] or self._counts.shape[1] != 2 * experts:
+            grown = np.zeros((max(rows, self._counts.shape[0]), 2 * experts), dtype=np.int64)
             seen = np.zeros(grown.shape[0], dtype=bool)
-            have = self._tokens.shape[0]
-            if self._tokens.shape[1] == experts:
-                grown[:have], grown_dropped[:have], seen[:have] = self._tokens, self._dropped, self._layers_seen
-            self._tokens, self._dropped, self._layers_seen = grown, grown_dropped, seen
-        add_rows(self._tokens, table.layers, table.tokens)
-        add_rows(self._dropped, table.layers, table.dropped)
+            have = self._counts.shape[0]
+            if self._counts.shape[1] == 2 * experts:
+                grown[:have], seen[:have] = self._counts, self._layers_seen
+            self._counts, self._layers_seen = grown, seen
+        if table.block is not None:
+            add_rows(self._counts, table.layers, table.block)
+        else:
+            add_rows(self._counts[:, :experts], table.layers, table.tokens)
+            add_rows(self._counts[:, experts:], table.layers, table.dropped)
         self._layers_seen[table.layers] = True
 
     def _drain(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         rows = np.flatnonzero(self._layers_seen)
-        out = [(rows, self._tokens[rows], self._dropped[rows])] if rows.size else []
-        self._tokens = np.zeros((0, 0), dtype=np.int64)
-        self._dropped = np.zeros((0, 0), dtype=np.int64)
+        e = self._counts.shape[1] // 2
+        out = [(rows, self._counts[rows, :e], self._counts[rows, e:])] if rows.size else []
+        self._counts = np.zeros((0, 0), dtype=np.int64)
         self._layers_seen = np.zeros(0, dtype=bool)
         return out
 

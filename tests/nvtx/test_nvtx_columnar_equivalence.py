@@ -129,7 +129,8 @@ def _tape(steps: list[dict[str, Any]]) -> tuple[_Tape, set[int]]:
             if edit == "no router" and here():
                 routers = 0
             for _ in range(routers):
-                router = tape.push("moe.router", category=layer + 1, payload=_double(1.25 + layer), ptype=PAYLOAD_DOUBLE)
+                router = tape.push("moe.router", category=layer + 1, payload=_double(1.25 + layer),
+                                   ptype=PAYLOAD_DOUBLE)
                 if edit == "router payload int" and here():
                     router["payload"], router["payload_type"] = 3, PAYLOAD_I64
                 if edit == "v1 mark" and here():

@@ -336,6 +336,7 @@ def check_received(spans: list[FlatSpan], scenario: Scenario, pipeline: Pipeline
         "layers_bad_routing": 0,
         "buffered_steps": 0,
         "buffered_layers": 0,
+        "buffered_tree_bytes": 0,
         "runtime_states": 1,  # the runtime's stats record (per-layer precision)
         "records_unknown": 0,
         "output_errors": 0,
