@@ -24,6 +24,7 @@ import json
 import logging
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf import json_format
@@ -116,6 +117,13 @@ def _string(value: str) -> str:
     return _quote(value)
 
 
+def _float_array(value: Sequence[float]) -> str | None:
+    """An all-float array whose elements are finite, in one join; None if any is not (the general path)."""
+    if math.isfinite(sum(value)):  # NaN or an infinity anywhere makes the sum non-finite; so can overflow
+        return '{"arrayValue":{"values":[{"doubleValue":' + '},{"doubleValue":'.join(map(_float_text, value)) + "}]}}"
+    return None
+
+
 def _any_value(value: Any) -> str:
     """One AnyValue as OTLP/JSON text (what ``_encode_value`` + ``MessageToDict`` would give)."""
     t = type(value)
@@ -132,9 +140,15 @@ def _any_value(value: Any) -> str:
     if t is tuple or t is list:
         if not value:
             return '{"arrayValue":{}}'
-        if set(map(type, value)) == {int} and _INT64_MIN <= min(value) and max(value) <= _INT64_MAX:
-            # per-expert token counts: the common array, written in one join
-            return '{"arrayValue":{"values":[{"intValue":"' + '"},{"intValue":"'.join(map(str, value)) + '"}]}}'
+        kinds = set(map(type, value))
+        if len(kinds) == 1:
+            if int in kinds and _INT64_MIN <= min(value) and max(value) <= _INT64_MAX:
+                # per-expert token counts: the common array, written in one join
+                return '{"arrayValue":{"values":[{"intValue":"' + '"},{"intValue":"'.join(map(str, value)) + '"}]}}'
+            if float in kinds:
+                text = _float_array(value)
+                if text is not None:
+                    return text
         return '{"arrayValue":{"values":[' + ",".join([_any_value(v) for v in value]) + "]}}"
     # The general cases, in the SDK encoder's order (bool before int: bool is an int).
     if value is None:
@@ -157,7 +171,7 @@ def _any_value(value: Any) -> str:
     raise _Unencodable(f"invalid type {type(value).__name__} of value {value!r}")
 
 
-def _key_value(key: str, value: Any) -> str:
+def _key_prefix(key: str) -> str:
     prefix = _key_prefixes.get(key)
     if prefix is None:
         if type(key) is not str:
@@ -166,13 +180,91 @@ def _key_value(key: str, value: Any) -> str:
         if len(_key_prefixes) >= _CACHE_MAX:
             _key_prefixes.clear()
         _key_prefixes[key] = prefix
-    return prefix + _any_value(value) + "}"
+    return prefix
+
+
+def _key_value(key: str, value: Any) -> str:
+    return _key_prefix(key) + _any_value(value) + "}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Template:
+    """The text of one attribute set shape (keys in order, each value's type) with a %-placeholder
+    per value: ``%r`` for a float, ``"%d"`` for an int, ``%s`` for the rest (their AnyValue text)."""
+
+    text: str
+    floats: tuple[int, ...]  # positions of the float values (written only if all are finite)
+    ints: tuple[int, ...]  # of the int values (only if all are within int64)
+    others: tuple[int, ...]  # of the values written through _any_value
+
+
+# Spans of one kind carry the same keys with the same value types (58 moe.layer spans a step):
+# their text is one %-format of a template, one C-level call for the scalars instead of a
+# concatenation per attribute. (keys, types) -> template; None: that shape takes the general path.
+_templates: dict[tuple[tuple[Any, ...], tuple[type, ...]], _Template | None] = {}
+_TEMPLATES_MAX = 256
+
+
+def _template(keys: tuple[Any, ...], types: tuple[type, ...]) -> _Template | None:
+    pieces: list[str] = []
+    floats: list[int] = []
+    ints: list[int] = []
+    others: list[int] = []
+    try:
+        for position, (key, t) in enumerate(zip(keys, types, strict=True)):
+            prefix = _key_prefix(key).replace("%", "%%")
+            if t is float:
+                pieces.append(prefix + '{"doubleValue":%r}}')
+                floats.append(position)
+            elif t is int:
+                pieces.append(prefix + '{"intValue":"%d"}}')
+                ints.append(position)
+            else:
+                pieces.append(prefix + "%s}")
+                others.append(position)
+    except _Unencodable:
+        return None  # a key that is not a string: the general path leaves that attribute out
+    return _Template("[" + ",".join(pieces) + "]", tuple(floats), tuple(ints), tuple(others))
+
+
+def _templated(attributes: Mapping[str, Any]) -> str | None:
+    """``_attributes`` through the shape's template; None where the general path must decide (a
+    non-finite float, an int outside int64, a value _any_value cannot encode)."""
+    values = tuple(attributes.values())
+    shape = (tuple(attributes), tuple(map(type, values)))
+    template = _templates.get(shape)
+    if template is None:
+        if shape in _templates:
+            return None
+        if len(_templates) >= _TEMPLATES_MAX:
+            _templates.clear()
+        template = _templates[shape] = _template(*shape)
+        if template is None:
+            return None
+    if template.floats and not math.isfinite(sum([values[i] for i in template.floats])):
+        return None  # NaN or an infinity among them (or a sum past the float range): element by element
+    if template.ints:
+        picked = [values[i] for i in template.ints]
+        if min(picked) < _INT64_MIN or max(picked) > _INT64_MAX:
+            return None
+    if template.others:
+        args = list(values)
+        try:
+            for i in template.others:
+                args[i] = _any_value(args[i])
+        except (_Unencodable, TypeError, ValueError):
+            return None
+        values = tuple(args)
+    return template.text % values
 
 
 def _attributes(attributes: Mapping[str, Any] | None) -> str:
     """``[...]`` of the encodable attributes, or "" when there are none (the field is left out)."""
     if not attributes:
         return ""
+    text = _templated(attributes)
+    if text is not None:
+        return text
     out = []
     for key, value in attributes.items():
         try:
@@ -237,9 +329,10 @@ def _span(span: ReadableSpan) -> str:
         parts.append(',"attributes":' + attrs)
     if span.dropped_attributes:
         parts.append(f',"droppedAttributesCount":{span.dropped_attributes}')
-    if span.events:
+    span_events = span.events  # a new tuple per read
+    if span_events:
         events = []
-        for event in span.events:
+        for event in span_events:
             e = []
             if event.timestamp:
                 e.append(f'"timeUnixNano":"{event.timestamp}"')
@@ -254,9 +347,10 @@ def _span(span: ReadableSpan) -> str:
         parts.append(',"events":[' + ",".join(events) + "]")
     if span.dropped_events:
         parts.append(f',"droppedEventsCount":{span.dropped_events}')
-    if span.links:
+    span_links = span.links
+    if span_links:
         links = []
-        for link in span.links:
+        for link in span_links:
             lc = link.context
             item = f'{{"traceId":"{lc.trace_id:032x}","spanId":"{lc.span_id:016x}"'
             link_attrs = _attributes(link.attributes)

@@ -41,31 +41,52 @@ log = logging.getLogger(__name__)
 AttributeValue = str | bool | int | float | Sequence[str] | Sequence[bool] | Sequence[int] | Sequence[float]
 
 
-def clean_attributes(attributes: Mapping[str, Any] | None) -> dict[str, AttributeValue]:
-    """OTLP-representable attributes: numpy to Python, homogeneous sequences, no None/NaN."""
-    out: dict[str, AttributeValue] = {}
-    if not attributes:
-        return out
+_PLAIN_ITEMS = frozenset((int, float, str, bool))  # element types of an array kept as it is
+_SCALARS = frozenset((float, int, str, bool, type(None)))  # values that need no conversion
+
+
+def _clean(attributes: Mapping[str, Any], *, tuples: bool) -> dict[str, Any]:
+    """``clean_attributes``, with arrays as tuples (``tuples``: as the SDK stores them) or lists."""
+    if set(map(type, attributes.values())) <= _SCALARS:
+        # scalars only (most spans): leave out None and NaN, the one value not equal to itself
+        return {key: value for key, value in attributes.items() if value is not None and value == value}
+    out: dict[str, Any] = {}
     for key, value in attributes.items():
         t = type(value)
-        if t is str or t is int or t is bool:  # the common cases first: no conversion
-            out[key] = value
-        elif t is float:
+        if t is float:  # the common cases first: no conversion
             if value == value:  # not NaN
                 out[key] = value
+        elif t is int or t is str or t is bool:
+            out[key] = value
+        elif t is list or t is tuple:
+            if not value:
+                continue  # an empty array is left out
+            kinds = set(map(type, value))  # one C-level pass decides the homogeneous cases
+            if len(kinds) == 1 and kinds <= _PLAIN_ITEMS:
+                out[key] = (value if t is tuple else tuple(value)) if tuples else list(value)  # a copy
+                continue
+            converted = _convert(value)
+            if converted is not None:
+                out[key] = tuple(converted) if tuples and type(converted) is list else converted
         elif value is not None:
             converted = _convert(value)
             if converted is not None:
-                out[key] = converted
+                out[key] = tuple(converted) if tuples and type(converted) is list else converted
     return out
+
+
+def clean_attributes(attributes: Mapping[str, Any] | None) -> dict[str, AttributeValue]:
+    """OTLP-representable attributes: numpy to Python, homogeneous sequences, no None/NaN."""
+    if not attributes:
+        return {}
+    return _clean(attributes, tuples=False)
 
 
 def _span_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
     """``clean_attributes`` as the SDK stores them: sequences as tuples, only non-empty str keys."""
-    out: dict[str, Any] = clean_attributes(attributes)
-    for key, value in out.items():
-        if type(value) is list:
-            out[key] = tuple(value)
+    if not attributes:
+        return {}
+    out = _clean(attributes, tuples=True)
     if "" in out or not set(map(type, out)) <= {str}:
         log.warning("span attributes with an empty or non-string key are left out")
         out = {k: v for k, v in out.items() if type(k) is str and k}

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import reduce
+from operator import add, mul
 
 import numpy as np
 from opentelemetry.trace import SpanContext, SpanKind
@@ -42,6 +44,7 @@ from moescope.agent.join import (
     TelemetrySeen,
 )
 from moescope.agent.request_phases import PHASES, RequestBreakdown
+from moescope.agent.routing_health import LayerTable
 from moescope.collectors.host import MemorySignal
 from moescope.collectors.moe_convention import LayerEvent, StepEvent
 from moescope.collectors.netsig import NetEventIndex, span_event_fields
@@ -58,9 +61,11 @@ TOP_EXPERTS_ON_SPANS = 16
 # FFNs of a layer into array attributes of its moe.layer span; "expert" gives each its own span.
 SPAN_DETAILS = ("layer", "expert")
 DEFAULT_SPAN_DETAIL = "layer"
-# Layer spans per second kept on average (token bucket, burst of one second's worth): 2000 is every
-# step of the reference model (L=4) up to 500 steps/s, or ~34 DeepSeek-V3 steps/s (L=58).
-DEFAULT_LAYER_SPANS_PER_S = 2000.0
+# Layer spans per second kept on average (token bucket, burst of one second's worth), slow steps on
+# top: 200 is every step of the reference model (L=4) up to 50 steps/s, or ~3.4 DeepSeek-V3 steps/s
+# (L=58); a kept layer span costs ~90-110 µs of agent CPU, so at 200 DeepSeek-V3 steps/s traces
+# stay near 5 % of a core with the step spans (docs/traces-and-metrics.md, "Sampling").
+DEFAULT_LAYER_SPANS_PER_S = 200.0
 SLOW_STEP_QUANTILE = 0.99  # a step at or above the window's p99 duration is "slow": always kept
 SLOW_STEP_MIN_SAMPLES = 100  # ... once the window holds this many steps (before: the budget alone)
 SLOW_STEP_WINDOW_NS = 10_000_000_000
@@ -111,6 +116,7 @@ class LayerSampler:
         return False
 
 Attributes = dict[str, AttributeValue]
+NAN = float("nan")
 
 # The span under the server span for each phase (agent/request_phases.py PHASES order).
 PHASE_SPAN_NAMES = {"receive": "receive", "queue": "queue wait", "prefill": "prefill", "decode": "decode",
@@ -296,8 +302,16 @@ class TraceOutput:
             t.cv.tolist(), t.tokens_total.tolist(), t.dropped_total.tolist(), t.drop_fraction.tolist(),
             strict=True,
         )
-        for i, (layer, h_r, h_rn, gini, h, hn, share, cv, routed, dropped, drop_fraction) in enumerate(columns):
-            attrs: Attributes = {
+        arrays = num_experts <= MAX_ARRAY_EXPERTS
+        if arrays:
+            first, second = t.tokens.tolist(), t.dropped.tolist()
+            first_key, second_key = "moe.expert.tokens", "moe.expert.dropped"
+        else:  # the top experts of every layer in one call over the [L, E] table
+            first, second = top_experts_by_row(t.tokens)
+            first_key, second_key = "moe.expert.top_ids", "moe.expert.top_tokens"
+        for (layer, h_r, h_rn, gini, h, hn, share, cv, routed, dropped, drop_fraction), one, two in zip(
+                columns, first, second, strict=True):
+            per_layer[layer] = {
                 "moe.layer.experts": num_experts,
                 "moe.router.entropy_bits": h_r,
                 "moe.router.entropy_normalized": h_rn,
@@ -309,34 +323,14 @@ class TraceOutput:
                 "moe.tokens.routed": routed,
                 "moe.tokens.dropped": dropped,
                 "moe.tokens.drop_fraction": drop_fraction,
+                first_key: one,
+                second_key: two,
             }
-            tokens = t.tokens[i]
-            if num_experts <= MAX_ARRAY_EXPERTS:
-                attrs["moe.expert.tokens"] = tokens.tolist()
-                attrs["moe.expert.dropped"] = t.dropped[i].tolist()
-            else:
-                top = _top_experts(tokens)
-                attrs["moe.expert.top_ids"] = top
-                attrs["moe.expert.top_tokens"] = tokens[top].tolist()
-            per_layer[layer] = attrs
         return per_layer
 
     @staticmethod
     def _step_health_attributes(b: BufferedStep) -> Attributes:
-        t = b.table
-        step_attrs: Attributes = {}
-        if len(t):
-            s = t.step_health()
-            step_attrs = {
-                "moe.router.entropy_bits": s.router_entropy_bits,
-                "moe.router.entropy_normalized": s.router_entropy_normalised,
-                "moe.expert_load.gini": s.gini,
-                "moe.expert_load.gini_max": s.gini_max,
-                "moe.expert_load.max_share": s.max_share,
-                "moe.tokens.dropped": s.dropped,
-                "moe.tokens.drop_fraction": s.drop_fraction,
-            }
-        return step_attrs
+        return step_health_attributes(b.table)
 
     def _device_events(self, step: StepEvent) -> list[SpanEvent]:
         memory = self._memory
@@ -382,31 +376,39 @@ class TraceOutput:
         ctx = span.get_span_context()
         n = 1
         if with_layers:
-            for layer in step.layers:
-                attrs = per_layer.get(layer.layer, {})
-                if layer.layer in device_by_layer:
-                    attrs = {**attrs, "moe.experts.device_time_us": device_by_layer[layer.layer]}
-                n += self._layer(layer, parent=ctx, attrs=attrs)
+            folded = self.span_detail == "layer"
+            layers = step.layers
+            times = _experts_time_by_position(layers) if folded else []
+            for position, layer in enumerate(layers):
+                index = layer.layer
+                # one dict per span, in the attribute order the span has always had
+                attrs: Attributes = {"moe.layer": index}
+                health = per_layer.get(index)
+                if health is not None:
+                    attrs.update(health)
+                device = device_by_layer.get(index)
+                if device is not None:
+                    attrs["moe.experts.device_time_us"] = device
+                if folded:
+                    self._fold_layer_attributes(layer, attrs, times[position])
+                    spans.record("moe.layer", start_ns=layer.start_ns + off, end_ns=layer.end_ns + off, parent=ctx,
+                                 attributes=attrs)
+                    n += 1
+                else:
+                    n += self._layer(layer, parent=ctx, attrs=attrs)
         spans.end(span, end_ns=step.end_ns + off, events=self._device_events(step))
         self._counts["spans"] += n
         return ctx
 
     def _layer(self, layer: LayerEvent, *, parent: SpanContext, attrs: Attributes) -> int:
+        """--span-detail expert: the layer span (``attrs``: its attributes, ``moe.layer`` first)
+        with a child span per router, experts run, expert load and FFN."""
         spans = self.spans
         off = self.epoch_offset_ns
-        if self.span_detail == "layer":
-            spans.record(
-                "moe.layer", start_ns=layer.start_ns + off, end_ns=layer.end_ns + off, parent=parent,
-                attributes={"moe.layer": layer.layer, **attrs, **self._folded_layer_attributes(layer)},
-            )
-            return 1
-        span = spans.start(
-            "moe.layer", start_ns=layer.start_ns + off, parent=parent,
-            attributes={"moe.layer": layer.layer, **attrs},
-        )
+        span = spans.start("moe.layer", start_ns=layer.start_ns + off, parent=parent, attributes=attrs)
         ctx = span.get_span_context()
         n = 1
-        if layer.router is not None:
+        if layer.router is not None and layer.router.timed:  # (compact v2.2: no moe.router range was sent)
             r = layer.router
             spans.record(
                 "moe.router",
@@ -480,25 +482,98 @@ class TraceOutput:
         return {"moe.layer.experts.slowest_ids": top,
                 "moe.layer.experts.slowest_time_us": time_us[top].astype(np.float64).tolist()}
 
-    def _folded_layer_attributes(self, layer: LayerEvent) -> Attributes:
-        """--span-detail layer: what the router, expert-load and FFN child spans would carry, as
-        attributes of the layer span (one span per layer instead of 2 + experts run + loads)."""
-        attrs: Attributes = {"moe.precision": self._layer_precision.get(layer.layer)}
-        if layer.router is not None:
-            attrs["moe.layer.router.duration_ms"] = (layer.router.end_ns - layer.router.start_ns) / 1e6
-        if layer.ffns:
-            attrs["moe.layer.ffn.experts"] = [f.expert for f in layer.ffns]
-            attrs["moe.layer.ffn.tokens"] = [f.tokens for f in layer.ffns]
-            attrs["moe.layer.ffn.duration_ms"] = [(f.end_ns - f.start_ns) / 1e6 for f in layer.ffns]
-        if layer.experts is not None:  # moe/v2: all experts of the layer in one range
-            attrs["moe.layer.experts.duration_ms"] = layer.experts.duration_ns / 1e6
-            attrs["moe.layer.experts.tokens"] = layer.experts.tokens
-            attrs.update(self._experts_time_attributes(layer))
-        if layer.loads:
-            attrs["moe.layer.load.experts"] = [load.expert for load in layer.loads]
-            attrs["moe.layer.load.bytes"] = [load.bytes_moved for load in layer.loads]
-            attrs["moe.layer.load.duration_ms"] = [(load.end_ns - load.start_ns) / 1e6 for load in layer.loads]
-        return attrs
+    def _fold_layer_attributes(self, layer: LayerEvent, attrs: Attributes, times: Attributes | None) -> None:
+        """--span-detail layer: what the router, expert-load and FFN child spans would carry, added
+        to the layer span's ``attrs`` (one span per layer instead of 2 + experts run + loads);
+        ``times``: the layer's ``_experts_time_attributes``."""
+        precision = self._layer_precision.get(layer.layer)
+        if precision is not None:  # None is left out of a span anyway
+            attrs["moe.precision"] = precision
+        router = layer.router
+        if router is not None and router.timed:
+            attrs["moe.layer.router.duration_ms"] = (router.end_ns - router.start_ns) / 1e6
+        ffns = layer.ffns
+        if ffns:
+            attrs["moe.layer.ffn.experts"] = [f.expert for f in ffns]
+            attrs["moe.layer.ffn.tokens"] = [f.tokens for f in ffns]
+            attrs["moe.layer.ffn.duration_ms"] = [(f.end_ns - f.start_ns) / 1e6 for f in ffns]
+        experts = layer.experts
+        if experts is not None:  # moe/v2: all experts of the layer in one range
+            attrs["moe.layer.experts.duration_ms"] = (experts.end_ns - experts.start_ns) / 1e6
+            attrs["moe.layer.experts.tokens"] = experts.tokens
+            if times:
+                attrs.update(times)
+        loads = layer.loads
+        if loads:
+            attrs["moe.layer.load.experts"] = [load.expert for load in loads]
+            attrs["moe.layer.load.bytes"] = [load.bytes_moved for load in loads]
+            attrs["moe.layer.load.duration_ms"] = [(load.end_ns - load.start_ns) / 1e6 for load in loads]
+
+
+def _experts_time_by_position(layers: Sequence[LayerEvent]) -> list[Attributes | None]:
+    """``TraceOutput._experts_time_attributes`` of each layer (None: no expert times), the slowest
+    experts of every layer wider than MAX_ARRAY_EXPERTS found in one call per width."""
+    out: list[Attributes | None] = [None] * len(layers)
+    wide: dict[int, list[tuple[int, np.ndarray]]] = {}  # E -> (position, times) of layers with E times
+    for position, layer in enumerate(layers):
+        experts = layer.experts
+        if experts is None or experts.time_us is None:
+            continue
+        time_us = experts.time_us
+        if len(time_us) <= MAX_ARRAY_EXPERTS:
+            out[position] = {"moe.layer.experts.time_us": time_us.astype(np.float64).tolist()}
+        else:
+            wide.setdefault(len(time_us), []).append((position, time_us))
+    for group in wide.values():
+        matrix = np.stack([time_us for _, time_us in group]).astype(np.float64, copy=False)
+        ids, slowest = top_experts_by_row(matrix)
+        for (position, _), top, values in zip(group, ids, slowest, strict=True):
+            out[position] = {"moe.layer.experts.slowest_ids": top, "moe.layer.experts.slowest_time_us": values}
+    return out
+
+
+def step_health_attributes(t: LayerTable) -> Attributes:
+    """The step span's routing-health aggregates from a step's table: the values
+    ``LayerTable.step_health()`` gives (token-weighted means over the layers with tokens and a
+    value, added in layer order; maxima ignoring NaN), only for the fields the span carries (this
+    runs for every step: under half of step_health's cost)."""
+    if not len(t):
+        return {}
+    weights = t.tokens_total.tolist()
+    every_layer_weighted = min(weights) > 0
+    gini = t.gini.tolist()
+    tokens = sum(weights)
+    dropped = int(t.dropped_total.sum())
+    return {
+        "moe.router.entropy_bits": _weighted_mean(t.router_entropy_bits.tolist(), weights, every_layer_weighted),
+        "moe.router.entropy_normalized": _weighted_mean(t.router_entropy_normalised.tolist(), weights,
+                                                        every_layer_weighted),
+        "moe.expert_load.gini": _weighted_mean(gini, weights, every_layer_weighted),
+        "moe.expert_load.gini_max": _max_not_nan(gini),
+        "moe.expert_load.max_share": _max_not_nan(t.max_share.tolist()),
+        "moe.tokens.dropped": dropped,
+        "moe.tokens.drop_fraction": dropped / tokens if tokens else NAN,
+    }
+
+
+def _weighted_mean(values: list[float], weights: list[int], every_layer_weighted: bool) -> float:
+    """``sum w v / sum w`` over the layers with w > 0 and v not NaN, the products added one by one
+    from 0.0 in layer order (so the float is the same as the loop's in routing_health)."""
+    if every_layer_weighted and not math.isnan(sum(values)):  # sum: only a NaN test (NaN in, NaN out)
+        total = sum(weights)
+        products = reduce(add, map(mul, values, weights), 0.0)  # C-level, strictly left to right
+    else:
+        kept = [(v, w) for v, w in zip(values, weights, strict=True) if w > 0 and v == v]
+        total = sum([w for _, w in kept])
+        products = reduce(add, [v * w for v, w in kept], 0.0)
+    return products / total if total else NAN
+
+
+def _max_not_nan(values: list[float]) -> float:
+    if values and not math.isnan(sum(values)):
+        return max(values)
+    finite = [v for v in values if v == v]
+    return max(finite) if finite else NAN
 
 
 def _top_experts(values: np.ndarray) -> list[int]:
@@ -514,3 +589,48 @@ def _top_experts(values: np.ndarray) -> list[int]:
     else:
         order = np.argsort(-v, kind="stable")[:n]
     return [int(i) for i in order.tolist()]
+
+
+# |count| at most this keeps count * E + id exact in int64 and the counts exact as float64, so the
+# combined key orders experts as _top_experts does
+_EXACT_COUNT_MAX = 1 << 53
+
+
+def top_experts_by_row(counts: np.ndarray) -> tuple[list[list[int]], list[list[float]]]:
+    """``_top_experts`` of every row of a [L, E] matrix, and those experts' values: per row the ids
+    (largest first, ties by expert id) and their values, as Python lists (ints for integer counts).
+
+    Integer counts (the routing table) take one partition over the whole matrix: each entry becomes
+    the unique key ``count * E + (E - 1 - id)``, whose order is (count, then lower id first); the
+    top keys give both the id and the count back (58 per-row partitions cost ~14x). Floats (expert
+    times) take one partition and one small sort when no row has a NaN or a tie at its n-th largest
+    value; anything else goes row by row."""
+    m = np.asarray(counts)
+    if m.ndim != 2:
+        raise ValueError(f"top_experts_by_row wants a [layers, experts] matrix, got shape {m.shape}")
+    rows, e = m.shape
+    n = min(TOP_EXPERTS_ON_SPANS, e)
+    if rows == 0 or n == 0:
+        return [[] for _ in range(rows)], [[] for _ in range(rows)]
+    limit = min(_EXACT_COUNT_MAX, (1 << 62) // e)
+    if m.dtype.kind in "iu" and -limit <= int(m.min()) and int(m.max()) <= limit:
+        keys = m.astype(np.int64) * e + np.arange(e - 1, -1, -1, dtype=np.int64)
+        top = np.partition(keys, e - n, axis=1)[:, e - n:]
+        top.sort(axis=1)
+        top = top[:, ::-1]  # largest key first
+        values, reversed_ids = np.divmod(top, e)  # floor division: exact for negative counts too
+        return ((e - 1) - reversed_ids).tolist(), values.tolist()
+    if m.dtype.kind == "f" and not np.isnan(m).any():
+        # the n-th largest of each row bounds its candidates; with no value tied at that bound a row
+        # has exactly n, in id order, and a stable sort of those n orders them as _top_experts does
+        cut = np.partition(m, e - n, axis=1)[:, e - n:e - n + 1]
+        candidates = m >= cut
+        if bool((candidates.sum(axis=1) == n).all()):
+            row_index, column_index = np.nonzero(candidates)  # row by row, ids ascending
+            ids_matrix = column_index.reshape(rows, n)
+            values_matrix = m[row_index, column_index].reshape(rows, n)
+            order = np.argsort(-values_matrix, axis=1, kind="stable")
+            return (np.take_along_axis(ids_matrix, order, axis=1).tolist(),
+                    np.take_along_axis(values_matrix, order, axis=1).tolist())
+    ids = [_top_experts(row) for row in m]  # NaN, ties at the bound, huge counts: row by row
+    return ids, [row[top].tolist() for row, top in zip(m, ids, strict=True)]

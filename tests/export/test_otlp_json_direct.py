@@ -34,6 +34,9 @@ ATTRS = {
     "big": (1 << 63) - 1, "f": 0.25, "f_int": 2.0, "f_zero": 0.0, "nan": float("nan"), "inf": float("inf"),
     "ninf": float("-inf"), "strs": ["a", "", "ü"], "ints": [1, -2, 0], "floats": [0.5, 1.0], "bools": [True, False],
     "empty": [],
+    # arrays of floats: written in one join when every element is finite, else element by element
+    "floats_special": [1.5, float("nan"), -0.0, float("inf"), float("-inf")], "floats_overflow": [1.7e308, 1.7e308],
+    "f_neg_zero": -0.0, "f_tiny": 5e-324, "ints_edge": [-(1 << 63), (1 << 63) - 1], "ünï": "ascii key? no",
 }
 
 
@@ -134,3 +137,30 @@ def test_unencodable_attribute_is_left_out_like_the_sdk() -> None:
     attrs = out["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["attributes"]
     assert [a["key"] for a in attrs] == ["ok"]
     assert spans_to_line(spans) == request_to_line(encode_spans(spans))
+
+
+def test_spans_of_one_shape_with_values_the_template_cannot_write() -> None:
+    """Spans with the same keys and value types share one encoding template; a value it cannot write
+    as is (NaN, an infinity, an int outside int64, a string that is not UTF-8, a '%' in a key or a
+    value) must still give the protobuf route's text, span by span."""
+    exporter = InMemorySpanExporter()
+    provider = _provider(Resource.create({}), exporter)
+    factory = SpanFactory(provider.get_tracer("t"))
+    shape = [
+        {"f": 0.5, "g": 1e-7, "i": 3, "s": "a", "b": True, "ints": [1, 2], "floats": [0.25, 3.0], "50%d": 1.5},
+        {"f": float("nan"), "g": 2.0, "i": 4, "s": "%s%d%r", "b": False, "ints": [3], "floats": [1.0], "50%d": 2.5},
+        {"f": 1.0, "g": float("-inf"), "i": 5, "s": "b", "b": True, "ints": [4], "floats": [2.0], "50%d": 3.5},
+        {"f": 1.0, "g": 2.0, "i": 1 << 63, "s": "c", "b": True, "ints": [5], "floats": [2.0], "50%d": 4.5},
+        {"f": 1.0, "g": 2.0, "i": 6, "s": "\ud800", "b": True, "ints": [1 << 64], "floats": [2.0], "50%d": 5.5},
+        {"f": 1.7e308, "g": 1.7e308, "i": -(1 << 63), "s": "ü", "b": False, "ints": [6], "floats": [float("inf")],
+         "50%d": -0.0},
+    ]
+    for i, attrs in enumerate(shape):
+        factory.record(f"s{i}", start_ns=10 + i, end_ns=20 + i, attributes=attrs)
+    spans = list(exporter.get_finished_spans())
+    assert len(spans) == len(shape)
+    for span in spans:  # one at a time: each through the template the first one made
+        assert spans_to_line([span]) == request_to_line(encode_spans([span]))
+    assert spans_to_line(spans) == request_to_line(encode_spans(spans))
+    attrs = json.loads(spans_to_line(spans[:1]))["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["attributes"]
+    assert [a["key"] for a in attrs] == list(shape[0])
