@@ -545,6 +545,12 @@ class RequestJoin:
                 block = block.copy()
                 block[unrouted] = 0
         entropy, index = columns.entropy_bits[rows], columns.layer[rows]
+        if block.dtype == np.int32:
+            try:  # layer_table refuses a negative count itself (in its one pass): no pass of our own
+                return layer_table(layers=index, tokens=block[:, :num_experts], dropped=block[:, num_experts:],
+                                   router_entropy_bits=entropy, block=block)
+            except ValueError:
+                pass  # a negative count: its row is found and left out below
         fits = block.min(axis=1) >= 0
         if block.dtype != np.int32:
             fits &= block.max(axis=1) <= INT32_MAX

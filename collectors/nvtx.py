@@ -187,10 +187,12 @@ _OPEN_DTYPE = np.dtype(
 THREAD_CHECK_PERIOD_NS = 1_000_000_000
 PROCESS_CHECK_PERIOD_NS = 200_000_000
 # The ring is drained fully at most every DRAIN_PERIOD_NS, or at once when it holds more than
-# 1/EARLY_DRAIN_FRACTION of its capacity: a drain has a fixed cost (a few dozen array operations)
-# that four times fewer drains save (measured: agent 7.65 -> 6.7 % of a core under the reference
-# load), while a burst still never waits longer than the daemon's 50 ms tick to be drained.
-DRAIN_PERIOD_NS = 200_000_000
+# 1/EARLY_DRAIN_FRACTION of its records or of its payload blob: a drain has a fixed cost (a few
+# dozen array operations, per batch in the parser and the join) that fewer drains save (measured:
+# agent 7.65 -> 6.7 % of a core under the reference load from 50 to 200 ms; at DeepSeek-V3 shape,
+# 25 steps/s a rank, a batch of 5 steps costs ~1.7x per step what one of 20 does), while a burst
+# still never waits longer than the daemon's 50 ms tick to be drained.
+DRAIN_PERIOD_NS = 500_000_000
 EARLY_DRAIN_FRACTION = 8
 STALLED_SLOT_NS = 1_000_000_000  # a reserved slot never committed for this long is skipped
 DEFAULT_BATCH_RECORDS = 1 << 16
@@ -824,6 +826,10 @@ class NvtxRing:
         self._attached.value = 0
         self._consumer_pid.value = 0
 
+    def blob_in_flight(self) -> int:
+        """Payload-blob bytes producers reserved that the agent has not released yet."""
+        return int(self._blob_head.value) - int(self._blob_tail.value)
+
     def committed(self, max_records: int) -> tuple[int, int]:
         """(records ready to read from tail, records reserved beyond them not yet committed)."""
         tail = self.tail
@@ -1126,6 +1132,7 @@ class NvtxCollector:
             and self._last_drain_ns is not None
             and now_ns - self._last_drain_ns < self.drain_period_ns
             and ring.head - ring.tail < ring.capacity // EARLY_DRAIN_FRACTION
+            and ring.blob_in_flight() < ring.blob_bytes // EARLY_DRAIN_FRACTION
         ):
             return 0
         self._last_drain_ns = now_ns

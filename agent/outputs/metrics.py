@@ -46,6 +46,9 @@ def model_label(model: str | None) -> str:
     return model[:MAX_MODEL_LABEL_CHARS] if model else UNKNOWN_MODEL
 
 
+MAX_LATEST_TABLES = 64  # distinct layer sets whose latest health waits for the next flush
+
+
 class PendingCounts:
     """Tokens and drops per (layer, expert) summed between flushes, as one [layers, 2E] matrix
     (tokens | dropped): one array add per step (per-expert dicts cost ~2 ms a step at E = 256,
@@ -136,7 +139,8 @@ class MetricsOutput:
         self._pending_observations = PendingObservations()  # joined requests' breakdowns
         self._pending_tokens = {"input": 0, "output": 0}
         self._pending_rank_steps: dict[int, list[int]] = {}  # pid -> [steps, tokens] since the last flush
-        self._latest_layer_health: dict[int, tuple[LayerTable, int]] = {}
+        # layer set (its index bytes) -> the latest step table with that set, oldest set first
+        self._latest_tables: dict[bytes, LayerTable] = {}
         self._latest_step_health: LayerTable | None = None
         self._window_gauges_ns = 0
         self._kernel_totals: Callable[[], RequestTotals] | None = None
@@ -189,9 +193,9 @@ class MetricsOutput:
         m = self.metrics
         with self._lock:
             pending = self._pending_counts.take()
-            healths = list(self._latest_layer_health.values())
+            tables = list(self._latest_tables.values())
             step_table = self._latest_step_health
-            self._latest_layer_health, self._latest_step_health = {}, None
+            self._latest_tables, self._latest_step_health = {}, None
             observations = self._pending_observations.take()
             held_tokens, self._pending_tokens = self._pending_tokens, {"input": 0, "output": 0}
             rank_steps, self._pending_rank_steps = self._pending_rank_steps, {}
@@ -206,7 +210,11 @@ class MetricsOutput:
                 m.inc("moescope_request_tokens", n, direction=direction)
         for layer, tokens, dropped in pending:
             m.record_expert_counts(layer=layer, tokens=tokens, dropped=dropped)
-        for table, row in healths:
+        latest: dict[int, tuple[LayerTable, int]] = {}  # each layer's row in the latest table holding it
+        for table in tables:
+            for row, layer in enumerate(table.layers.tolist()):
+                latest[layer] = (table, row)
+        for table, row in latest.values():
             m.set_layer_health(table.health(row))
         if step_table is not None:
             m.set_step_health(step_table.step_health())
@@ -270,8 +278,12 @@ class MetricsOutput:
         if len(table):
             with self._lock:
                 self._pending_counts.add(table)
-                for row, layer in enumerate(table.layers.tolist()):
-                    self._latest_layer_health[layer] = (table, row)  # objects made at flush, not per step
+                # the latest table per set of layers (one set, normally): per-layer objects at flush
+                key = table.layers.tobytes()
+                self._latest_tables.pop(key, None)
+                self._latest_tables[key] = table
+                if len(self._latest_tables) > MAX_LATEST_TABLES:  # (steps of ever other layer sets)
+                    del self._latest_tables[next(iter(self._latest_tables))]
                 self._latest_step_health = table
         if b.num_experts:
             m.set("moescope_experts", b.num_experts)

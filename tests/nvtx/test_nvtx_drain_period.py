@@ -5,12 +5,19 @@ Real producer (tests/nvtx/producer.py, flood mode paused at half), real ring, re
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from nvtx_helpers import Capture, Producer, drain_until_finished
 
-from moescope.collectors.nvtx import EARLY_DRAIN_FRACTION, NvtxCollector
+from moescope.collectors.nvtx import EARLY_DRAIN_FRACTION, NvtxCollector, injection_library_path
+
+MOE_SCALE_PRODUCER = Path(__file__).resolve().parents[2] / "benchmarks" / "moe_scale_producer.py"
 
 HOUR_NS = 3600 * 10**9
 
@@ -67,3 +74,37 @@ def test_a_filling_ring_is_drained_before_the_period_ends(start_producer: Callab
         assert collector.stats()["records_received"] == 2 * (events - events % 3)
     finally:
         collector.close()
+
+
+def test_a_filling_payload_blob_is_drained_before_the_period_ends(ring_dir: Path) -> None:
+    # 12 DeepSeek-V3 compact steps: ~1.4 MB of routing vectors (past 1/8 of the 8 MiB blob) in
+    # ~1,600 records (far below 1/8 of the ring): the blob alone must trigger the drain
+    env = dict(os.environ, NVTX_INJECTION64_PATH=str(injection_library_path()), MOESCOPE_NVTX_DIR=str(ring_dir))
+    proc = subprocess.Popen([sys.executable, str(MOE_SCALE_PRODUCER), "--layers", "58", "--experts", "256",
+                             "--top-k", "8", "--convention", "v2-compact", "--steps-per-s", "200",
+                             "--duration-s", "0.06"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    capture = Capture()
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        pid = json.loads(proc.stdout.readline())["pid"]
+        collector = NvtxCollector(pid, sink=capture, directory=ring_dir, drain_period_ns=HOUR_NS)
+        t0 = time.monotonic_ns()
+        collector.poll(t0)  # the first poll always drains
+        before = collector.stats()["records_received"]
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        result = json.loads(proc.stdout.readline())
+        assert result["steps_emitted"] == 12
+        drained = collector.poll(t0 + 1)  # inside the period, few records: the blob is past its mark
+        assert drained > 0 and collector.stats()["records_received"] == before + drained
+        assert collector.stats()["ext_payload_blob_full_dropped"] == 0
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        drain_until_finished(collector)
+        assert proc.wait(timeout=30) == 0
+        collector.close()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait(timeout=10)
