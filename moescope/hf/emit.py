@@ -8,12 +8,14 @@ no capacity in these models); the routing vectors go once per step as `moe.step.
 default; `routing="layer"` sends one `moe.routing` per layer instead).
 
 Deferred (the default, and always on CUDA): the hooks only keep each layer's router scores and
-top-k indices (references, no copy) and time its experts call (CUDA events on a GPU, the host clock
-on a CPU, where the experts run synchronously). When the step ends, every layer's counts (the
-indices scattered into per-layer bins) and entropy are computed in one batch of tensor ops on the
-model's device, one copy brings them to the host, and the layer ranges are emitted then, back to
-back, with `moe.step.device` carrying each layer's experts time (the layer ranges' own durations
-mean nothing). Nothing is read back per layer. A step whose pending scores pass
+top-k indices (references, no copy) and, on CUDA, time its experts call with CUDA events. On a CPU,
+after a layer's first call, that is all they do: when the router returns the very index tensor the
+experts get, the experts wrapper is taken off and the router's keeps both (one wrapped call per
+layer). When the step ends, every layer's counts (the indices scattered into per-layer bins) and
+entropy are computed in one batch of tensor ops on the model's device, one copy brings them to the
+host, and the layer ranges are emitted then, back to back, with `moe.step.device` carrying each
+layer's experts time on CUDA (the layer ranges' own durations mean nothing). Nothing is read back
+per layer. A step whose pending scores pass
 `_PENDING_ELEMENTS` is reduced early (on the device, still without a host sync) to bound what is held.
 
 Live (`defer=False`, CPU layers only): `moe.layer` spans the block, `moe.experts` the experts call,
@@ -41,13 +43,7 @@ from torch import nn
 
 from moescope import moe_nvtx
 from moescope.hf.discover import Discovery, MoeBlock, discover
-from moescope.hf.scoring import (
-    Scoring,
-    classify,
-    entropy_bits_numpy,
-    mean_entropy_nats_layers,
-    sum_entropy_nats_layers_numpy,
-)
+from moescope.hf.scoring import Scoring, classify, entropy_bits_numpy, sum_entropy_nats_layers
 
 log = logging.getLogger("moescope.hf")
 
@@ -61,45 +57,63 @@ _PENDING_ELEMENTS = 1 << 20
 _LN2 = math.log(2.0)
 
 
-@dataclass(slots=True)
-class _Pending:
-    """One experts call of the step, not yet reduced: the router's scores and the top-k indices."""
-
-    call: int  # its place among the step's experts calls (emission order, CUDA event pair)
-    layer: int
-    num_experts: int
-    assignments: int
-    scores: torch.Tensor  # [T, E] as the router returned it
-    indices: torch.Tensor  # the index tensor the experts were called with
-    scoring: Scoring
+# One experts call of the step, not yet reduced: (call, layer, router scores [T, E] as returned,
+# the top-k index tensor the experts were called with) — references, no copy. `call` is its place
+# among the step's experts calls (emission order, CUDA event pair).
+_Entry = tuple[int, int, torch.Tensor, torch.Tensor]
+_UNKNOWN, _ITSELF = -2, -1  # where a router's scores sit in its output: not learned yet, the output itself
+_SLOW, _EXPERTS_FAST, _ROUTER_FAST = 0, 1, 2  # a layer's hook mode (Instrumentation._mode)
+_add = np.add.reduce  # the ufunc method itself: no Python wrapper per call
+# Host counts by list.count up to this much work (E x (assignments + 40) summed over the step's
+# layers, about 30 µs); numpy above, whose few calls cost more than that in a forward
+_LIST_COUNT_WORK = 20_000
 
 
 @dataclass(slots=True)
 class _Reduced:
-    """A group of pending calls reduced on the device: still tensors until the step's one copy."""
+    """A group of a step's calls reduced together: device tensors until the step's one copy, or
+    numpy arrays when reduced on the host."""
 
-    entries: list[_Pending]
+    entries: list[_Entry]
     counts: torch.Tensor | np.ndarray  # [n, E + 1] int64: column E counts indices outside 0..E-1
-    entropy_nats: torch.Tensor | np.ndarray  # [n] mean over tokens
+    entropy: torch.Tensor | list[float]  # mean over tokens: nats [n] (device tensor) or bits (host)
 
 
 @dataclass(slots=True)
 class _StepState:
     depth: int = 0
     open: bool = False
-    pending: list[_Pending] = field(default_factory=list)
+    closed: bool = False  # close() ran: no step opens again, every wrapper passes straight through
+    pending: list[_Entry] = field(default_factory=list)  # one list for the object's life (hooks hold it)
     pending_elements: int = 0
     reduced: list[_Reduced] = field(default_factory=list)
     calls: int = 0  # experts calls of the step: the index of its CUDA event pair
 
 
-def _first_tensor(value: object, *, integer: bool, last_dim: int | None = None) -> torch.Tensor | None:
-    items: Iterable[object] = value if isinstance(value, (tuple, list)) else (value,)
-    for item in items:
+def _find_tensor(value: object, *, integer: bool, last_dim: int | None = None) -> tuple[torch.Tensor | None, int]:
+    """The first tensor of `value` (itself, or an item of a tuple or list) of the wanted kind, and
+    where it was: its index in the sequence, _ITSELF, or _UNKNOWN when none is."""
+    if isinstance(value, (tuple, list)):
+        items: Iterable[tuple[int, object]] = enumerate(value)
+    else:
+        items = ((_ITSELF, value),)
+    for place, item in items:
         if isinstance(item, torch.Tensor) and item.dim() >= 1 and item.is_floating_point() != integer:
             if last_dim is None or item.shape[-1] == last_dim:
-                return item
-    return None
+                return item, place
+    return None, _UNKNOWN
+
+
+def _find_indices(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor | None, int | str]:
+    """The experts call's top-k index tensor (its first integer tensor argument) and where it was:
+    its position, or its keyword."""
+    found, place = _find_tensor(args, integer=True)
+    if found is not None or not kwargs:
+        return found, place
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and not value.is_floating_point():
+            return value, name
+    return None, _UNKNOWN
 
 
 def _cuda_flag(block: MoeBlock) -> bool:
@@ -118,89 +132,104 @@ def _batch_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
     return None
 
 
-def _reduce_group(entries: list[_Pending]) -> _Reduced:
-    """Counts and mean entropies of calls that share E, scoring kind, token count and device:
-    stacked, a few tensor ops for all of them, no host sync (float32 on the device)."""
-    first = entries[0]
-    num_experts, device = first.num_experts, first.scores.device
-    scores = torch.stack([e.scores.detach().reshape(-1, num_experts) for e in entries]).float()
-    bias = None
-    if first.scoring.kind == "sigmoid" and any(e.scoring.bias is not None for e in entries):
-        bias = torch.stack([torch.zeros(num_experts, device=device) if e.scoring.bias is None
-                            else e.scoring.bias.detach().reshape(num_experts).to(device) for e in entries]).float()
-    entropy = mean_entropy_nats_layers(first.scoring.kind, scores, bias)
+def _stack_scores(scores: Sequence[torch.Tensor], num_experts: int) -> torch.Tensor:
+    stacked = torch.stack(list(scores))
+    if stacked.requires_grad:
+        stacked = stacked.detach()
+    return stacked.reshape(len(scores), -1, num_experts)
+
+
+def _stack_biases(biases: Sequence[torch.Tensor | None] | None, num_experts: int, like: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor | None:
+    if biases is None or all(b is None for b in biases):
+        return None
+    return torch.stack([torch.zeros(num_experts, dtype=dtype, device=like.device) if b is None
+                        else b.detach().reshape(num_experts).to(device=like.device, dtype=dtype) for b in biases])
+
+
+def _reduce_torch(scores: Sequence[torch.Tensor], indices: Sequence[torch.Tensor], num_experts: int, kind: str,
+                  biases: Sequence[torch.Tensor | None] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(counts [n, E + 1] int64, mean token entropy nats [n]) of n calls that share E, scoring kind,
+    shapes and device: stacked, a few tensor ops for all of them, no host sync (float32 on the device)."""
+    n = len(scores)
+    stacked = _stack_scores(scores, num_experts)
+    bias = _stack_biases(biases, num_experts, stacked, torch.float32)
+    entropy = sum_entropy_nats_layers(kind, stacked, bias, dtype=torch.float32) / max(stacked.shape[1], 1)
     bins = num_experts + 1
-    flat = torch.stack([e.indices.detach().reshape(-1) for e in entries]).long()
+    flat = torch.stack([i.detach().reshape(-1) for i in indices]).long()
     # indices outside 0..E-1 (an expert-parallel "not here" marker) land in bin E: -1 -> E, >= E -> E
     flat = flat.clamp(-1, num_experts).remainder_(bins)
-    flat += torch.arange(0, len(entries) * bins, bins, device=flat.device).unsqueeze(1)
+    flat += torch.arange(0, n * bins, bins, device=flat.device).unsqueeze(1)
     flat = flat.reshape(-1)
     # scatter_add_, not bincount: CUDA bincount reads the maximum back to the host
-    counts = torch.zeros(len(entries) * bins, dtype=torch.int64, device=flat.device)
+    counts = torch.zeros(n * bins, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones(1, dtype=torch.int64, device=flat.device).expand(flat.shape[0]))
-    return _Reduced(entries=entries, counts=counts.view(len(entries), bins), entropy_nats=entropy)
+    return counts.view(n, bins), entropy
 
 
 @functools.lru_cache(maxsize=64)
 def _bin_offsets(layers: int, bins: int) -> np.ndarray:
-    """[layers, 1]: where each layer's bins start in one bincount over all of them (read-only)."""
-    offsets = np.arange(0, layers * bins, bins)[:, None]
+    """[layers, 1] uint64: where each layer's bins start in one bincount over all of them (read-only)."""
+    offsets = np.arange(0, layers * bins, bins, dtype=np.uint64)[:, None]
     offsets.flags.writeable = False
     return offsets
 
 
-def _reduce_group_numpy(entries: list[_Pending]) -> _Reduced:
-    """The same numbers for CPU tensors with numpy, in as few calls as it takes (a CPU torch op
-    costs several numpy ufuncs, and each call costs microseconds inside a forward)."""
-    first = entries[0]
-    num_experts, n = first.num_experts, len(entries)
-    stacked = torch.stack([e.scores for e in entries])
-    if stacked.requires_grad:
-        stacked = stacked.detach()
-    if stacked.dtype not in (torch.float32, torch.float64):
-        stacked = stacked.float()
-    scores = stacked.numpy().reshape(n, -1, num_experts)
-    bias = None
-    if first.scoring.kind == "sigmoid" and any(e.scoring.bias is not None for e in entries):
-        bias = np.stack([np.zeros(num_experts) if e.scoring.bias is None
-                         else e.scoring.bias.detach().double().reshape(num_experts).numpy() for e in entries])
-    tokens = scores.shape[1]
-    sums = sum_entropy_nats_layers_numpy(first.scoring.kind, scores, bias) if tokens else np.zeros(n)
+def _count_host(indices: Sequence[torch.Tensor], num_experts: int) -> np.ndarray:
+    """[n, E + 1] int64 counts of CPU index tensors, column E for indices outside 0..E-1. A small
+    step is counted by Python's list.count (one tensor call, then C loops), a large one with numpy."""
+    n = len(indices)
+    flat = torch.stack(list(indices)).reshape(n, -1)
+    assignments = flat.shape[1]
+    if n * num_experts * (assignments + 40) <= _LIST_COUNT_WORK:
+        experts = range(num_experts)
+        rows = []
+        for row in flat.tolist():
+            counts = [row.count(e) for e in experts]
+            counts.append(assignments - sum(counts))
+            rows.append(counts)
+        return np.array(rows, dtype=np.int64)
+    if flat.dtype != torch.int64:
+        flat = flat.long()
+    # viewed unsigned, a negative index (an expert-parallel "not here" marker) is huge: one minimum
+    # puts it and every index >= E in bin E
     bins = num_experts + 1
-    flat = torch.stack([e.indices for e in entries]).numpy().reshape(n, -1)
-    # indices outside 0..E-1 (an expert-parallel "not here" marker) land in bin E: -1 -> E, >= E -> E
-    flat = np.maximum(np.minimum(flat, num_experts), -1)
-    flat %= bins
-    flat += _bin_offsets(n, bins)
-    counts = np.bincount(flat.ravel(), minlength=n * bins).reshape(n, bins)
-    return _Reduced(entries=entries, counts=counts, entropy_nats=sums / max(tokens, 1))
+    binned = np.minimum(flat.numpy().view(np.uint64), num_experts)
+    binned += _bin_offsets(n, bins)
+    return np.bincount(binned.view(np.int64).reshape(-1), minlength=n * bins).reshape(n, bins)
 
 
-def _reduce(pending: list[_Pending]) -> list[_Reduced]:
-    groups: dict[tuple[object, ...], list[_Pending]] = {}
-    for entry in pending:
-        key = (entry.num_experts, entry.scoring.kind, entry.scores.shape, entry.indices.shape,
-               entry.scores.device, entry.indices.device)
-        groups.setdefault(key, []).append(entry)
-    return [_reduce_group_numpy(group) if group[0].scores.device.type == "cpu" and group[0].indices.device.type == "cpu"
-            else _reduce_group(group) for group in groups.values()]
+def _reduce_host(scores: Sequence[torch.Tensor], indices: Sequence[torch.Tensor], num_experts: int, kind: str,
+                 biases: Sequence[torch.Tensor | None] | None) -> tuple[np.ndarray, list[float]]:
+    """The same numbers for CPU tensors — (counts [n, E + 1] int64, mean token entropy bits per
+    call) — in as few calls as it takes: inside a forward each tensor or numpy call costs tens of
+    microseconds (caches cold after the model's own work), more than the arithmetic of a decode step.
+    Entropy in float64."""
+    stacked = _stack_scores(scores, num_experts)
+    bias = _stack_biases(biases, num_experts, stacked, torch.float64)
+    scale = 1.0 / (max(stacked.shape[1], 1) * _LN2)
+    bits = [total * scale for total in sum_entropy_nats_layers(kind, stacked, bias, dtype=torch.float64).tolist()]
+    return _count_host(indices, num_experts), bits
 
 
-def _to_host(reduced: list[_Reduced]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(counts [n, E+1] int64, entropy bits [n] float64) per group: one device-to-host copy for the step."""
-    on_device = [r for r in reduced if isinstance(r.counts, torch.Tensor)]
-    if not on_device:
-        return [(np.asarray(r.counts), np.asarray(r.entropy_nats) / _LN2) for r in reduced]
-    device = on_device[0].counts.device
-    packed = torch.cat([torch.as_tensor(t).reshape(-1).to(device=device, dtype=torch.float64)
-                        for r in reduced for t in (r.counts, r.entropy_nats)]).cpu().numpy()
-    out: list[tuple[np.ndarray, np.ndarray]] = []
+def _to_host(reduced: list[_Reduced]) -> list[tuple[np.ndarray, Sequence[float]]]:
+    """(counts [n, E+1] int64, entropy bits per call) per group: one device-to-host copy for the step."""
+    on_device = [(r.counts, r.entropy) for r in reduced if isinstance(r.counts, torch.Tensor)]
+    packed = np.empty(0)
+    if on_device:
+        device = on_device[0][0].device
+        packed = torch.cat([torch.as_tensor(t).reshape(-1).to(device=device, dtype=torch.float64)
+                            for pair in on_device for t in pair]).cpu().numpy()
+    out: list[tuple[np.ndarray, Sequence[float]]] = []
     offset = 0
     for r in reduced:
+        if isinstance(r.counts, np.ndarray) and isinstance(r.entropy, list):  # reduced on the host
+            out.append((r.counts, r.entropy))
+            continue
         n, bins = r.counts.shape
         counts = packed[offset:offset + n * bins].astype(np.int64).reshape(n, bins)
         offset += n * bins
-        out.append((counts, packed[offset:offset + n] / _LN2))
+        out.append((counts, (packed[offset:offset + n] / _LN2).tolist()))
         offset += n
     return out
 
@@ -209,38 +238,34 @@ class _Wrapped:
     """One module whose `forward` is wrapped (an instance attribute over the class's method): the
     module's `__call__` then takes torch's no-hook fast path, which costs less per call than a
     forward hook (a hooked call runs torch's hook dispatch). `remove()` restores it exactly; if
-    something wrapped it again after us, ours only stops acting (passes straight through)."""
+    something wrapped it again after us, ours stays in that chain and passes straight through (the
+    instrumentation's closed flag)."""
 
-    __slots__ = ("module", "wrapper", "original", "had_own", "active")
+    __slots__ = ("module", "wrapper", "original", "had_own")
 
     def __init__(self, module: nn.Module, wrapper: Callable[..., Any], original: Callable[..., Any],
                  had_own: bool) -> None:
         self.module, self.wrapper, self.original, self.had_own = module, wrapper, original, had_own
-        self.active = True
 
     @classmethod
-    def around(cls, module: nn.Module, body: Callable[..., Any]) -> _Wrapped:
-        """Wraps module.forward with body(original, *args, **kwargs)."""
+    def around(cls, module: nn.Module, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> _Wrapped:
+        """Sets module.forward to make(the current forward)."""
         original = module.forward
         had_own = "forward" in vars(module)
+        wrapper = make(original)
+        module.forward = wrapper
+        return cls(module, wrapper, original, had_own)
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if wrapped.active:
-                return body(original, *args, **kwargs)
-            return original(*args, **kwargs)
-
-        wrapped = cls(module, forward, original, had_own)
-        module.forward = forward
-        return wrapped
-
-    def remove(self) -> None:
-        self.active = False
+    def remove(self) -> bool:
+        """Restores the module's forward; False when something wrapped it after us (ours stays in its chain)."""
         own = vars(self.module)
-        if own.get("forward") is self.wrapper:
-            if self.had_own:
-                own["forward"] = self.original
-            else:
-                del own["forward"]
+        if own.get("forward") is not self.wrapper:
+            return False
+        if self.had_own:
+            own["forward"] = self.original
+        else:
+            del own["forward"]
+        return True
 
 
 class Instrumentation:
@@ -258,14 +283,27 @@ class Instrumentation:
         self._step = _StepState()
         self._request_keys: list[int] = []
         self._request_tokens: tuple[list[int], list[int]] | None = None  # (input, output) per key
-        self._scores: list[torch.Tensor | None] = [None] * len(self.blocks)
-        self._scoring: list[Scoring | None] = [None] * len(self.blocks)
+        layers = len(self.blocks)
+        self._num_experts = [b.num_experts for b in self.blocks]
+        self._scores: list[torch.Tensor | None] = [None] * layers
+        self._scoring: list[Scoring | None] = [None] * layers
         self._top_k: list[int | None] = [b.top_k for b in self.blocks]
-        self._experts_open = [False] * len(self.blocks)
+        self._experts_open = [False] * layers
+        # learned at a layer's first call, so later calls take the scores and indices from there
+        self._score_place = [_UNKNOWN] * layers
+        self._index_place: list[int | str] = [_UNKNOWN] * layers
         # where the experts live, read once (instrument after moving the model to its device):
         # CUDA layers are always deferred, CPU layers unless defer=False
         self._cuda = [_cuda_flag(b) for b in self.blocks]
+        self._any_cuda = any(self._cuda)
         self._deferred = [defer or cuda for cuda in self._cuda]
+        # per layer, after its first call on a deferred host layer: a fast path keeps the scores and
+        # indices and does nothing else (_ROUTER_FAST: both from the router's output; _EXPERTS_FAST:
+        # the indices from the experts call). Live and CUDA layers stay _SLOW.
+        self._mode = [_SLOW] * layers
+        self._router_index_place = [_UNKNOWN] * layers
+        self._router_outputs: list[object] = [None] * layers  # a _SLOW layer's router output, until its experts call
+        self._experts_handles: dict[int, _Wrapped] = {}
         self._events: list[tuple[Any, Any]] = []  # CUDA event pairs, one per experts call of a step, reused
         self._zeros = {b.num_experts: np.zeros(b.num_experts, dtype=np.int64) for b in self.blocks}
         self._warned = False
@@ -321,10 +359,14 @@ class Instrumentation:
         self._request_tokens = ([int(n) for n in input_tokens], [int(n) for n in output_tokens])
 
     def close(self) -> None:
-        """Removes every hook; the model is as it was before `instrument()`."""
+        """Removes every hook; the model is as it was before `instrument()`. A step in progress
+        still ends (its range is closed); none opens after."""
+        self._step.closed = True
         for wrapped in reversed(self._handles):
             wrapped.remove()
         self._handles.clear()
+        self._experts_handles.clear()
+        self._router_outputs = [None] * len(self.blocks)
         self._scores = [None] * len(self.blocks)
 
     def __enter__(self) -> Instrumentation:
@@ -337,60 +379,152 @@ class Instrumentation:
 
     def _attach(self) -> None:
         add = self._handles.append
-        step_pre, step_post = self._step_pre, self._step_post
+        add(_Wrapped.around(self.model, self._step_forward))
+        for block in self.blocks:
+            layer = block.layer
+            add(_Wrapped.around(block.router, functools.partial(self._router_forward, layer)))
+            experts = _Wrapped.around(block.experts, functools.partial(self._experts_forward, layer))
+            self._experts_handles[layer] = experts
+            add(experts)
+            if not self._deferred[layer]:  # live: the block's own range
+                add(_Wrapped.around(block.block, functools.partial(self._block_forward, layer)))
 
-        def step_around(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _step_forward(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        step, step_pre, step_post = self._step, self._step_pre, self._step_post
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if step.closed and not step.depth:
+                return original(*args, **kwargs)
             step_pre(args, kwargs)
             try:
                 return original(*args, **kwargs)
             finally:
                 step_post()
 
-        add(_Wrapped.around(self.model, step_around))
-        for block in self.blocks:
-            add(_Wrapped.around(block.router, self._router_wrapper(block.layer)))
-            add(_Wrapped.around(block.experts, self._experts_wrapper(block.layer)))
-            if not self._deferred[block.layer]:  # live: the block's own range
-                add(_Wrapped.around(block.block, self._block_wrapper(block.layer)))
+        return forward
 
-    def _router_wrapper(self, layer: int) -> Callable[..., Any]:
-        step, scores, num_experts = self._step, self._scores, self.blocks[layer].num_experts
+    def _router_forward(self, layer: int, original: Callable[..., Any]) -> Callable[..., Any]:
+        step, scores, outputs, failed = self._step, self._scores, self._router_outputs, self._failed
+        mode, score_places, index_places = self._mode, self._score_place, self._router_index_place
+        pending, num_experts = step.pending, self.blocks[layer].num_experts
+        may_fast = self._deferred[layer] and not self._cuda[layer]
 
-        def router(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        def forward(*args: Any, **kwargs: Any) -> Any:
             output = original(*args, **kwargs)
-            if step.open:
-                scores[layer] = _first_tensor(output, integer=False, last_dim=num_experts)
+            if not step.open:
+                return output
+            try:
+                place = score_places[layer]
+                if mode[layer] == _ROUTER_FAST:  # the router returns the experts' very index tensor: keep both
+                    index_place = index_places[layer]
+                    if type(output) is tuple and len(output) > max(place, index_place):
+                        found, indices = output[place], output[index_place]
+                        if (isinstance(found, torch.Tensor) and isinstance(indices, torch.Tensor)
+                                and found.shape[-1] == num_experts and not indices.is_floating_point()):
+                            pending.append((step.calls, layer, found, indices))
+                            step.calls += 1
+                            step.pending_elements += found.numel()
+                            if step.pending_elements > _PENDING_ELEMENTS:  # a long prefill: reduce now, hold less
+                                self._reduce_pending()
+                            return output
+                    self._leave_router_fast(layer)  # its output changed: through the experts wrapper again
+                if place >= 0:
+                    found = output[place] if type(output) is tuple and place < len(output) else None
+                else:
+                    found = output if place == _ITSELF else None
+                if not (isinstance(found, torch.Tensor) and found.dim() >= 1 and found.shape[-1] == num_experts
+                        and found.is_floating_point()):
+                    found, score_places[layer] = _find_tensor(output, integer=False, last_dim=num_experts)
+                scores[layer] = found
+                if mode[layer] == _SLOW and may_fast:
+                    outputs[layer] = output  # the experts call may find its index tensor in it
+            except Exception as exc:  # noqa: BLE001 - never into the model
+                failed("router", exc)
             return output
 
-        return router
+        return forward
 
-    def _experts_wrapper(self, layer: int) -> Callable[..., Any]:
-        step, experts_pre, experts_post, stats = self._step, self._experts_pre, self._experts_post, self._stats
-        ends = self._cuda[layer] or not self._deferred[layer]  # a CUDA event or a live range to end
+    def _experts_forward(self, layer: int, original: Callable[..., Any]) -> Callable[..., Any]:
+        step, scores, places, mode, failed = self._step, self._scores, self._index_place, self._mode, self._failed
+        pending, slow = step.pending, self._experts_call
 
-        def experts(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-            if not step.open:
-                stats["calls_outside_step"] += 1
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            layer_mode = mode[layer]
+            if layer_mode == _ROUTER_FAST:  # kept by the router wrapper (here only when ours could not be removed)
                 return original(*args, **kwargs)
-            experts_pre(layer, args, kwargs)
-            if not ends:
-                return original(*args, **kwargs)
-            try:
-                return original(*args, **kwargs)
-            finally:
-                experts_post(layer)
+            if step.open and layer_mode == _EXPERTS_FAST:  # keep the two tensors, nothing else
+                taken = False
+                try:
+                    found = scores[layer]
+                    place = places[layer]
+                    if isinstance(place, int):
+                        indices = args[place] if place < len(args) else None
+                    else:
+                        indices = kwargs.get(place)
+                    if found is not None and isinstance(indices, torch.Tensor) and not indices.is_floating_point():
+                        scores[layer] = None
+                        pending.append((step.calls, layer, found, indices))
+                        taken = True
+                        step.calls += 1
+                        step.pending_elements += found.numel()
+                        if step.pending_elements > _PENDING_ELEMENTS:  # a long prefill: reduce now, hold less
+                            self._reduce_pending()
+                except Exception as exc:  # noqa: BLE001 - never into the model
+                    taken = True
+                    failed("experts", exc)
+                if taken:
+                    return original(*args, **kwargs)
+            return slow(layer, original, args, kwargs)
 
-        return experts
+        return forward
 
-    def _block_wrapper(self, layer: int) -> Callable[..., Any]:
-        def block(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _experts_call(self, layer: int, original: Callable[..., Any], args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> Any:
+        """An experts call off the fast paths: outside a step, a layer's first call, live or CUDA layers."""
+        if not self._step.open:
+            if not self._step.closed:
+                self._stats["calls_outside_step"] += 1
+            return original(*args, **kwargs)
+        self._experts_pre(layer, args, kwargs)
+        if not (self._cuda[layer] or not self._deferred[layer]):  # nothing to end: no CUDA event, no live range
+            return original(*args, **kwargs)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            self._experts_post(layer)
+
+    def _take_router_fast(self, layer: int, output: object, indices: torch.Tensor) -> None:
+        """After a deferred host layer's first call: if its router returned the very index tensor the
+        experts got, the router wrapper keeps both from then on and the experts wrapper goes (one
+        Python call per layer instead of two); otherwise the experts wrapper keeps the indices."""
+        place = next((i for i, item in enumerate(output) if item is indices), _UNKNOWN) \
+            if type(output) is tuple else _UNKNOWN
+        if place == _UNKNOWN or self._score_place[layer] < 0:
+            self._mode[layer] = _EXPERTS_FAST
+            return
+        self._router_index_place[layer] = place
+        self._mode[layer] = _ROUTER_FAST
+        handle = self._experts_handles.get(layer)
+        if handle is not None and handle.remove():
+            self._handles.remove(handle)
+            del self._experts_handles[layer]
+
+    def _leave_router_fast(self, layer: int) -> None:
+        self._mode[layer] = _SLOW  # the next call learns again
+        if layer not in self._experts_handles and not self._step.closed:
+            handle = _Wrapped.around(self.blocks[layer].experts, functools.partial(self._experts_forward, layer))
+            self._experts_handles[layer] = handle
+            self._handles.append(handle)
+
+    def _block_forward(self, layer: int, original: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
             self._layer_pre(layer)
             try:
                 return original(*args, **kwargs)
             finally:
                 self._layer_post(layer)
 
-        return block
+        return forward
 
     def _failed(self, where: str, exc: BaseException) -> None:
         self._stats["hook_errors"] += 1
@@ -412,10 +546,11 @@ class Instrumentation:
             step.open = True
             if self._request_tokens is not None:
                 self._em.step_requests(self._request_keys, *self._request_tokens)
-            else:
+                self._request_keys, self._request_tokens = [], None
+            elif self._request_keys:
                 for key in self._request_keys:
                     self._em.request_mark(key)
-            self._request_keys, self._request_tokens = [], None
+                self._request_keys = []
         except Exception as exc:  # noqa: BLE001 - never into the model
             self._failed("step", exc)
 
@@ -432,7 +567,9 @@ class Instrumentation:
         except Exception as exc:  # noqa: BLE001 - never into the model
             self._failed("step end", exc)
         finally:
-            step.pending, step.reduced, step.pending_elements, step.calls = [], [], 0, 0
+            step.pending.clear()
+            step.reduced.clear()
+            step.pending_elements = step.calls = 0
             self._em.step_pop()
 
     def _layer_pre(self, layer: int) -> None:
@@ -445,10 +582,6 @@ class Instrumentation:
         if self._step.open:
             self._em.pop()
 
-    def _router_post(self, layer: int, output: object) -> None:
-        if self._step.open:
-            self._scores[layer] = _first_tensor(output, integer=False, last_dim=self.blocks[layer].num_experts)
-
     def _experts_pre(self, layer: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._experts_open[layer] = False
         try:
@@ -458,8 +591,8 @@ class Instrumentation:
 
     def _route(self, layer: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         block = self.blocks[layer]
-        values = (*args, *kwargs.values()) if kwargs else args
-        indices = _first_tensor(values, integer=True)
+        router_output, self._router_outputs[layer] = self._router_outputs[layer], None
+        indices, place = _find_indices(args, kwargs)
         scores = self._scores[layer]
         self._scores[layer] = None
         if indices is None:
@@ -468,30 +601,30 @@ class Instrumentation:
         if scores is None:
             self._stats["layers_without_scores"] += 1
             return
-        self._stats["layers"] += 1
         num_experts = block.num_experts
         scoring = self._scoring[layer]
         if scoring is None:
-            weights = _first_tensor(values, integer=False, last_dim=indices.shape[-1])
+            values = (*args, *kwargs.values()) if kwargs else args
+            weights, _ = _find_tensor(values, integer=False, last_dim=indices.shape[-1])
             scoring = self._scoring[layer] = classify(block.router, scores, indices, weights)
             self._top_k[layer] = int(indices.shape[-1])
-        assignments = indices.numel()
+        self._index_place[layer] = place
         if self._deferred[layer]:
             step = self._step
-            entry = _Pending(call=step.calls, layer=layer, num_experts=num_experts, assignments=assignments,
-                             scores=scores, indices=indices, scoring=scoring)
-            step.pending.append(entry)
+            step.pending.append((step.calls, layer, scores, indices))
             step.pending_elements += scores.numel()
             if step.pending_elements > _PENDING_ELEMENTS:  # a long prefill: reduce now, hold less
-                step.reduced += _reduce(step.pending)
-                step.pending, step.pending_elements = [], 0
+                self._reduce_pending()
             if self._cuda[layer]:  # device time from a reused CUDA event pair
                 if step.calls == len(self._events):
                     self._events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
                 self._events[step.calls][0].record()
                 self._experts_open[layer] = True
+            else:
+                self._take_router_fast(layer, router_output, indices)  # later calls: a fast path
             step.calls += 1
             return
+        self._stats["layers"] += 1
         flat_np = indices.detach().numpy().ravel()
         try:
             counts_np = np.bincount(flat_np, minlength=num_experts)
@@ -509,7 +642,7 @@ class Instrumentation:
         em.router_push(layer, entropy)
         em.routing(layer, counts_np, self._zeros[num_experts])
         em.pop()
-        em.experts_push(layer, assignments)
+        em.experts_push(layer, indices.numel())
         self._experts_open[layer] = True
         if self._on_routing is not None:
             self._on_routing(layer, counts_np, entropy)
@@ -523,34 +656,69 @@ class Instrumentation:
         else:
             self._em.experts_pop()
 
+    def _reduce_pending(self) -> None:
+        step = self._step
+        step.reduced += self._reduce(step.pending)
+        step.pending.clear()
+        step.pending_elements = 0
+
+    def _reduce(self, pending: list[_Entry]) -> list[_Reduced]:
+        """The calls grouped by E, scoring kind, shapes and device, each group reduced at once."""
+        groups: dict[tuple[int, str, torch.Size, torch.Size, int, int], list[_Entry]] = {}
+        num_experts, scoring = self._num_experts, self._scoring
+        for entry in pending:
+            _, layer, scores, indices = entry
+            layer_scoring = scoring[layer]
+            kind = layer_scoring.kind if layer_scoring is not None else ""
+            key = (num_experts[layer], kind, scores.shape, indices.shape, scores.get_device(), indices.get_device())
+            group = groups.get(key)
+            if group is None:
+                groups[key] = [entry]
+            else:
+                group.append(entry)
+        out: list[_Reduced] = []
+        for (experts, kind, _, _, scores_device, indices_device), entries in groups.items():
+            biases = [s.bias if s is not None else None for s in (scoring[e[1]] for e in entries)] \
+                if kind == "sigmoid" else None
+            reduce = _reduce_host if scores_device < 0 and indices_device < 0 else _reduce_torch
+            counts, entropy = reduce([e[2] for e in entries], [e[3] for e in entries], experts, kind, biases)
+            out.append(_Reduced(entries=entries, counts=counts, entropy=entropy))
+        return out
+
     def _emit_deferred(self, step: _StepState) -> None:
         """The step's deferred layers: reduced together, one device-to-host copy, then their events
         in call order and the experts times as `moe.step.device`."""
-        reduced = step.reduced + _reduce(step.pending)
-        calls: list[tuple[_Pending, np.ndarray, float]] = []
+        reduced = step.reduced + self._reduce(step.pending) if step.pending else step.reduced
+        rows: list[tuple[_Entry, np.ndarray, float]] = []
         for r, (counts, entropy_bits) in zip(reduced, _to_host(reduced), strict=True):
-            self._stats["indices_out_of_range"] += int(counts[:, -1].sum())
-            calls += [(e, counts[i, :-1], float(entropy_bits[i])) for i, e in enumerate(r.entries)]
+            experts = counts.shape[1] - 1
+            out_of_range = int(_add(counts[:, experts]))
+            rows += zip(r.entries, counts[:, :experts], entropy_bits)
+            if out_of_range:
+                self._stats["indices_out_of_range"] += out_of_range
         if len(reduced) > 1:
-            calls.sort(key=lambda row: row[0].call)
-        em = self._em
-        timed = any(self._cuda[e.layer] for e, _, _ in calls)
-        time_us = np.zeros(len(calls), dtype=np.float32)
-        for i, (entry, counts_row, entropy) in enumerate(calls):  # i == entry.call
-            layer = entry.layer
-            em.layer_push(layer, entry.num_experts)
-            em.router_push(layer, entropy)
-            em.routing(layer, counts_row, self._zeros[entry.num_experts])
-            em.pop()
-            em.experts_push(layer, entry.assignments)
-            em.experts_pop()
-            em.pop()
-            if self._cuda[layer]:
-                start, end = self._events[entry.call]
-                time_us[i] = start.elapsed_time(end) * 1000.0  # ms -> µs; complete after the copy
-            if self._on_routing is not None:
-                self._on_routing(layer, counts_row, entropy)
-        if timed:
+            rows.sort(key=lambda row: row[0][0])
+        self._stats["layers"] += len(rows)
+        em, zeros, num_experts, on_routing = self._em, self._zeros, self._num_experts, self._on_routing
+        layer_push, router_push, routing, pop = em.layer_push, em.router_push, em.routing, em.pop
+        experts_push, experts_pop = em.experts_push, em.experts_pop
+        for (_, layer, _, indices), counts_row, entropy in rows:
+            experts = num_experts[layer]
+            layer_push(layer, experts)
+            router_push(layer, entropy)
+            routing(layer, counts_row, zeros[experts])
+            pop()
+            experts_push(layer, indices.numel())
+            experts_pop()
+            pop()
+            if on_routing is not None:
+                on_routing(layer, counts_row, entropy)
+        if self._any_cuda:
+            time_us = np.zeros(len(rows), dtype=np.float32)
+            for i, ((call, layer, _, _), _, _) in enumerate(rows):  # i == call
+                if self._cuda[layer]:
+                    start, end = self._events[call]
+                    time_us[i] = start.elapsed_time(end) * 1000.0  # ms -> µs; complete after the copy
             em.step_device_mark(time_us)
 
 

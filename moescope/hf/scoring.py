@@ -113,47 +113,19 @@ def entropy_bits_numpy(scoring: Scoring, scores: np.ndarray) -> float:
     return float(-(p * logs).sum(axis=1).mean() / _LN2)
 
 
-def sum_entropy_nats_layers_numpy(kind: str, scores: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-    """Deferred path on a CPU: [n] sums over tokens of the token entropies (nats) of n layers' [n, T, E]
-    scores at once; `bias` [n, E] for sigmoid routers. Few ufunc calls per step (each costs about a
-    third of a CPU torch op, and several microseconds inside a forward)."""
+def sum_entropy_nats_layers(kind: str, scores: torch.Tensor, bias: torch.Tensor | None, *,
+                            dtype: torch.dtype) -> torch.Tensor:
+    """Deferred path: [n] sums over tokens of the token entropies (nats) of n layers' [n, T, E] scores
+    at once, computed in `dtype` on the scores' device (no host sync); `bias` [n, E] for sigmoid
+    routers. Three tensor ops for a softmax router, whatever n: inside a forward each op costs
+    microseconds (caches cold after the model's own work), far more than its arithmetic at decode sizes."""
     if kind == "softmax":
-        # H = log Z - Σ e^s s / Z per token, in float64 (shift-free: exp overflows only past s = 709)
-        e = np.exp(scores, dtype=np.float64)
-        total = _add(e, axis=-1)
-        tokens = np.log(total) - _add(e * scores, axis=-1) / total
-        sums = _add(tokens, axis=-1)
-        if math.isfinite(float(_add(sums))):  # one call: inf and nan propagate into the total
-            return sums
-        z = (scores - _max(scores, axis=-1, keepdims=True)).astype(np.float64)  # huge logits: shift first
-        e = np.exp(z)
-        total = _add(e, axis=-1)
-        return _add(np.log(total) - _add(e * z, axis=-1) / total, axis=-1)
-    s = scores.astype(np.float64, copy=False)
-    if kind == "sigmoid":
-        q = 1.0 / (1.0 + np.exp(-s))
+        p = torch.softmax(scores, dim=-1, dtype=dtype)
+    elif kind == "sigmoid":
+        q = torch.sigmoid(scores.to(dtype))
         if bias is not None:
-            q = np.maximum(q + bias[:, None, :], 0.0)
-        p = q / np.maximum(_add(q, axis=-1, keepdims=True), np.finfo(np.float64).tiny)
+            q = (q + bias.to(dtype)[:, None, :]).clamp_min_(0.0)
+        p = q / q.sum(-1, keepdim=True).clamp_min_(torch.finfo(dtype).tiny)
     else:
-        p = np.maximum(s, 0.0)
-    return -_add(_add(p * np.log(np.where(p > 0, p, 1.0)), axis=-1), axis=-1)
-
-
-def mean_entropy_nats_layers(kind: str, scores: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Deferred path on a device: [n] mean token entropies (nats) of n layers' [n, T, E] scores at
-    once, on their device (no host sync); `bias` [n, E] for sigmoid routers. A handful of ops per
-    step, not per layer."""
-    if scores.shape[1] == 0:
-        return torch.zeros(scores.shape[0], dtype=scores.dtype, device=scores.device)
-    if kind == "softmax":
-        logp = torch.log_softmax(scores, dim=-1)
-        return -torch.linalg.vecdot(logp.exp(), logp).mean(-1)
-    if kind == "sigmoid":
-        q = torch.sigmoid(scores)
-        if bias is not None:
-            q = (q + bias[:, None, :]).clamp_min_(0.0)
-        p = q / q.sum(-1, keepdim=True).clamp_min_(torch.finfo(q.dtype).tiny)
-    else:
-        p = scores.clamp_min(0.0)
-    return torch.special.entr(p).sum(-1).mean(-1)
+        p = scores.to(dtype).clamp_min(0.0)
+    return torch.special.entr(p).sum(dim=(1, 2))

@@ -35,7 +35,7 @@ def _tables(counts: np.ndarray) -> tuple[object, object, int, int]:
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("negative", [False, True])
 def test_columns_give_the_object_path_table(dtype: type, negative: bool) -> None:
-    counts = np.random.default_rng(2).integers(0, 30, size=(L, 2 * E)).astype(dtype)
+    counts: np.ndarray = np.random.default_rng(2).integers(0, 30, size=(L, 2 * E)).astype(dtype)
     if negative:
         counts[4, 3] = -1
     ta, tb, bad_a, bad_b = _tables(counts)

@@ -276,6 +276,125 @@ def test_deferred_path_sends_the_live_paths_numbers_after_the_step() -> None:
     assert deferred.named("moe.step.device") == [] and deferred.depth == 0
 
 
+class Picker(nn.Module):
+    """A router whose output layout can change between calls: "logits" (top-k is the block's),
+    "tuple" (logits, weights, indices) or "swapped" (weights, indices, logits)."""
+
+    def __init__(self, hidden: int, experts: int, k: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(experts, hidden) * 0.5)
+        self.k = k
+        self.layout = "logits"
+
+    def forward(self, x: torch.Tensor) -> Any:
+        logits = x @ self.weight.T
+        if self.layout == "logits":
+            return logits
+        weights, index = torch.softmax(logits, -1).topk(self.k, dim=-1)
+        return (logits, weights, index) if self.layout == "tuple" else (weights, index, logits)
+
+
+class PickMoe(nn.Module):
+    def __init__(self, hidden: int = 16, experts: int = 6, k: int = 2) -> None:
+        super().__init__()
+        self.router = Picker(hidden, experts, k)
+        self.experts = Bank(hidden, experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.router(x)
+        if self.router.layout == "tuple":
+            _, weights, index = out
+        elif self.router.layout == "swapped":
+            weights, index, _ = out
+        else:
+            weights, index = torch.softmax(out, -1).topk(self.router.k, dim=-1)
+        return self.experts(x, index=index, weights=weights)
+
+
+class PickModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack = nn.Sequential(PickMoe(), nn.ReLU(), PickMoe())
+
+    def forward(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        return self.stack(inputs_embeds)
+
+
+def _forwards(model: nn.Module, inputs: list[dict[str, torch.Tensor]], *, defer: bool,
+              between: Any = None) -> tuple[RecordingDomain, Any]:
+    domain = RecordingDomain()
+    ins = moescope.instrument(model, domain=domain, routing="layer", defer=defer)
+    with torch.no_grad():
+        for i, kwargs in enumerate(inputs):
+            if between is not None:
+                between(i)
+            model(**kwargs)
+    return domain, ins
+
+
+def _same_events(a: RecordingDomain, b: RecordingDomain) -> None:
+    assert [(k, m, c, d) for k, m, c, _, d in a.events] == [(k, m, c, d) for k, m, c, _, d in b.events]
+    assert [e[3].tolist() for e in a.named("moe.routing")] == [e[3].tolist() for e in b.named("moe.routing")]
+    for name in ("moe.layer", "moe.experts", "moe.step"):
+        assert [e[3] for e in a.named(name)] == [e[3] for e in b.named(name)]
+    for x, y in zip(a.named("moe.router"), b.named("moe.router"), strict=True):
+        assert math.isclose(x[3], y[3], abs_tol=1e-6)
+
+
+def test_after_the_first_call_the_router_alone_keeps_the_layer() -> None:
+    """A transformers router returns the very index tensor its experts get: from the second step on
+    only the router is wrapped (the experts' own forward is back), with the live path's numbers
+    step after step; close() still leaves the model exactly as it was."""
+    model: Any = tiny_model("qwen3_moe", layers=2)
+    before = hook_state(model)
+    generator = torch.Generator().manual_seed(12)
+    inputs = [{"input_ids": torch.randint(0, 128, shape, generator=generator)} for shape in ((2, 7), (2, 1), (3, 1))]
+    live, live_ins = _forwards(model, inputs, defer=False)
+    live_ins.close()
+    deferred, ins = _forwards(model, inputs, defer=True)
+    assert all("forward" not in vars(b.experts) and "forward" in vars(b.router) for b in ins.blocks)
+    ins.close()
+    assert hook_state(model) == before
+    _same_events(deferred, live)
+    assert len(deferred.named("moe.step")) == 3 and len(deferred.named("moe.layer")) == 6
+    assert ins.stats()["layers"] == 6 and ins.stats()["hook_errors"] == 0
+
+
+# per step: the router's layout, and whether the experts are still wrapped before that step
+@pytest.mark.parametrize("layouts,wrapped", [
+    (("logits", "logits", "tuple", "tuple", "swapped"), (True, True, True, True, True, True)),
+    (("tuple", "tuple", "swapped", "swapped", "logits"), (True, False, False, False, False, True))])
+def test_a_router_of_any_layout_and_one_that_changes_are_followed(layouts: tuple[str, ...],
+                                                                  wrapped: tuple[bool, ...]) -> None:
+    """A router that returns logits only (the block picks top-k: the experts wrapper takes the
+    indices) or a tuple with the indices (the router wrapper alone), and one whose layout changes
+    between steps (the layer is learned again): the live path's numbers throughout."""
+    torch.manual_seed(1)
+    model = PickModel().eval()
+    generator = torch.Generator().manual_seed(13)
+    inputs = [{"inputs_embeds": torch.randn(n, 16, generator=generator)} for n in (5, 3, 4, 6, 2)]
+    routers = [m.router for m in model.stack if isinstance(m, PickMoe)]
+    experts = [m.experts for m in model.stack if isinstance(m, PickMoe)]
+    before = hook_state(model)
+    seen: list[bool] = []
+
+    def set_layout(i: int) -> None:
+        seen.append(all("forward" in vars(e) for e in experts))
+        for router in routers:
+            router.layout = layouts[i]
+
+    live, live_ins = _forwards(model, inputs, defer=False, between=set_layout)
+    live_ins.close()
+    seen.clear()
+    deferred, ins = _forwards(model, inputs, defer=True, between=set_layout)
+    seen.append(all("forward" in vars(e) for e in experts))
+    assert tuple(seen) == wrapped
+    ins.close()
+    assert hook_state(model) == before
+    _same_events(deferred, live)
+    assert ins.stats()["layers"] == 10 and ins.stats()["hook_errors"] == ins.stats()["layers_without_scores"] == 0
+
+
 def _truth(kind: str, scores: torch.Tensor, indices: torch.Tensor, bias: torch.Tensor | None,
            num_experts: int) -> tuple[list[int], float, int]:
     """One layer by the definitions, float64, one token at a time: counts, entropy bits, out of range."""
@@ -296,32 +415,56 @@ def _truth(kind: str, scores: torch.Tensor, indices: torch.Tensor, bias: torch.T
 
 
 @pytest.mark.parametrize("kind", ["softmax", "probabilities", "sigmoid"])
-def test_deferred_reductions_on_device_and_host_equal_the_definitions(kind: str) -> None:
+@pytest.mark.parametrize("host_counting", ["list", "numpy"])
+def test_deferred_reductions_on_device_and_host_equal_the_definitions(kind: str, host_counting: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The step-end reduction: the device one (torch ops, what CUDA runs; run here on the CPU) and
-    the host one (numpy) both equal a token-by-token count and entropy, with indices outside 0..E-1."""
+    the host one (list.count for a small step, numpy for a large one) both equal a token-by-token
+    count and entropy, with indices outside 0..E-1."""
     from moescope.hf import emit
-    from moescope.hf.scoring import Scoring
 
+    if host_counting == "numpy":
+        monkeypatch.setattr(emit, "_LIST_COUNT_WORK", 0)
     generator = torch.Generator().manual_seed(11)
     num_experts, tokens, k = 6, 9, 2
-    entries = []
-    expected = []
+    scores, indices, biases, expected = [], [], [], []
     for layer in range(3):
         raw = torch.randn(tokens, num_experts, generator=generator)
-        scores = torch.softmax(raw, -1) if kind == "probabilities" else raw
-        bias = torch.rand(num_experts, generator=generator) * 0.3 if kind == "sigmoid" and layer != 1 else None
-        indices = torch.randint(0, num_experts, (tokens, k), generator=generator)
-        indices[0, 0], indices[1, 1] = -1, num_experts  # not routed here: counted apart
-        scoring = Scoring(kind=kind, evidence="", bias=bias)
-        entries.append(emit._Pending(call=layer, layer=layer, num_experts=num_experts, assignments=tokens * k,
-                                     scores=scores, indices=indices, scoring=scoring))
-        expected.append(_truth(kind, scores, indices, bias, num_experts))
-    for reduce in (emit._reduce_group, emit._reduce_group_numpy):
-        ((counts, entropy),) = emit._to_host([reduce(entries)])
-        assert counts.shape == (3, num_experts + 1)
+        scores.append(torch.softmax(raw, -1) if kind == "probabilities" else raw)
+        biases.append(torch.rand(num_experts, generator=generator) * 0.3 if kind == "sigmoid" and layer != 1 else None)
+        indices.append(torch.randint(0, num_experts, (tokens, k), generator=generator))
+        indices[-1][0, 0], indices[-1][1, 1] = -1, num_experts  # not routed here: counted apart
+        expected.append(_truth(kind, scores[-1], indices[-1], biases[-1], num_experts))
+    for reduce in (emit._reduce_torch, emit._reduce_host):
+        counts, entropy = reduce(scores, indices, num_experts, kind, biases)
+        reduced = emit._Reduced(entries=[(layer, layer, scores[layer], indices[layer]) for layer in range(3)],
+                                counts=counts, entropy=entropy)
+        ((host_counts, entropy_bits),) = emit._to_host([reduced])
+        assert host_counts.shape == (3, num_experts + 1)
         for layer, (want_counts, want_entropy, out_of_range) in enumerate(expected):
-            assert counts[layer, :num_experts].tolist() == want_counts and counts[layer, -1] == out_of_range == 2
-            assert math.isclose(float(entropy[layer]), want_entropy, abs_tol=1e-6), reduce.__name__
+            assert host_counts[layer, :num_experts].tolist() == want_counts
+            assert host_counts[layer, -1] == out_of_range == 2
+            assert math.isclose(float(entropy_bits[layer]), want_entropy, abs_tol=1e-6), reduce.__name__
+
+
+@pytest.mark.parametrize("scale", [0.1, 1.0, 10.0, 79.0, 200.0])
+def test_host_softmax_entropy_holds_at_every_logit_scale(scale: float) -> None:
+    """The host reduction's entropy at logit scales from flat to saturated, at E = 8 and 256: within
+    1e-7 bits of the float64 definition, with no overflow and no warning."""
+    import warnings
+
+    from moescope.hf import emit
+
+    generator = torch.Generator().manual_seed(int(scale * 10))
+    for num_experts in (8, 256):
+        scores = [torch.randn(33, num_experts, generator=generator) * scale for _ in range(2)]
+        indices = [torch.zeros(33, 2, dtype=torch.int64) for _ in range(2)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _, entropy = emit._reduce_host(scores, indices, num_experts, "softmax", None)
+        for layer, s in enumerate(scores):
+            want = float(torch.special.entr(torch.softmax(s.double(), -1)).sum(-1).mean()) / math.log(2.0)
+            assert math.isclose(float(entropy[layer]), want, abs_tol=1e-7), (scale, num_experts)
 
 
 def test_a_long_step_is_reduced_early_with_the_same_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
