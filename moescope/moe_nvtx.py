@@ -43,11 +43,12 @@ MSG_EXPERTS_TIME = "moe.experts.time"
 MSG_STEP_DEVICE = "moe.step.device"
 MSG_STEP_ROUTING = "moe.step.routing"
 MSG_STEP_REQUESTS = "moe.step.requests"
+MSG_STEP_ENTROPY = "moe.step.entropy"  # v2.2 compact form (docs/nvtx-convention.md); this emitter sends moe.router
 ROUTING_PLACES = ("layer", "step")  # v2: a routing vector per layer, or one for the whole step
 # In the order of the convention's table (tests/runtime/test_docs.py checks).
 MESSAGES: tuple[str, ...] = (
     MSG_STEP, MSG_REQUEST, MSG_STEP_REQUESTS, MSG_LAYER, MSG_ROUTER, MSG_ROUTING, MSG_EXPERTS, MSG_EXPERTS_TIME,
-    MSG_STEP_DEVICE, MSG_STEP_ROUTING,
+    MSG_STEP_DEVICE, MSG_STEP_ROUTING, MSG_STEP_ENTROPY,
     MSG_EXPERT_TOKENS, MSG_EXPERT_DROPPED, MSG_EXPERT_LOAD, MSG_EXPERT_FFN,
 )
 
