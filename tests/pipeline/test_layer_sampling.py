@@ -164,3 +164,32 @@ def test_the_steps_device_times_reach_the_step_and_layer_spans(tmp_path: Path) -
         {0: 10.0, 1: 20.0, 2: 30.0, 3: 40.0})
     assert not any("moe.experts.device_time_us" in s.attributes for s in spans
                    if s.name == "moe.layer" and s.parent_span_id != first.span_id)
+
+
+@pytest.mark.parametrize("detail", ["layer", "expert"])
+def test_a_compact_layer_has_no_router_span_or_router_time(tmp_path: Path, detail: str) -> None:
+    """moe/v2.2 compact steps: the router was never timed (no moe.router range was sent), so its
+    layer's span carries no router duration and --span-detail expert makes no moe.router span;
+    the routing numbers from the step vectors are on the layer span all the same."""
+    rng = np.random.default_rng(4)
+    steps = [v2_step(rng, index=i, duration_ns=2 * MS, period_ns=5 * MS, layers=4) for i in range(3)]
+    for step in steps:
+        for layer in step.layers:
+            r = layer.router
+            assert r is not None
+            layer.router = RouterEvent(layer=r.layer, start_ns=layer.start_ns, end_ns=layer.start_ns,
+                                       entropy_bits=r.entropy_bits, counts=r.counts, timed=False)
+    tracing = build_tracing(resolve_export_config(ExportFlags(state_dir=str(tmp_path), queue_spans=1 << 18), env={}))
+    pipeline = Pipeline(spans=tracing.factory, metrics=Metrics(), epoch_offset_ns=0, clock=lambda: steps[-1].end_ns,
+                        layer_spans_per_s=float("inf"), span_detail=detail)
+    for step in steps:
+        pipeline.on_steps([step])
+    pipeline.shutdown()
+    assert tracing.shutdown(timeout_s=60).dropped == 0
+    store = TraceStore.load(tmp_path / "traces")
+    spans = [s for t in store.trace_ids() for s in store.spans(t)]
+    layer_spans = [s for s in spans if s.name == "moe.layer"]
+    assert len(layer_spans) == 3 * 4
+    assert not [s for s in spans if s.name == "moe.router"]
+    assert all("moe.layer.router.duration_ms" not in s.attributes for s in layer_spans)
+    assert all(s.attributes["moe.router.entropy_bits"] == 5.0 for s in layer_spans)
