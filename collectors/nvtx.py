@@ -265,7 +265,7 @@ def _read_environ(pid: int) -> dict[str, str] | None:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
     except PermissionError:
         return None
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ProcessLookupError) as exc:  # gone, or exited and not reaped yet (ESRCH)
         raise NoSuchProcess(f"no such process: {pid}") from exc
     env: dict[str, str] = {}
     for item in raw.split(b"\0"):

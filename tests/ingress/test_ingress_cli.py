@@ -169,7 +169,7 @@ def test_target_exit_gives_summary_then_exit_code_8(
     client.request(path="/exit")
     assert server.popen.wait(timeout=WAIT_S) == 3
     code, out, err = finish(run)
-    assert code == errors.EXIT_TARGET_EXITED
+    assert code == errors.EXIT_TARGET_EXITED, err
     assert summary_of(out)["requests"] == "2"
     assert err.strip().splitlines()[-1].startswith(f"agent: error: every target exited: pid {server.pid} (")
 

@@ -209,3 +209,19 @@ def test_unusable_ring_directory_leaves_the_host_running(
     assert producer.wait() == 0
     assert producer.log()["emitted"] == 2 * 6000
     assert not (tmp_path / "missing").exists()
+
+
+def test_a_zombie_target_is_no_such_process() -> None:
+    """/proc/PID/environ of a zombie answers ESRCH (ProcessLookupError), not ENOENT: the agent
+    must read it as a vanished target, never raise it (it exited 1 where it should report 8)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        for _ in range(200):  # bounded: until it is a zombie (exited, not reaped)
+            with open(f"/proc/{child.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.01)
+        with pytest.raises(NoSuchProcess):
+            NvtxCollector._find_directory(child.pid)
+    finally:
+        child.wait()
