@@ -427,13 +427,18 @@ class SchemaTable:
         schema (one element), or an array schema (`size` integer, then `data` with the
         length-index flag typed by a numeric scalar). None for anything else, unknown schemas and
         truncated bytes (the caller counts)."""
+        view = self._decode_view(schema_id, raw)
+        return None if view is None else view.copy()
+
+    def _decode_view(self, schema_id: int, raw: bytes | memoryview | np.ndarray) -> np.ndarray | None:
+        """decode_array without the copy: a view of ``raw``'s bytes."""
         buf = raw if isinstance(raw, np.ndarray) else np.frombuffer(raw, dtype=np.uint8)
         nbytes = len(buf)
         if schema_id < SCHEMA_ID_STATIC_START:
             dtype = ENTRY_TYPE_DTYPES.get(schema_id)
             if dtype is None:
                 return None
-            return buf[: nbytes - nbytes % dtype.itemsize].view(dtype).copy()
+            return buf[: nbytes - nbytes % dtype.itemsize].view(dtype)
         schema = self.schemas.get(schema_id)
         if schema is None:
             return None
@@ -443,11 +448,11 @@ class SchemaTable:
                 dtype, count = fixed
                 if nbytes < count * dtype.itemsize:
                     return None
-                return buf[: count * dtype.itemsize].view(dtype).copy()
+                return buf[: count * dtype.itemsize].view(dtype)
             dtype = self.element_dtype(schema_id)
             if dtype is None or nbytes < dtype.itemsize:
                 return None
-            return buf[: dtype.itemsize].view(dtype).copy()
+            return buf[: dtype.itemsize].view(dtype)
         if len(schema.fields) != 2:
             return None
         size_field, data_field = schema.fields
@@ -471,18 +476,19 @@ class SchemaTable:
             length = 0
         if start + length * dtype.itemsize > nbytes:
             return None  # truncated: fewer bytes than the length claims
-        return buf[start : start + length * dtype.itemsize].view(dtype).copy()
+        return buf[start : start + length * dtype.itemsize].view(dtype)
 
 
     def decode_arrays(self, schema_id: int, blob: np.ndarray, offsets: np.ndarray, size: int) -> np.ndarray | None:
         """``decode_array`` of many payloads at once: ``size`` bytes at each of ``offsets`` in
-        ``blob``, all of schema ``schema_id`` -> a [payloads, length] array (a copy), or None when
+        ``blob``, all of schema ``schema_id`` -> a [payloads, length] array (a view of ``blob`` where
+        the payloads are evenly spaced and aligned, else a copy), or None when
         one decode_array would refuse, or when their lengths differ (the caller decodes them one
         by one then). One gather for all of them: a step's routing vectors share schema and size."""
         n = len(offsets)
         if n == 0 or size <= 0:
             return None
-        first = self.decode_array(schema_id, blob[int(offsets[0]) : int(offsets[0]) + size])
+        first = self._decode_view(schema_id, blob[int(offsets[0]) : int(offsets[0]) + size])
         if first is None:
             return None
         dtype = first.dtype
@@ -500,8 +506,23 @@ class SchemaTable:
         width = length * dtype.itemsize
         if width == 0:
             return np.zeros((n, 0), dtype=dtype)
-        # every payload's bytes as one row: a strided window view of the blob, rows picked by offset
-        gathered = np.lib.stride_tricks.sliding_window_view(blob, width)[offsets + start]
+        starts = offsets + start
+        item = dtype.itemsize
+        if blob.__array_interface__["data"][0] % item == 0 and not (starts % item).any():
+            spacing = int(starts[1] - starts[0]) if n > 1 else width
+            if spacing >= width and int(starts[-1]) + width <= len(blob) and (
+                    n < 3 or (np.diff(starts) == spacing).all()):
+                # evenly spaced (a producer's step vectors, batch after batch): a strided view of
+                # the blob, no copy (the blob is this batch's private copy of the ring's bytes)
+                return np.ndarray(shape=(n, length), dtype=dtype, buffer=blob, offset=int(starts[0]),
+                                  strides=(spacing, item))
+            # every payload as one row of a typed window view of the blob (element strides: the gather
+            # copies elements, not bytes), rows picked by offset
+            windows = np.ndarray(shape=((len(blob) - width) // item + 1, length), dtype=dtype, buffer=blob,
+                                 strides=(item, item))
+            return windows[starts // item]
+        # unaligned: a byte window view, rows picked by offset
+        gathered = np.lib.stride_tricks.sliding_window_view(blob, width)[starts]
         return gathered.view(dtype).reshape(n, length)
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from moescope.agent import state as st
 from moescope.agent.join import (
+    BufferedStep,
     JoinEvent,
     NetSignalSeen,
     RequestJoined,
@@ -354,6 +355,7 @@ class WindowsOutput:
     # ------------------------------------------------------------------ Output
     def export(self, batch: Sequence[JoinEvent]) -> None:
         now = self.clock()
+        run: list[BufferedStep] = []  # consecutive steps of one join StepGroup: one routing add
         with self._lock:
             for event in batch:
                 match event:
@@ -374,6 +376,7 @@ class WindowsOutput:
                         for load in step.expert_loads():
                             self._load_ms.add(load.end_ns, load.duration_ns / 1e6)
                         if changed:
+                            self._add_routing_run(run)
                             self._routing = None  # windows are per E: restart them
                         if b.num_experts > 0:
                             if self._routing is None:
@@ -381,7 +384,13 @@ class WindowsOutput:
                                     duration_ns=self.window_ns, num_experts=b.num_experts,
                                     bucket_ns=self.window_ns // ROUTING_BUCKETS,
                                 )
-                            self._routing.add_table(step.end_ns, b.table)
+                            if not (run and b.group is not None and b.group is run[-1].group
+                                    and b.group_index == run[-1].group_index + 1):
+                                self._add_routing_run(run)
+                            if b.group is not None:
+                                run.append(b)
+                            else:
+                                self._routing.add_table(step.end_ns, b.table)
                     case TelemetrySeen(sample=sample, memory=memory):
                         if isinstance(sample, NvmlSample):
                             self._nvml = sample
@@ -393,6 +402,16 @@ class WindowsOutput:
                         self._net.add(record)
                     case _:
                         pass
+            self._add_routing_run(run)
+
+    def _add_routing_run(self, run: list[BufferedStep]) -> None:
+        """The routing window takes a run of one group's steps in one add (then the run is empty)."""
+        if not run:
+            return
+        group = run[0].group
+        assert group is not None and self._routing is not None
+        self._routing.add_run([b.step.end_ns for b in run], group, run[0].group_index)
+        run.clear()
 
     def force_flush(self) -> None:
         return None

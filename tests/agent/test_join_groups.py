@@ -1,0 +1,224 @@
+"""A parser batch's steps whose routing blocks lie evenly spaced in one buffer (the decoded moe/v2
+step vectors of a batch) get their tables from one health pass (StepsTable), and the routing window
+adds a run of them in one operation: the same tables, counters and window sums as one step at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moescope.agent.join import BufferedStep, JoinEvent, RequestJoin, StepSeen
+from moescope.agent.outputs.windows import WindowsOutput
+from moescope.agent.routing_health import (
+    LayerTable,
+    RoutingHealthWindow,
+    StepsTable,
+    layer_table,
+    stacked_view,
+    steps_table,
+    sum_steps,
+)
+from moescope.collectors.moe_convention import ROUTER_RANGE, LayerColumns, StepEvent
+
+L, E = 6, 8
+TABLE_FIELDS = ("layers", "tokens", "dropped", "router_entropy_bits", "tokens_total", "dropped_total",
+                "entropy_bits", "entropy_normalised", "gini", "max_share", "cv", "drop_fraction",
+                "router_entropy_normalised", "block")
+
+
+def _columns(counts: np.ndarray, entropy: np.ndarray, *, start_ns: int) -> LayerColumns:
+    start = start_ns + np.arange(L, dtype=np.int64) * 100
+    return LayerColumns(
+        layer=np.arange(L, dtype=np.int64), start_ns=start, end_ns=start + 50, num_experts=E,
+        router_kind=np.full(L, ROUTER_RANGE, dtype=np.int8), router_start_ns=start + 1, router_end_ns=start + 9,
+        entropy_bits=entropy, has_routing=np.ones(L, dtype=bool), counts=counts,
+        has_experts=np.zeros(L, dtype=bool), experts_start_ns=np.zeros(L, dtype=np.int64),
+        experts_end_ns=np.zeros(L, dtype=np.int64), experts_tokens=np.zeros(L, dtype=np.int64), experts_time_us=None)
+
+
+def _steps(counts: np.ndarray, entropy: np.ndarray, ends_ns: list[int], *, copy: bool) -> list[StepEvent]:
+    """One step per [L, 2E] block of ``counts`` (a [k, L, 2E] array or an evenly strided view of
+    one); ``copy`` gives each step its own array (no run)."""
+    steps = []
+    for i, end in enumerate(ends_ns):
+        step = StepEvent(7, 7, end - 5_000, end, 64, [i + 1])
+        block = counts[i].copy() if copy else counts[i]
+        step.set_columns(_columns(block, entropy[i].copy() if copy else entropy[i], start_ns=end - 4_000))
+        steps.append(step)
+    return steps
+
+
+class _Seen:
+    name = "seen"
+
+    def __init__(self) -> None:
+        self.steps: list[BufferedStep] = []
+        self.tables: list[LayerTable] = []  # as exported: a tree nobody reads is let go after
+        self.groups: list[StepsTable | None] = []
+
+    def export(self, batch: Sequence[JoinEvent]) -> None:
+        for event in batch:
+            if isinstance(event, StepSeen):
+                self.steps.append(event.step)
+                self.tables.append(event.step.table)
+                self.groups.append(event.step.group)
+
+    def force_flush(self) -> None:
+        pass
+
+    def shutdown(self, deadline_ns: int) -> None:
+        pass
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+
+def _join(clock_ns: int) -> tuple[RequestJoin, _Seen, WindowsOutput]:
+    join = RequestJoin(clock=lambda: clock_ns)
+    seen, windows = _Seen(), WindowsOutput(clock=lambda: clock_ns)
+    join.add_output(seen)
+    join.add_output(windows)
+    return join, seen, windows
+
+
+def _assert_tables_equal(a: LayerTable, b: LayerTable) -> None:
+    for name in TABLE_FIELDS:
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+
+
+def _batch(rng: np.random.Generator, k: int, *, dtype: type = np.int32) -> tuple[np.ndarray, np.ndarray]:
+    counts: np.ndarray = rng.integers(0, 40, size=(k, L, 2 * E)).astype(dtype)
+    counts[:, :, E:] //= 8  # fewer drops than tokens
+    entropy = rng.uniform(0.5, 3.0, size=(k, L))
+    entropy[rng.random((k, L)) < 0.2] = np.nan  # routers without an entropy
+    return counts, entropy
+
+
+@pytest.mark.parametrize("spaced", [False, True])
+@pytest.mark.parametrize("negative", [False, True])
+def test_a_run_of_steps_in_one_buffer_gets_the_tables_of_one_at_a_time(negative: bool, spaced: bool) -> None:
+    rng = np.random.default_rng(5)
+    counts, entropy = _batch(rng, 12)
+    if spaced:  # the blocks apart in one buffer, as the decoder's strided view of a batch's payloads
+        wide = np.zeros((12, L + 3, 2 * E), dtype=np.int32)
+        wide[:, :L] = counts
+        counts = wide[:, :L]
+    if negative:
+        counts[4, 2, 3] = -1  # a bad count: the whole run takes the step-by-step path, its layer counted
+    now = 50_000_000_000
+    ends = [now - 3_000_000_000 + i * 40_000_000 for i in range(12)]  # 40 ms apart: across window buckets
+    grouped_join, grouped, grouped_windows = _join(now)
+    single_join, single, single_windows = _join(now)
+    grouped_join.on_steps(_steps(counts, entropy, ends, copy=False))
+    single_join.on_steps(_steps(counts, entropy, ends, copy=True))
+    assert len(grouped.steps) == len(single.steps) == 12
+    assert all((g is None) is negative for g in grouped.groups)  # the run was found (or refused)
+    assert all(g is None for g in single.groups)
+    for a, b in zip(grouped.tables, single.tables, strict=True):
+        _assert_tables_equal(a, b)
+    assert grouped_join.stats() == single_join.stats()
+    ga, sa = grouped_windows._routing, single_windows._routing
+    assert ga is not None and sa is not None
+    for x, y in zip(ga._sums(), sa._sums(), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-12)
+    assert len(ga) == len(sa)
+    _assert_tables_equal(ga.table(now), sa.table(now))
+
+
+def test_a_run_stops_where_layers_or_experts_change() -> None:
+    rng = np.random.default_rng(9)
+    counts, entropy = _batch(rng, 6)
+    steps = _steps(counts, entropy, [10_000_000 * (i + 1) for i in range(6)], copy=False)
+    odd = steps[3].columns
+    assert odd is not None
+    odd.layer = odd.layer + 1  # another layer set: the run is cut there (its block stays back to back)
+    join, seen, _ = _join(100_000_000)
+    join.on_steps(steps)
+    groups = seen.groups
+    assert groups[0] is groups[1] is groups[2] is not None
+    assert groups[3] is None  # alone between two runs
+    assert groups[4] is groups[5] is not None and groups[4] is not groups[0]
+    assert [b.group_index for b in seen.steps] == [0, 1, 2, 0, 0, 1]
+    assert seen.tables[3].layers.tolist() == list(range(1, L + 1))
+
+
+def test_stacked_view_only_for_parts_that_lie_back_to_back() -> None:
+    whole = np.arange(4 * 3 * 5, dtype=np.int32).reshape(4, 3, 5)
+    parts = [whole[i] for i in range(4)]
+    view = stacked_view(parts)
+    assert view is not None and np.shares_memory(view, whole)
+    np.testing.assert_array_equal(view, whole)
+    spaced = stacked_view([whole[0], whole[2]])  # evenly spaced: a strided view
+    assert spaced is not None and np.shares_memory(spaced, whole)
+    np.testing.assert_array_equal(spaced, whole[::2])
+    assert stacked_view([whole[0], whole[1], whole[3]]) is None  # uneven
+    assert stacked_view([whole[1], whole[0]]) is None  # out of order
+    assert stacked_view([p.copy() for p in parts]) is None  # separate arrays
+    assert stacked_view([whole[0], whole[1].astype(np.int64)]) is None
+    assert stacked_view([whole[i][:, :4] for i in range(4)]) is None  # not contiguous rows
+
+
+@pytest.mark.parametrize("bound", [100, 2**31])
+def test_sum_steps_is_the_sum_in_a_wide_enough_type(bound: int) -> None:
+    blocks = np.full((3, 2, 4), 2**29, dtype=np.int32)
+    total = sum_steps(blocks, bound=bound)
+    if bound > 2**31 - 1:
+        assert total.dtype == np.int64 and int(total[0, 0]) == 3 * 2**29
+    else:
+        assert total.dtype == np.int32
+    np.testing.assert_array_equal(sum_steps(blocks[:, :, :1] // 2**20, bound=100), np.full((2, 1), 3 * 2**9))
+
+
+def test_steps_table_rows_are_layer_table_per_step() -> None:
+    rng = np.random.default_rng(3)
+    counts, entropy = _batch(rng, 5)
+    table = steps_table(layers=np.arange(L), blocks=counts, router_entropy_bits=entropy.reshape(-1))
+    assert table is not None and len(table) == 5
+    for i in range(5):
+        one = layer_table(layers=np.arange(L), tokens=counts[i][:, :E], dropped=counts[i][:, E:],
+                          router_entropy_bits=entropy[i], block=counts[i])
+        _assert_tables_equal(table.step(i), one)
+    counts[2, 1, 0] = -4
+    with pytest.raises(ValueError):
+        steps_table(layers=np.arange(L), blocks=counts, router_entropy_bits=entropy.reshape(-1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    k=st.integers(1, 9),
+    rows=st.integers(1, 4),
+    gaps_ms=st.lists(st.integers(0, 900), min_size=9, max_size=9),
+    seed=st.integers(0, 2**16),
+    start_ms=st.integers(0, 30_000),
+    first=st.integers(0, 2),
+)
+def test_add_run_leaves_the_window_as_add_table_step_by_step(k: int, rows: int, gaps_ms: list[int], seed: int,
+                                                             start_ms: int, first: int) -> None:
+    rng = np.random.default_rng(seed)
+    e = 5
+    blocks = rng.integers(0, 9, size=(first + k, rows, 2 * e)).astype(np.int32)
+    blocks[rng.random((first + k, rows)) < 0.2] = 0  # rows with no tokens
+    entropy = np.where(rng.random((first + k) * rows) < 0.25, np.nan, rng.uniform(0, 2, (first + k) * rows))
+    table = steps_table(layers=rng.permutation(6)[:rows], blocks=blocks, router_entropy_bits=entropy)
+    assert table is not None
+    times = list(np.cumsum([start_ms * 1_000_000] + [g * 1_000_000 for g in gaps_ms[: k - 1]]).tolist())
+    if k > 2:
+        times[1], times[2] = times[2], times[1]  # out of order: both take the later one
+    bucketed, stepped = (RoutingHealthWindow(duration_ns=10_000_000_000, num_experts=e, bucket_ns=500_000_000)
+                         for _ in range(2))
+    for w in (bucketed, stepped):
+        w.add_table(0, table.step(0))  # an earlier step: an open bucket to go on with or close
+    bucketed.add_run(times, table, first)
+    for i, t in enumerate(times):
+        stepped.add_table(t, table.step(first + i))
+    for x, y in zip(bucketed._sums(), stepped._sums(), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-12)
+    assert len(bucketed) == len(stepped)
+    assert bucketed.layers() == stepped.layers()
+    later = times[-1] + 10_000_000_000
+    for x, y in zip(bucketed.table(later).tokens_total, stepped.table(later).tokens_total, strict=True):
+        assert x == y
