@@ -187,13 +187,17 @@ _OPEN_DTYPE = np.dtype(
 THREAD_CHECK_PERIOD_NS = 1_000_000_000
 PROCESS_CHECK_PERIOD_NS = 200_000_000
 # The ring is drained fully at most every DRAIN_PERIOD_NS, or at once when it holds more than
-# 1/EARLY_DRAIN_FRACTION of its records or of its payload blob: a drain has a fixed cost (a few
-# dozen array operations, per batch in the parser and the join) that fewer drains save (measured:
-# agent 7.65 -> 6.7 % of a core under the reference load from 50 to 200 ms; at DeepSeek-V3 shape,
-# 25 steps/s a rank, a batch of 5 steps costs ~1.7x per step what one of 20 does), while a burst
-# still never waits longer than the daemon's 50 ms tick to be drained.
+# 1/EARLY_DRAIN_FRACTION of its records or 1/BLOB_EARLY_DRAIN_FRACTION of its payload blob: a drain
+# has a fixed cost (a few dozen array operations, per batch in the parser and the join) that fewer
+# drains save (measured: agent 7.65 -> 6.7 % of a core under the reference load from 50 to 200 ms;
+# at DeepSeek-V3 shape, 25 steps/s a rank, a batch of 5 steps costs ~1.7x per step what one of 20
+# does), while a burst still never waits longer than the daemon's 50 ms tick to be drained. The
+# blob's mark is a quarter (2 MiB of the default 8): a DeepSeek-V3 rank's 119 KB step vectors
+# passed an eighth every ~9 steps, before the period; a quarter leaves 6 MiB (~50 such steps)
+# free for the producer while the agent is late.
 DRAIN_PERIOD_NS = 500_000_000
 EARLY_DRAIN_FRACTION = 8
+BLOB_EARLY_DRAIN_FRACTION = 4
 STALLED_SLOT_NS = 1_000_000_000  # a reserved slot never committed for this long is skipped
 DEFAULT_BATCH_RECORDS = 1 << 16
 MAX_RING_RECORDS = 1 << 24  # the library's largest ring (MOESCOPE_NVTX_RING_RECORDS)
@@ -1153,7 +1157,7 @@ class NvtxCollector:
             and self._last_drain_ns is not None
             and now_ns - self._last_drain_ns < self.drain_period_ns
             and ring.head - ring.tail < ring.capacity // EARLY_DRAIN_FRACTION
-            and ring.blob_in_flight() < ring.blob_bytes // EARLY_DRAIN_FRACTION
+            and ring.blob_in_flight() < ring.blob_bytes // BLOB_EARLY_DRAIN_FRACTION
         ):
             return 0
         self._last_drain_ns = now_ns

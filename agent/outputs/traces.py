@@ -44,7 +44,7 @@ from moescope.agent.join import (
     TelemetrySeen,
 )
 from moescope.agent.request_phases import PHASES, RequestBreakdown
-from moescope.agent.routing_health import LayerTable
+from moescope.agent.routing_health import LayerTable, StepsTable
 from moescope.collectors.host import MemorySignal
 from moescope.collectors.moe_convention import LayerEvent, StepEvent
 from moescope.collectors.netsig import NetEventIndex, span_event_fields
@@ -171,6 +171,8 @@ class TraceOutput:
         self._layer_precision: dict[int, str] = {}
         self._net_events = NetEventIndex()  # retransmits/resets by connection, for the server spans
         self._counts: dict[str, int] = dict.fromkeys(("spans", "stub_spans", "owner_subtrees"), 0)
+        # the latest join StepsTable and its steps' step-span attributes, computed for all at once
+        self._group_health: tuple[StepsTable, list[Attributes]] | None = None
 
     # ------------------------------------------------------------------ Output
     def export(self, batch: Sequence[JoinEvent]) -> None:
@@ -181,7 +183,7 @@ class TraceOutput:
                     keep = self.sampler.keep(end_ns=step.end_ns, duration_ns=step.duration_ns, layers=b.layer_count)
                     self._keep_layers[b.seq] = keep
                     if not keep:
-                        self._sampled_health[b.seq] = self._step_health_attributes(b)
+                        self._sampled_health[b.seq] = self._sampled_step_health(b)
                 case RequestJoined():
                     self._request_trace(event)
                 case StepRetired(step=b, evicted=evicted):
@@ -331,6 +333,16 @@ class TraceOutput:
     @staticmethod
     def _step_health_attributes(b: BufferedStep) -> Attributes:
         return step_health_attributes(b.table)
+
+    def _sampled_step_health(self, b: BufferedStep) -> Attributes:
+        """The step span's health attributes, for a run of the join's grouped steps all at once."""
+        group = b.group
+        if group is None:
+            return self._step_health_attributes(b)
+        cached = self._group_health
+        if cached is None or cached[0] is not group:
+            cached = self._group_health = (group, steps_health_attributes(group))
+        return dict(cached[1][b.group_index])
 
     def _device_events(self, step: StepEvent) -> list[SpanEvent]:
         memory = self._memory
@@ -554,6 +566,41 @@ def step_health_attributes(t: LayerTable) -> Attributes:
         "moe.tokens.dropped": dropped,
         "moe.tokens.drop_fraction": dropped / tokens if tokens else NAN,
     }
+
+
+def steps_health_attributes(t: StepsTable) -> list[Attributes]:
+    """``step_health_attributes`` of every step of ``t`` (equal floats): as arrays over the steps
+    whose layers all have tokens and values (products added left to right by a cumulative sum, as
+    the per-step loop adds them); the per-step function for the others."""
+    k, r = len(t), t.rows_per_step
+    if not k or not r:
+        return [step_health_attributes(t.step(i)) for i in range(k)]
+    weights = t.per_step(t.tokens_total)
+    columns = [t.per_step(c) for c in (t.router_entropy_bits, t.router_entropy_normalised, t.gini, t.max_share)]
+    plain = np.asarray((weights > 0).all(axis=1))
+    for column in columns:
+        plain = plain & ~np.isnan(column).any(axis=1)
+    total = weights.sum(axis=1)
+    dropped = t.per_step(t.dropped_total).sum(axis=1)
+
+    def mean(values: np.ndarray) -> list[float]:
+        out: list[float] = (np.cumsum(values * weights, axis=1)[:, -1] / np.where(total > 0, total, 1)).tolist()
+        return out
+
+    entropy, entropy_norm, gini = mean(columns[0]), mean(columns[1]), mean(columns[2])
+    gini_max, max_share = columns[2].max(axis=1).tolist(), columns[3].max(axis=1).tolist()
+    out: list[Attributes] = []
+    for i, (is_plain, tokens, lost) in enumerate(zip(plain.tolist(), total.tolist(), dropped.tolist(), strict=True)):
+        if not is_plain:
+            out.append(step_health_attributes(t.step(i)))
+            continue
+        out.append({
+            "moe.router.entropy_bits": entropy[i], "moe.router.entropy_normalized": entropy_norm[i],
+            "moe.expert_load.gini": gini[i], "moe.expert_load.gini_max": gini_max[i],
+            "moe.expert_load.max_share": max_share[i], "moe.tokens.dropped": int(lost),
+            "moe.tokens.drop_fraction": lost / tokens if tokens else NAN,
+        })
+    return out
 
 
 def _weighted_mean(values: list[float], weights: list[int], every_layer_weighted: bool) -> float:

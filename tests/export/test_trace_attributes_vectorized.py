@@ -172,3 +172,33 @@ def test_expert_times_of_a_step_equal_the_per_layer_attributes() -> None:
     want = [TraceOutput._experts_time_attributes(x) or None for x in layers]
     assert got == want
     assert sum(1 for g in got if g is not None) == 5
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_steps_health_attributes_are_each_steps_floats_bit_for_bit(seed: int) -> None:
+    # a run of the join's grouped steps: the attributes for all of them at once are, step by
+    # step, the per-step function's (the same floats, the same types), NaN and empty layers too
+    from moescope.agent.routing_health import steps_table
+
+    rng = np.random.default_rng(seed)
+    k, rows, e = 7, 11, 16
+    blocks = rng.integers(0, 50, size=(k, rows, 2 * e)).astype(np.int32)
+    blocks[:, :, e:] //= 10
+    entropy = rng.uniform(0.1, 4.0, size=k * rows)
+    if seed % 2:
+        blocks[2, 4] = 0  # a layer with no tokens in step 2
+        entropy[5 * rows + 1] = np.nan  # no router entropy for a layer of step 5
+    table = steps_table(layers=np.arange(rows), blocks=blocks, router_entropy_bits=entropy)
+    assert table is not None
+    together = traces.steps_health_attributes(table)
+    one_by_one = [traces.step_health_attributes(table.step(i)) for i in range(k)]
+    assert len(together) == k
+    for got, want in zip(together, one_by_one, strict=True):
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            if isinstance(value, float) and math.isnan(value):
+                assert math.isnan(got[name]), name  # type: ignore[arg-type]
+            else:
+                assert got[name] == value and type(got[name]) is type(value), name
+                if isinstance(value, float):
+                    assert struct.pack("<d", got[name]) == struct.pack("<d", value), name

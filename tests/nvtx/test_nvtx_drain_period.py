@@ -77,12 +77,12 @@ def test_a_filling_ring_is_drained_before_the_period_ends(start_producer: Callab
 
 
 def test_a_filling_payload_blob_is_drained_before_the_period_ends(ring_dir: Path) -> None:
-    # 12 DeepSeek-V3 compact steps: ~1.4 MB of routing vectors (past 1/8 of the 8 MiB blob) in
-    # ~1,600 records (far below 1/8 of the ring): the blob alone must trigger the drain
+    # 20 DeepSeek-V3 compact steps: ~2.4 MB of routing vectors (past a quarter of the 8 MiB blob)
+    # in ~2,400 records (far below 1/8 of the ring): the blob alone must trigger the drain
     env = dict(os.environ, NVTX_INJECTION64_PATH=str(injection_library_path()), MOESCOPE_NVTX_DIR=str(ring_dir))
     proc = subprocess.Popen([sys.executable, str(MOE_SCALE_PRODUCER), "--layers", "58", "--experts", "256",
                              "--top-k", "8", "--convention", "v2-compact", "--steps-per-s", "200",
-                             "--duration-s", "0.06"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             "--duration-s", "0.1"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, start_new_session=True)
     capture = Capture()
     try:
@@ -95,7 +95,7 @@ def test_a_filling_payload_blob_is_drained_before_the_period_ends(ring_dir: Path
         proc.stdin.write("go\n")
         proc.stdin.flush()
         result = json.loads(proc.stdout.readline())
-        assert result["steps_emitted"] == 12
+        assert result["steps_emitted"] == 20
         drained = collector.poll(t0 + 1)  # inside the period, few records: the blob is past its mark
         assert drained > 0 and collector.stats()["records_received"] == before + drained
         assert collector.stats()["ext_payload_blob_full_dropped"] == 0
