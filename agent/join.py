@@ -30,6 +30,7 @@ count only where NVML has none. Every output sees the chosen signal on ``Telemet
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -215,6 +216,35 @@ def layer_precision_of(state: RuntimeState) -> dict[int, str]:
 def tree_bytes(b: BufferedStep) -> int:
     """What a buffered step's layer tree holds, about (0 once it was let go)."""
     return b.step.layer_count * (8 * b.num_experts + LAYER_TREE_OVERHEAD_BYTES)
+
+
+def _own_tree(b: BufferedStep) -> None:
+    """A step kept with its tree (for its trace subtree) gets its own copies of the arrays that are
+    views into its parser batch (the decoded step vectors are strided views of the batch's payload
+    copy): else one kept step would hold its whole batch's payloads (~2 MB at DeepSeek-V3 shape)
+    for as long as it is buffered."""
+    columns = b.step.columns
+    if columns is not None:
+        for name in _COLUMN_ARRAYS:
+            value = getattr(columns, name)
+            if isinstance(value, np.ndarray) and value.base is not None:
+                setattr(columns, name, value.copy())
+        if columns.experts_time_us is not None:
+            columns.experts_time_us = [None if v is None else v.copy() for v in columns.experts_time_us]
+    table = b.table
+    if table.block is not None and table.block.base is not None:
+        block = table.block.copy()
+        e = table.num_experts
+        b.table = dataclasses.replace(
+            table, tokens=block[:, :e], dropped=block[:, e:], block=block,
+            **{name: getattr(table, name).copy() for name in _TABLE_COLUMNS},
+        )
+    b.group = None
+
+
+_COLUMN_ARRAYS = tuple(f.name for f in dataclasses.fields(LayerColumns)
+                       if f.name not in ("num_experts", "experts_time_us"))
+_TABLE_COLUMNS = tuple(f.name for f in dataclasses.fields(LayerTable) if f.name not in ("tokens", "dropped", "block"))
 
 
 def step_phase_times(step: StepEvent) -> tuple[int, int]:
@@ -649,6 +679,12 @@ class RequestJoin:
                 for b in unread:
                     self._release_tree_locked(b)
                 self._counts["step_trees_released_unread"] += len(unread)
+        if len(unread) < len(seen):
+            released = {id(b) for b in unread}
+            with self._lock:
+                for b in seen:
+                    if id(b) not in released:
+                        _own_tree(b)
 
     def _release_tree_locked(self, b: BufferedStep) -> None:
         if b.retired or not b.step.layer_count:

@@ -222,3 +222,30 @@ def test_add_run_leaves_the_window_as_add_table_step_by_step(k: int, rows: int, 
     later = times[-1] + 10_000_000_000
     for x, y in zip(bucketed.table(later).tokens_total, stepped.table(later).tokens_total, strict=True):
         assert x == y
+
+
+class _KeepsTrees(_Seen):
+    """An output that reads every step's tree (as traces do for a kept subtree)."""
+
+    def layer_tree_needed(self, b: BufferedStep) -> bool:
+        return True
+
+
+def test_a_step_kept_with_its_tree_holds_copies_not_its_batch() -> None:
+    # a kept step's block and columns were views into the batch's decoded payloads: after the
+    # join it must own them (else each kept step pins its whole batch), with the same numbers
+    rng = np.random.default_rng(11)
+    counts, entropy = _batch(rng, 6)
+    join = RequestJoin(clock=lambda: 100_000_000)
+    keeper = _KeepsTrees()
+    join.add_output(keeper)
+    join.on_steps(_steps(counts, entropy, [10_000_000 * (i + 1) for i in range(6)], copy=False))
+    assert all(g is not None for g in keeper.groups)  # they were a run
+    for i, b in enumerate(keeper.steps):
+        assert b.group is None and b.step.layer_count == L  # tree kept, run let go
+        columns = b.step.columns
+        assert columns is not None and columns.counts is not None
+        for held in (b.table.block, b.table.tokens, b.table.gini, columns.counts, columns.entropy_bits):
+            assert not np.shares_memory(held, counts) and not np.shares_memory(held, entropy)
+        _assert_tables_equal(b.table, keeper.tables[i])
+        np.testing.assert_array_equal(columns.counts, counts[i])
