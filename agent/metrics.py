@@ -7,8 +7,9 @@ to update them. ``MetricsServer`` serves ``/metrics`` on ``--metrics-port`` (def
 Cardinality is bounded twice:
 * per-expert families (``layer``, ``expert`` labels) go through ``ExpertLabels``: at most
   ``max_layers`` layer values and ``max_experts_per_layer`` expert values per layer get their own
-  series; an expert is admitted when it is among the step's top ``max_experts_per_layer`` by tokens
-  and a slot is free, and keeps its series for the agent's life (counters must stay monotonic).
+  series; while a layer has free slots, each recorded count (a flush's sums) admits its hottest
+  experts not admitted yet (tokens descending, then expert ascending), and an admitted expert keeps
+  its series for the agent's life (counters must stay monotonic).
   Every other expert is summed into ``expert="other"``, every other layer into ``layer="other"``,
   so no token is lost from the totals;
 * every family has ``max_series``: a label set past it is not created, the update is dropped and
@@ -29,16 +30,21 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 from wsgiref.simple_server import WSGIServer
 
+import numpy as np
+import numpy.typing as npt
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from moescope import __version__, errors
-from moescope.agent.routing_health import LayerHealth, StepHealth
+from moescope.agent.routing_health import CountVector, LayerHealth, LayerTable, StepHealth
 
 log = logging.getLogger(__name__)
 
 MetricKind = Literal["counter", "gauge", "histogram"]
+# [layers, experts] counts as record_expert_matrix works on them (integers, or floats as given)
+ExpertCounts = npt.NDArray[np.int64] | npt.NDArray[np.float64]
+BoolMatrix = npt.NDArray[np.bool_]
 
 DEFAULT_METRICS_PORT = 9464  # the port OpenTelemetry's Prometheus exporters conventionally use
 DEFAULT_METRICS_ADDR = "127.0.0.1"
@@ -267,6 +273,17 @@ assert len(SPECS) == len(METRICS), "duplicate metric name in METRICS"
 
 POLICY_STATES = ("ok", "pending", "firing", "cooldown")
 
+# The per-layer routing-health gauges and the LayerTable column each reads (set_layer_health's order).
+LAYER_HEALTH_GAUGES = (
+    ("moescope_router_entropy_bits", "router_entropy_bits"),
+    ("moescope_router_entropy_normalized", "router_entropy_normalised"),
+    ("moescope_expert_load_gini", "gini"),
+    ("moescope_expert_load_entropy_bits", "entropy_bits"),
+    ("moescope_expert_load_entropy_normalized", "entropy_normalised"),
+    ("moescope_expert_load_max_share", "max_share"),
+    ("moescope_expert_load_cv", "cv"),
+)
+
 
 def exported_sample_names() -> frozenset[str]:
     """Every series name a PromQL query may use (histograms: _bucket, _sum, _count)."""
@@ -291,6 +308,18 @@ def _build(spec: MetricSpec, registry: CollectorRegistry) -> Counter | Gauge | H
     )
 
 
+def _expert_counts(values: npt.ArrayLike, what: str) -> ExpertCounts:
+    """A [layers, experts] count matrix as int64 (integers) or float64 (floats, as the dict path took them)."""
+    counts = np.asarray(values)
+    if counts.ndim != 2:
+        raise ValueError(f"expert {what} must be a [layers, experts] matrix, got shape {counts.shape}")
+    if counts.dtype.kind in "iub":
+        return counts.astype(np.int64, copy=False)
+    if counts.dtype.kind == "f":
+        return counts.astype(np.float64, copy=False)
+    raise ValueError(f"expert {what} must be numbers, got dtype {counts.dtype}")
+
+
 def _wrong_kind(name: str, child: Counter | Gauge | Histogram, method: str) -> ValueError:
     return ValueError(f"{name}: a {type(child).__name__.lower()} has no {method}()")
 
@@ -302,6 +331,8 @@ class ExpertLabels:
     max_layers: int = DEFAULT_MAX_LAYERS
     max_experts_per_layer: int = DEFAULT_MAX_EXPERTS_PER_LAYER
     _layers: dict[int, set[int]] = field(default_factory=dict)
+    # admission reads and grows a layer's set; a scrape's flush and the daemon's may run at once
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def layer_label(self, layer: int) -> str:
         if layer in self._layers:
@@ -313,18 +344,45 @@ class ExpertLabels:
 
     def admit(self, layer: int, tokens_by_expert: Mapping[int, int]) -> dict[int, str]:
         """Label value per expert for one step's counts; admits the step's hottest while slots remain."""
-        layer_label = self.layer_label(layer)
-        if layer_label == OTHER:
-            return {expert: OTHER for expert in tokens_by_expert}
-        admitted = self._layers[layer]
-        free = self.max_experts_per_layer - len(admitted)
-        if free > 0:
-            hottest = sorted(
-                (e for e, n in tokens_by_expert.items() if n > 0 and e not in admitted),
-                key=lambda e: (-tokens_by_expert[e], e),
-            )
-            admitted.update(hottest[:free])
-        return {expert: (str(expert) if expert in admitted else OTHER) for expert in tokens_by_expert}
+        experts = list(tokens_by_expert)
+        counts = np.array([tokens_by_expert[e] for e in experts], dtype=np.int64).reshape(1, len(experts))
+        _, own = self.admit_rows([layer], counts, experts=np.array(experts, dtype=np.int64))
+        return {expert: (str(expert) if own[0, col] else OTHER) for col, expert in enumerate(experts)}
+
+    def admit_rows(
+        self, layers: Sequence[int], tokens: ExpertCounts, *, experts: CountVector | None = None
+    ) -> tuple[list[str], BoolMatrix]:
+        """Row ``r`` holds layer ``layers[r]``'s counts per expert (column ``c`` is expert
+        ``experts[c]``, else ``c``). Rows are taken in order: a layer with free slots admits its
+        experts with counts > 0 that are not admitted yet, hottest first (by tokens descending, then
+        expert ascending). Returns each row's layer label and the mask of experts that have their
+        own label after it (all False for a layer past ``max_layers``)."""
+        rows, width = tokens.shape
+        own = np.zeros((rows, width), dtype=bool)
+        layer_labels: list[str] = []
+        with self._lock:
+            for row, layer in enumerate(layers):
+                label = self.layer_label(layer)
+                layer_labels.append(label)
+                if label == OTHER:
+                    continue
+                admitted = self._layers[layer]
+                if admitted:
+                    if experts is None:
+                        own[row, [e for e in admitted if 0 <= e < width]] = True
+                    else:
+                        own[row] = np.isin(experts, list(admitted))
+                free = self.max_experts_per_layer - len(admitted)
+                if free <= 0:
+                    continue
+                candidates = np.flatnonzero((tokens[row] > 0) & ~own[row])
+                if not candidates.size:
+                    continue
+                ids = candidates if experts is None else experts[candidates]
+                hottest = np.lexsort((ids, -tokens[row, candidates]))[:free]  # last key sorts first
+                own[row, candidates[hottest]] = True
+                admitted.update(ids[hottest].tolist())
+        return layer_labels, own
 
     def expert_label(self, layer: int, expert: int) -> str:
         """The label an expert already has (``other`` unless it was admitted)."""
@@ -360,6 +418,9 @@ class Metrics:
         # (name, label values) -> the family's child: prometheus_client's labels() validates and
         # locks on every call; the pipeline makes ~100 labelled updates per step.
         self._children: dict[tuple[str, tuple[str, ...]], Counter | Gauge | Histogram] = {}
+        self._expert_children: dict[str, dict[tuple[str, int | str], Counter | Gauge]] = {}
+        # layer label -> its LAYER_HEALTH_GAUGES children, in that order (~400 sets a flush at L = 58)
+        self._layer_gauges: dict[str, list[Gauge]] = {}
         self._lock = threading.Lock()
         self._refresh_hooks: list[Callable[[], None]] = []
         self.expert_labels = ExpertLabels(max_layers=max_layers, max_experts_per_layer=max_experts_per_layer)
@@ -378,9 +439,14 @@ class Metrics:
             raise ValueError(f"{name}: labels {sorted(labels)} != declared {list(spec.labels)}") from None
         if not spec.labels:
             return self._families[name]
+        return self._keyed_child(name, key)
+
+    def _keyed_child(self, name: str, key: tuple[str, ...]) -> Counter | Gauge | Histogram | None:
+        """The child for label values ``key`` (in the family's declared order), None past max_series."""
         child = self._children.get((name, key))
         if child is not None:
             return child
+        spec = self._specs[name]
         with self._lock:
             series = self._series[name]
             if key not in series:
@@ -473,37 +539,101 @@ class Metrics:
         self, *, layer: int, tokens: Mapping[int, int], dropped: Mapping[int, int] | None = None
     ) -> None:
         """Per-expert token and drop counters for one layer of one step (bounded labels)."""
-        labels = self.expert_labels.admit(layer, tokens)
-        layer_label = self.expert_labels.layer_label(layer)
-        # Sum per label first: with many experts most fall into "other", one update instead of thousands.
-        token_sums: dict[str, int] = {}
-        for expert, n in tokens.items():
-            if n > 0:
-                token_sums[labels[expert]] = token_sums.get(labels[expert], 0) + n
-        drop_sums: dict[str, int] = {}
-        for expert, n in (dropped or {}).items():
-            if n > 0:
-                label = labels.get(expert) or self.expert_labels.expert_label(layer, expert)
-                drop_sums[label] = drop_sums.get(label, 0) + n
-        for label, n in token_sums.items():
-            self.inc("moescope_expert_tokens", n, layer=layer_label, expert=label)
-        for label, n in drop_sums.items():
-            self.inc("moescope_expert_dropped_tokens", n, layer=layer_label, expert=label)
+        drops = dropped or {}
+        experts = [*tokens, *(e for e in drops if e not in tokens)]
+        self.record_expert_matrix(
+            layers=[layer],
+            tokens=np.array([[tokens.get(e, 0) for e in experts]], dtype=np.int64).reshape(1, len(experts)),
+            dropped=np.array([[drops.get(e, 0) for e in experts]], dtype=np.int64).reshape(1, len(experts)),
+            experts=experts,
+        )
+
+    def record_expert_matrix(
+        self, *, layers: Sequence[int] | CountVector, tokens: npt.ArrayLike, dropped: npt.ArrayLike | None = None,
+        experts: Sequence[int] | None = None,
+    ) -> None:
+        """Per-expert token and drop counters for rows of layers: row ``r`` is layer ``layers[r]``,
+        column ``c`` expert ``experts[c]`` (default ``c``); the same as ``record_expert_counts`` per
+        row in order, with one numpy pass instead of a Python walk over every expert. Counts <= 0
+        are skipped. ``ValueError`` on mismatched shapes, repeated experts or non-numeric counts."""
+        t = _expert_counts(tokens, "tokens")
+        d = None if dropped is None else _expert_counts(dropped, "dropped")
+        layer_list = [int(layer) for layer in (layers.tolist() if isinstance(layers, np.ndarray) else layers)]
+        if len(layer_list) != t.shape[0] or (d is not None and d.shape != t.shape):
+            raise ValueError(f"expert counts: {len(layer_list)} layers, tokens {t.shape}, "
+                             f"dropped {None if d is None else d.shape}")
+        ids: CountVector | None = None
+        names: list[int] | None = None
+        if experts is not None:
+            ids = np.asarray(experts, dtype=np.int64).reshape(-1)
+            if ids.size != t.shape[1] or np.unique(ids).size != ids.size:
+                raise ValueError(f"expert counts: {t.shape[1]} columns need as many distinct experts, got {ids.size}")
+            names = ids.tolist()
+        layer_labels, own = self.expert_labels.admit_rows(layer_list, t, experts=ids)
+        self._add_expert_sums("moescope_expert_tokens", layer_labels, own, t, names)
+        if d is not None:
+            self._add_expert_sums("moescope_expert_dropped_tokens", layer_labels, own, d, names)
+
+    def _add_expert_sums(
+        self, name: str, layer_labels: list[str], own: BoolMatrix, counts: ExpertCounts, names: list[int] | None
+    ) -> None:
+        """One update per label with counts > 0: each admitted expert's own, and the rest of its row
+        summed into expert="other"."""
+        positive = np.where(counts > 0, counts, 0)
+        rows, cols = np.nonzero(own & (positive > 0))
+        experts = cols.tolist() if names is None else [names[col] for col in cols.tolist()]
+        updates: list[tuple[int, int | str, float]] = [
+            *zip(rows.tolist(), experts, positive[rows, cols].tolist()),
+            *((row, OTHER, n) for row, n in enumerate(np.where(own, 0, positive).sum(axis=1).tolist()) if n > 0),
+        ]
+        # (layer label, expert) -> the counter's child, kept per family: ~1000 updates a flush at DeepSeek-V3 shape
+        children = self._expert_children.setdefault(name, {})
+        for row, expert, n in updates:
+            layer = layer_labels[row]
+            child = children.get((layer, expert))
+            if child is None:
+                found = self._keyed_child(name, (layer, str(expert)))
+                if found is None:  # past max_series: dropped and counted, per update
+                    continue
+                if isinstance(found, Histogram):
+                    raise _wrong_kind(name, found, "inc")
+                child = children[(layer, expert)] = found
+            child.inc(n)
+
+    def _set_layer_gauges(self, layer: str, values: Sequence[float]) -> None:
+        """The layer's LAYER_HEALTH_GAUGES, in that order, to ``values``."""
+        gauges = self._layer_gauges.get(layer)
+        if gauges is not None:
+            for gauge, value in zip(gauges, values):
+                gauge.set(value)
+            return
+        found: list[Gauge] = []
+        for (name, _), value in zip(LAYER_HEALTH_GAUGES, values):
+            child = self._keyed_child(name, (layer,))
+            if child is None:  # past max_series: dropped and counted, per update (never kept)
+                continue
+            if not isinstance(child, Gauge):
+                raise _wrong_kind(name, child, "set")
+            child.set(value)
+            found.append(child)
+        if len(found) == len(LAYER_HEALTH_GAUGES):
+            self._layer_gauges[layer] = found
 
     def set_layer_health(self, health: LayerHealth) -> None:
         """Routing-health gauges for one layer of the latest step."""
-        layer = self.expert_labels.layer_label(health.layer)
         load = health.load
-        for name, value in (
-            ("moescope_router_entropy_bits", health.router_entropy_bits),
-            ("moescope_router_entropy_normalized", health.router_entropy_normalised),
-            ("moescope_expert_load_gini", load.gini),
-            ("moescope_expert_load_entropy_bits", load.entropy_bits),
-            ("moescope_expert_load_entropy_normalized", load.entropy_normalised),
-            ("moescope_expert_load_max_share", load.max_share),
-            ("moescope_expert_load_cv", load.cv),
-        ):
-            self.set(name, value, layer=layer)
+        self._set_layer_gauges(self.expert_labels.layer_label(health.layer), (
+            health.router_entropy_bits, health.router_entropy_normalised, load.gini, load.entropy_bits,
+            load.entropy_normalised, load.max_share, load.cv,
+        ))
+
+    def set_layer_health_rows(self, table: LayerTable, rows: Sequence[int]) -> None:
+        """``set_layer_health(table.health(i))`` for each ``i`` of ``rows`` in order, read from the
+        table's columns (no per-layer objects)."""
+        index = list(rows)
+        columns = [getattr(table, column)[index].tolist() for _, column in LAYER_HEALTH_GAUGES]
+        for layer, *values in zip(table.layers[index].tolist(), *columns):
+            self._set_layer_gauges(self.expert_labels.layer_label(layer), values)
 
     def set_step_health(self, step: StepHealth) -> None:
         """Step aggregates (token-weighted over layers; worst-layer Gini)."""

@@ -1,10 +1,12 @@
 """Prometheus families from joined events (the families themselves are declared in agent/metrics.py).
 
-Per-step metrics that need no per-step precision are held here and written by ``force_flush`` (a
-refresh hook: the daemon's publish tick and every scrape): per-expert token counters summed,
-routing-health gauges at their latest value. Writing ~80 labelled series per step was a fifth of
-the agent's CPU under load. Joined requests' breakdown values (phases, TTFT, TPOT, tokens) are held
-the same way and added per flush as one bucketed update per series.
+Every per-step metric is held here and written by ``force_flush`` (a refresh hook: the daemon's
+publish tick and every scrape), so a scrape or ``Metrics.get`` always sees every step: step counts,
+tokens and durations per pid (the unlabelled totals are their sums), expert loads, per-expert token
+counters summed as one [layers, 2E] matrix (``Metrics.record_expert_matrix``), routing-health
+gauges at their latest value. Writing ~80 labelled series per step was a fifth of the agent's CPU
+under load. Joined requests' breakdown values (phases, TTFT, TPOT, tokens) are held the same way
+and added per flush as one bucketed update per series.
 
 Request counts, bytes and the latency histogram come from one of two places. By default from each
 joined request record (a pipeline fed records: tests, benchmarks). Under `agent start`,
@@ -29,7 +31,7 @@ from moescope.agent.outputs.traces import GEN_AI_OPERATION
 from moescope.agent.outputs.values import finite
 from moescope.agent.outputs.windows import WindowsOutput
 from moescope.agent.request_phases import RequestBreakdown
-from moescope.agent.routing_health import LayerTable, add_rows
+from moescope.agent.routing_health import CountMatrix, CountVector, LayerTable, add_rows
 from moescope.collectors.host import HostSample
 from moescope.collectors.netsig import publish_net_signals
 from moescope.collectors.nvml import NvmlSample
@@ -47,52 +49,79 @@ def model_label(model: str | None) -> str:
 
 
 MAX_LATEST_TABLES = 64  # distinct layer sets whose latest health waits for the next flush
+STEP_DURATION = "moescope_step_duration_seconds"
+RANK_STEP_DURATION = "moescope_rank_step_duration_seconds"  # per pid; STEP_DURATION is all pids' together
+INT32_MAX = 2**31 - 1  # the most an entry of PendingCounts' int32 sums may reach
 
 
 class PendingCounts:
     """Tokens and drops per (layer, expert) summed between flushes, as one [layers, 2E] matrix
     (tokens | dropped): one array add per step (per-expert dicts cost ~2 ms a step at E = 256,
-    L = 58)."""
+    L = 58). Steps of int32 counts (the join's compact blocks) are summed in an int32 matrix, folded
+    into the int64 one before any entry could pass 2^31 - 1: an int32 add costs a third of one that
+    widens each entry to int64 (~7 vs ~26 us a step at 58 x 512)."""
 
     def __init__(self) -> None:
         self._counts = np.zeros((0, 0), dtype=np.int64)
+        self._narrow = np.zeros((0, 0), dtype=np.int32)  # int32 steps since the last fold, same shape
+        self._narrow_bound = 0  # no entry of _narrow holds more than this
         self._layers_seen = np.zeros(0, dtype=bool)
-        self._batches: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # E changed: kept apart
+        self._batches: list[tuple[CountVector, CountMatrix, CountMatrix]] = []  # E changed: kept apart
 
     def add(self, table: LayerTable) -> None:
         rows, experts = int(table.layers.max()) + 1, table.num_experts
         if self._counts.shape[1] not in (0, 2 * experts):
             self._batches.extend(self._drain())  # another E: the sums so far are flushed as they are
         if rows > self._counts.shape[0] or self._counts.shape[1] != 2 * experts:
+            self._fold()
             grown = np.zeros((max(rows, self._counts.shape[0]), 2 * experts), dtype=np.int64)
             seen = np.zeros(grown.shape[0], dtype=bool)
             have = self._counts.shape[0]
             if self._counts.shape[1] == 2 * experts:
                 grown[:have], seen[:have] = self._counts, self._layers_seen
             self._counts, self._layers_seen = grown, seen
+            self._narrow = np.zeros(grown.shape, dtype=np.int32)
+        into: CountMatrix = self._counts
+        if table.tokens.dtype == np.int32:
+            # counts are >= 0 (layer_table checks), so no entry grows by more than a whole column's sum
+            step_bound = max(int(table.tokens_total.sum()), int(table.dropped_total.sum()))
+            if self._narrow_bound + step_bound > INT32_MAX:
+                self._fold()
+            if step_bound <= INT32_MAX:
+                into = self._narrow
+                self._narrow_bound += step_bound
         if table.block is not None:
-            add_rows(self._counts, table.layers, table.block)
+            add_rows(into, table.layers, table.block)
         else:
-            add_rows(self._counts[:, :experts], table.layers, table.tokens)
-            add_rows(self._counts[:, experts:], table.layers, table.dropped)
+            add_rows(into[:, :experts], table.layers, table.tokens)
+            add_rows(into[:, experts:], table.layers, table.dropped)
         self._layers_seen[table.layers] = True
 
-    def _drain(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        rows = np.flatnonzero(self._layers_seen)
+    def _fold(self) -> None:
+        if self._narrow_bound:
+            self._counts += self._narrow
+            self._narrow[...] = 0
+            self._narrow_bound = 0
+
+    def _drain(self) -> list[tuple[CountVector, CountMatrix, CountMatrix]]:
+        self._fold()
+        rows: CountVector = np.flatnonzero(self._layers_seen).astype(np.int64, copy=False)
         e = self._counts.shape[1] // 2
-        out = [(rows, self._counts[rows, :e], self._counts[rows, e:])] if rows.size else []
+        counts = self._counts
+        out: list[tuple[CountVector, CountMatrix, CountMatrix]]
+        if rows.size == counts.shape[0]:  # every row seen (the usual case): views, no gather
+            out = [(rows, counts[:, :e], counts[:, e:])] if rows.size else []
+        else:
+            out = [(rows, counts[rows, :e], counts[rows, e:])] if rows.size else []
         self._counts = np.zeros((0, 0), dtype=np.int64)
+        self._narrow = np.zeros((0, 0), dtype=np.int32)
         self._layers_seen = np.zeros(0, dtype=bool)
         return out
 
-    def take(self) -> list[tuple[int, dict[int, int], dict[int, int]]]:
-        """(layer, {expert: tokens}, {expert: dropped}) of every layer with counts since the last take."""
-        out: list[tuple[int, dict[int, int], dict[int, int]]] = []
-        for rows, tokens, dropped in [*self._batches, *self._drain()]:
-            for layer, t, d in zip(rows.tolist(), tokens, dropped, strict=True):
-                nz, nzd = np.flatnonzero(t), np.flatnonzero(d)
-                out.append((layer, dict(zip(nz.tolist(), t[nz].tolist(), strict=True)),
-                            dict(zip(nzd.tolist(), d[nzd].tolist(), strict=True))))
+    def take(self) -> list[tuple[CountVector, CountMatrix, CountMatrix]]:
+        """(layers [L'], tokens [L', E], dropped [L', E]) per expert count E seen since the last take,
+        oldest first, with a row for every layer that had a step (all-zero rows included)."""
+        out = [*self._batches, *self._drain()]
         self._batches = []
         return out
 
@@ -139,6 +168,8 @@ class MetricsOutput:
         self._pending_observations = PendingObservations()  # joined requests' breakdowns
         self._pending_tokens = {"input": 0, "output": 0}
         self._pending_rank_steps: dict[int, list[int]] = {}  # pid -> [steps, tokens] since the last flush
+        self._pending_load_bytes = 0  # moe.expert.load bytes since the last flush
+        self._pending_experts = 0  # the latest step's E (moescope_experts), 0: none since the last flush
         # layer set (its index bytes) -> the latest step table with that set, oldest set first
         self._latest_tables: dict[bytes, LayerTable] = {}
         self._latest_step_health: LayerTable | None = None
@@ -199,23 +230,48 @@ class MetricsOutput:
             observations = self._pending_observations.take()
             held_tokens, self._pending_tokens = self._pending_tokens, {"input": 0, "output": 0}
             rank_steps, self._pending_rank_steps = self._pending_rank_steps, {}
+            load_bytes, self._pending_load_bytes = self._pending_load_bytes, 0
+            experts, self._pending_experts = self._pending_experts, 0
+        if rank_steps:  # every step is counted per pid first: the totals are their sums
+            m.inc("moescope_steps", sum(held[0] for held in rank_steps.values()))
+            step_tokens = sum(held[1] for held in rank_steps.values())
+            if step_tokens > 0:
+                m.inc("moescope_step_tokens", step_tokens)
         for pid, (rank_step_count, rank_tokens) in sorted(rank_steps.items()):
             m.inc("moescope_rank_steps", rank_step_count, pid=str(pid))
             if rank_tokens > 0:
                 m.inc("moescope_rank_step_tokens", rank_tokens, pid=str(pid))
+        step_durations: list[float] = []  # the unlabelled step histogram: every pid's durations
         for (name, labels), values in observations.items():
             m.observe_buckets(name, bucket_counts(SPECS[name].buckets, values), float(sum(values)), **dict(labels))
+            if name == RANK_STEP_DURATION:
+                step_durations.extend(values)
+        if step_durations:
+            m.observe_buckets(STEP_DURATION, bucket_counts(SPECS[STEP_DURATION].buckets, step_durations),
+                              float(sum(step_durations)))
+        if load_bytes > 0:
+            m.inc("moescope_expert_load_bytes", load_bytes)
+        if experts:
+            m.set("moescope_experts", experts)
         for direction, n in held_tokens.items():
             if n > 0:
                 m.inc("moescope_request_tokens", n, direction=direction)
-        for layer, tokens, dropped in pending:
-            m.record_expert_counts(layer=layer, tokens=tokens, dropped=dropped)
+        for layers, tokens, dropped in pending:
+            m.record_expert_matrix(layers=layers, tokens=tokens, dropped=dropped)
         latest: dict[int, tuple[LayerTable, int]] = {}  # each layer's row in the latest table holding it
         for table in tables:
             for row, layer in enumerate(table.layers.tolist()):
                 latest[layer] = (table, row)
+        run_table: LayerTable | None = None  # consecutive layers of one table: one call, in this order
+        run_rows: list[int] = []
         for table, row in latest.values():
-            m.set_layer_health(table.health(row))
+            if table is not run_table:
+                if run_table is not None:
+                    m.set_layer_health_rows(run_table, run_rows)
+                run_table, run_rows = table, []
+            run_rows.append(row)
+        if run_table is not None:
+            m.set_layer_health_rows(run_table, run_rows)
         if step_table is not None:
             m.set_step_health(step_table.step_health())
 
@@ -263,20 +319,26 @@ class MetricsOutput:
             self.force_flush()  # bounded memory even where nothing refreshes the registry
 
     def _step(self, b: BufferedStep) -> None:
-        m = self.metrics
+        """Every series of a step is held until the next flush: steps, tokens and durations per pid
+        (the unlabelled totals are their sums), expert loads, per-expert counts and the latest
+        health; only the windowed Gini (once a second) is written here."""
         step = b.step
-        m.inc("moescope_steps")
-        if step.tokens is not None and step.tokens > 0:  # a counter cannot go down: bad payloads are skipped
-            m.inc("moescope_step_tokens", step.tokens)
-        m.observe("moescope_step_duration_seconds", step.duration_ns / 1e9)
-        self._rank_step(step.pid, step.duration_ns, step.tokens)
-        for load in step.expert_loads():
-            m.observe("moescope_expert_load_duration_seconds", load.duration_ns / 1e9)
-            if load.bytes_moved is not None and load.bytes_moved > 0:
-                m.inc("moescope_expert_load_bytes", load.bytes_moved)
+        loads = step.expert_loads()
         table = b.table
-        if len(table):
-            with self._lock:
+        pending = self._pending_observations
+        with self._lock:
+            held = self._pending_rank_steps.get(step.pid)
+            if held is None:
+                held = self._pending_rank_steps[step.pid] = [0, 0]
+            held[0] += 1
+            if step.tokens is not None and step.tokens > 0:  # a counter cannot go down: bad payloads are skipped
+                held[1] += step.tokens
+            pending.add(RANK_STEP_DURATION, step.duration_ns / 1e9, (("pid", str(step.pid)),))
+            for load in loads:
+                pending.add("moescope_expert_load_duration_seconds", load.duration_ns / 1e9)
+                if load.bytes_moved is not None and load.bytes_moved > 0:
+                    self._pending_load_bytes += load.bytes_moved
+            if len(table):
                 self._pending_counts.add(table)
                 # the latest table per set of layers (one set, normally): per-layer objects at flush
                 key = table.layers.tobytes()
@@ -285,27 +347,15 @@ class MetricsOutput:
                 if len(self._latest_tables) > MAX_LATEST_TABLES:  # (steps of ever other layer sets)
                     del self._latest_tables[next(iter(self._latest_tables))]
                 self._latest_step_health = table
-        if b.num_experts:
-            m.set("moescope_experts", b.num_experts)
+            if b.num_experts:
+                self._pending_experts = b.num_experts
         windows = self.windows
         if windows is not None and step.end_ns - self._window_gauges_ns >= WINDOW_GAUGE_PERIOD_NS:
             self._window_gauges_ns = now = step.end_ns
             for layer_index, gini in windows.layer_gini(now).items():
-                m.set("moescope_expert_load_gini_window", gini, layer=str(layer_index))
-
-    def _rank_step(self, pid: int, duration_ns: int, tokens: int | None) -> None:
-        """The step's per-pid series, held until the next flush (one labelled update per pid then)."""
-        with self._lock:
-            held = self._pending_rank_steps.get(pid)
-            if held is None:
-                held = self._pending_rank_steps[pid] = [0, 0]
-            held[0] += 1
-            if tokens is not None and tokens > 0:
-                held[1] += tokens
-            self._pending_observations.add("moescope_rank_step_duration_seconds", duration_ns / 1e9,
-                                           (("pid", str(pid)),))
-        if self._pending_observations.held > MAX_PENDING_OBSERVATIONS:
-            self.force_flush()
+                self.metrics.set("moescope_expert_load_gini_window", gini, layer=str(layer_index))
+        if pending.held > MAX_PENDING_OBSERVATIONS:
+            self.force_flush()  # bounded memory even where nothing refreshes the registry
 
     def _telemetry(self, sample: object) -> None:
         m = self.metrics
