@@ -435,7 +435,7 @@ def _observe(
             launched.release()
         for line in observers.describe():
             print(f"agent: {line}", file=sys.stderr)
-        allocator.trim_now()  # what start-up allocated and freed goes back to the kernel now
+        allocator.settle()  # start-up's objects frozen out of GC, its freed memory back to the kernel
     except BaseException:
         if launched is not None:
             launched.stop()
