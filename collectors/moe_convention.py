@@ -29,14 +29,22 @@ stats(), never raised.
 | moe.step.requests (v2.1) | mark inside moe.step | -        | int vector [3R]: keys, input, output tokens |
 
 Whole batches: a step whose tree is complete in one batch and well formed (known names in their
-places, one router and one experts range per layer, no v1 per-expert marks, nothing of it pending
-from an earlier batch) is assembled column-wise (`_fast_steps`: nesting resolved with numpy,
-payloads and vectors decoded per batch, then one small loop per layer); every other event takes the
-per-event path below, which keeps every count. Both give the same StepEvents (tests/nvtx).
+places, one router and one experts range per layer, v1 per-expert marks only inside routers with
+small integer payloads, nothing of it pending from an earlier batch) is assembled column-wise
+(`_fast_steps`: nesting resolved with numpy, payloads and vectors decoded per batch); with
+COLUMN_MIN_LAYERS layers or more (and no expert-load ranges) it leaves as LayerColumns, with no
+Python object per layer, per expert mark or per FFN range: v1 marks summed per (layer, kind,
+expert) into an int64 [L, 2E] block, FFN ranges as arrays. A step split over batches is built the
+same way layer by layer: each batch's complete, well-formed layers are filed under their step as
+("columns", LayerColumns) entries (one event per layer, as the per-event path files its layer
+objects), and the step joins them when it ends. Every other event takes the per-event path below,
+which keeps every count. Both give the same StepEvents and counters (tests/nvtx, `fast=False`).
 
-v2's routing vector stays an array (``RouterEvent.counts``, [2E]); a v1 producer's per-expert
-marks are summed into dicts. ``RouterEvent.tokens_by_expert()`` reads either the same way, and the
-agent turns both into the same count matrices, so both conventions give identical numbers.
+v2's routing vector stays an array (``RouterEvent.counts``, [2E]); a v1 step built event by event
+sums its per-expert marks into dicts (``RouterEvent.tokens`` / ``dropped``), and a v1 step built
+column-wise holds the same sums in ``LayerColumns.counts`` (``marked``: which had a mark), giving
+the same dicts when materialized. ``RouterEvent.tokens_by_expert()`` reads either the same way, and
+the agent turns all of them into the same count matrices, so both conventions give identical numbers.
 """
 
 from __future__ import annotations
@@ -224,12 +232,25 @@ class LayerEvent:
 ROUTER_NONE, ROUTER_RANGE, ROUTER_STEP_VECTORS = 0, 1, 2
 
 
+class FfnColumns(NamedTuple):
+    """A step's moe.expert.ffn ranges (runtimes that loop over experts) as arrays, in (layer, start)
+    order."""
+
+    layer: np.ndarray  # int64 [F]: index of the FFN's layer in its LayerColumns (not the layer id)
+    expert: np.ndarray  # int64 [F]
+    start_ns: np.ndarray  # int64 [F]
+    end_ns: np.ndarray  # int64 [F]
+    tokens: np.ndarray  # int64 [F]: the payload, signed as sent
+
+
 @dataclass(slots=True, eq=False)
 class LayerColumns:
     """One step's layers as arrays, in start order: what the whole-batch path makes of a clean
-    moe/v2 step (every layer with the same E, no per-expert ranges, nothing malformed), so the
-    agent's step path reads columns and makes no Python object per layer. ``materialize()`` builds
-    the same LayerEvent objects the per-event path would, for whoever reads ``StepEvent.layers``."""
+    step (every layer with the same E, no expert-load ranges, nothing malformed), so the agent's
+    step path reads columns and makes no Python object per layer or per expert. A moe/v1 step's
+    per-expert marks arrive summed in ``counts`` (int64; ``marked`` says which entries had a mark)
+    and its FFN ranges in ``ffns``. ``materialize()`` builds the same LayerEvent objects the
+    per-event path would, for whoever reads ``StepEvent.layers``."""
 
     layer: np.ndarray  # int64 [L] layer index
     start_ns: np.ndarray  # int64 [L]
@@ -246,6 +267,10 @@ class LayerColumns:
     experts_end_ns: np.ndarray  # int64 [L]
     experts_tokens: np.ndarray  # int64 [L]
     experts_time_us: list[np.ndarray | None] | None  # moe.experts.time per layer (None: none at all)
+    # moe/v1: [L, 2E] bool, True where counts[i, j] sums at least one moe.expert.tokens (j < E) or
+    # moe.expert.dropped (j >= E) mark; None: the counts came from v2 vectors (or there are none)
+    marked: np.ndarray | None = None
+    ffns: FfnColumns | None = None  # moe.expert.ffn ranges (None: none)
 
     def __len__(self) -> int:
         return len(self.layer)
@@ -262,20 +287,53 @@ class LayerColumns:
         times = self.experts_time_us
         out: list[LayerEvent] = []
         e = self.num_experts
+        v1 = self._v1_dicts()
+        ffns = self._ffn_objects()
         for i, (layer, start, end, kind, r_start, r_end, entropy, routed, has_x, x_start, x_end, x_tokens) in enumerate(
             zip(self.layer.tolist(), self.start_ns.tolist(), self.end_ns.tolist(), self.router_kind.tolist(),
                 self.router_start_ns.tolist(), self.router_end_ns.tolist(), self.entropy_bits.tolist(),
                 self.has_routing.tolist(), self.has_experts.tolist(), self.experts_start_ns.tolist(),
                 self.experts_end_ns.tolist(), self.experts_tokens.tolist(), strict=True)):
             router = None
-            if kind == ROUTER_RANGE:
+            if kind == ROUTER_RANGE and v1 is not None:
+                tokens, dropped = v1.get(i) or ({}, {})
+                router = RouterEvent(layer, r_start, r_end, entropy, tokens, dropped, None, None)
+            elif kind == ROUTER_RANGE:
                 router = RouterEvent(layer, r_start, r_end, entropy, {}, {}, None,
                                      counts[i] if routed and counts is not None else None)
             elif kind == ROUTER_STEP_VECTORS:
                 router = RouterEvent(layer, start, start, entropy, {}, {}, None,
                                      counts[i] if routed and counts is not None else None, False)
             fused = ExpertsEvent(x_start, x_end, x_tokens, times[i] if times is not None else None) if has_x else None
-            out.append(LayerEvent(layer, start, end, router, e, [], [], fused))
+            out.append(LayerEvent(layer, start, end, router, e, [], ffns.get(i, []) if ffns else [], fused))
+        return out
+
+    def _v1_dicts(self) -> dict[int, tuple[dict[int, int], dict[int, int]]] | None:
+        """moe/v1: layer index -> ({expert: tokens}, {expert: over capacity}) of its marked entries
+        (as the per-event path sums them); None for a step whose counts are not v1 marks."""
+        if self.marked is None or self.counts is None:
+            return None
+        e = self.num_experts
+        rows, cols = np.nonzero(self.marked)
+        out: dict[int, tuple[dict[int, int], dict[int, int]]] = {}
+        for i, j, n in zip(rows.tolist(), cols.tolist(), self.counts[rows, cols].tolist(), strict=True):
+            pair = out.get(i)
+            if pair is None:
+                pair = out[i] = ({}, {})
+            if j < e:
+                pair[0][j] = n
+            else:
+                pair[1][j - e] = n
+        return out
+
+    def _ffn_objects(self) -> dict[int, list[ExpertFfnEvent]] | None:
+        ffns = self.ffns
+        if ffns is None:
+            return None
+        out: dict[int, list[ExpertFfnEvent]] = {}
+        for i, expert, start, end, tokens in zip(ffns.layer.tolist(), ffns.expert.tolist(), ffns.start_ns.tolist(),
+                                                 ffns.end_ns.tolist(), ffns.tokens.tolist(), strict=True):
+            out.setdefault(i, []).append(ExpertFfnEvent(expert, start, end, tokens))
         return out
 
 
@@ -402,7 +460,14 @@ _RANGE_PARENT_OK = _parent_table(8, {
 _MARK_PARENT_OK = _parent_table(11, {
     _OTHER: _ANY, _REQUEST: (_R_STEP,), _STEP_DEVICE: (_R_STEP,), _STEP_ROUTING: (_R_STEP,),
     _STEP_REQUESTS: (_R_STEP,), _STEP_ENTROPY: (_R_STEP,), _ROUTING: (_R_ROUTER,), _EXPERTS_TIME: (_R_EXPERTS,),
+    _TOKENS: (_R_ROUTER,), _DROPPED: (_R_ROUTER,),
 })
+# A v1 per-expert mark's value is summed column-wise only below this magnitude, so int64 sums of any
+# batch are exact (the per-event path sums Python ints); a larger one sends its step that way.
+_V1_MAX_ABS_VALUE = 1 << 32
+# v1 counts of a step become an int64 [L, 2E] block only up to this E (a hostile E would allocate
+# L x 2E); a larger layer keeps its routing as dicts (the per-layer objects).
+MAX_V1_COLUMN_EXPERTS = 4096
 COLUMN_MIN_LAYERS = 8  # a step of fewer layers is built as objects (the column set-up costs more)
 _MAX_NESTING = 64  # parent hops resolved per batch; deeper (never well formed) -> per-event path
 
@@ -429,6 +494,9 @@ class MoeConventionParser:
         self._pending: dict[int, list[Any]] = {}  # parent uid -> completed children
         self._pending_events: dict[int, int] = {}  # parent uid -> events its children stand for
         self._pending_children = 0  # events waiting (a grouped expert-count entry counts its events)
+        # parent uids whose waiting children are all ("columns", LayerColumns) entries: a step of
+        # them can still be built column-wise when it ends
+        self._column_parents: set[int] = set()
         self._stats: dict[str, int] = dict.fromkeys(_STAT_NAMES, 0)
 
     def stats(self) -> dict[str, int]:
@@ -467,6 +535,7 @@ class MoeConventionParser:
             self._stats["pending_overflow"] += self._pending_children
             self._pending.clear()
             self._pending_events.clear()
+            self._column_parents.clear()
             self._pending_children = 0
         if steps:
             steps.sort(key=lambda s: s.start_ns)
@@ -507,6 +576,10 @@ class MoeConventionParser:
         if parent_uid == 0:
             self._stats["orphans"] += events
             return
+        if not _is_columns(child):
+            self._column_parents.discard(parent_uid)
+        elif parent_uid not in self._pending:
+            self._column_parents.add(parent_uid)
         self._pending.setdefault(parent_uid, []).append(child)
         self._pending_events[parent_uid] = self._pending_events.get(parent_uid, 0) + events
         self._pending_children += events
@@ -516,6 +589,7 @@ class MoeConventionParser:
         children = self._pending.pop(parent_uid, None)
         if children is None:
             return [], 0
+        self._column_parents.discard(parent_uid)
         events = self._pending_events.pop(parent_uid)
         self._pending_children -= events
         return children, events
@@ -526,12 +600,13 @@ class MoeConventionParser:
                     mark_rows: np.ndarray) -> tuple[list[StepEvent], np.ndarray, np.ndarray]:
         """The batch's complete, well-formed steps built column-wise; returns them and the range and
         mark rows left for the per-event path."""
-        ranges = batch.ranges[range_rows]
+        # (every row is the domain's, normally: no copy of the batch then)
+        ranges = batch.ranges if len(range_rows) == len(batch.ranges) else batch.ranges[range_rows]
         n = len(ranges)
         range_lut, mark_lut = self._code_tables(batch)
         code = range_lut[np.minimum(ranges["string_id"], len(range_lut) - 1)]
         is_step = code == _R_STEP
-        if not is_step.any():
+        if not is_step.any() and not (code == _R_LAYER).any():
             return [], range_rows, mark_rows
         uid = ranges["uid"]
         by_uid = np.argsort(uid, kind="stable")
@@ -543,74 +618,139 @@ class MoeConventionParser:
             return np.where((sorted_uid[at] == uids) & (uids != 0), by_uid[at], -1)
 
         parent = row_of(ranges["parent_uid"])
-        # each range's enclosing step (itself for a step), by pointer jumping
-        top = np.arange(n)
-        for _ in range(_MAX_NESTING):
-            up = parent[top]
-            move = (up >= 0) & ~is_step[top]
-            if not move.any():
-                break
-            top = np.where(move, up, top)
-        else:
+        is_layer = code == _R_LAYER
+        is_unit = is_step | is_layer
+
+        def enclosing(stop: np.ndarray) -> np.ndarray | None:
+            """Each range's nearest enclosing `stop` row (itself for one), -1 for none, by pointer
+            jumping; None when the nesting is too deep to be ours."""
+            top = np.arange(n)
+            for _ in range(_MAX_NESTING):
+                up = parent[top]
+                move = (up >= 0) & ~stop[top]
+                if not move.any():
+                    return np.where(stop[top], top, -1)
+                top = np.where(move, up, top)
+            return None
+
+        root = enclosing(is_step)  # each range's step
+        if root is None:
             return [], range_rows, mark_rows  # nesting too deep to be ours: every event the slow way
-        root = np.where(is_step[top], top, -1)
         rooted = root >= 0
         parent_code = np.where(parent >= 0, code[parent], _NO_PARENT)
         category = ranges["category"]
-        bad_range = ~_RANGE_PARENT_OK[code, parent_code] | ((category == 0) & (code > _R_STEP))
+        parent_uid = ranges["parent_uid"]
+        # a layer whose step is not in this batch (it ends in a later one): built here, filed under it
+        loose = is_layer & (parent < 0) & (parent_uid != 0)
+        bad_range = ~(_RANGE_PARENT_OK[code, parent_code] | loose) | ((category == 0) & (code > _R_STEP))
+        absorbable = np.empty(0, dtype=np.uint64)  # steps whose waiting children are only layer columns
         if self._pending:
             waiting = np.fromiter(self._pending, dtype=np.uint64, count=len(self._pending))
-            bad_range |= np.isin(uid, waiting)  # children of it came in an earlier batch
-        marks = batch.marks[mark_rows]
+            waited = np.isin(uid, waiting)  # children of it came in an earlier batch
+            if self._column_parents:
+                absorbable = np.fromiter(self._column_parents, dtype=np.uint64, count=len(self._column_parents))
+                waited &= ~(is_step & np.isin(uid, absorbable))
+            bad_range |= waited
+        marks = batch.marks if len(mark_rows) == len(batch.marks) else batch.marks[mark_rows]
         mcode = mark_lut[np.minimum(marks["string_id"], len(mark_lut) - 1)]
         mparent = row_of(marks["parent_uid"])
         mroot = np.where(mparent >= 0, root[mparent], -1)
         mparent_code = np.where(mparent >= 0, code[mparent], _NO_PARENT)
         mptype = marks["payload_type"]
         bad_mark = ~_MARK_PARENT_OK[mcode, mparent_code] | ((mcode == _REQUEST) & ~_IS_INT[mptype])
-        bad = np.zeros(n, dtype=bool)  # per step row: sent the per-event way
-        bad[root[bad_range & rooted]] = True
-        bad[mroot[bad_mark & (mroot >= 0)]] = True
+        # moe/v1 per-expert marks: summed as arrays when their payload is a small integer and they
+        # name an expert; anything else (counted as malformed there) takes the per-event path
+        is_expert_mark = (mcode == _TOKENS) | (mcode == _DROPPED)
+        expert_values: np.ndarray | None = None
+        if is_expert_mark.any():
+            expert_values, value_ok = _v1_values(marks["payload"], mptype)
+            bad_mark |= is_expert_mark & ~(value_ok & (marks["category"] != 0))
+        bad = np.zeros(n, dtype=bool)  # per step row: its tree is sent the per-event way
+        flagged: list[np.ndarray] = []  # the range rows, then the mark rows, flagged (for the layers below)
+        flagged_marks: list[np.ndarray] = []
+
+        def flag(rows: np.ndarray) -> None:
+            """Range rows that only the per-event path places: their step is not built here."""
+            bad[root[rows[rooted[rows]]]] = True
+            flagged.append(rows)
+
+        def flag_marks(rows: np.ndarray) -> None:
+            bad[mroot[rows[mroot[rows] >= 0]]] = True
+            flagged_marks.append(rows)
+
+        flag(np.flatnonzero(bad_range))
+        flag_marks(np.flatnonzero(bad_mark))
         # one router and one experts range per layer, one vector of each kind per parent
         for kind in (_R_ROUTER, _R_EXPERTS):
-            rows = np.flatnonzero((code == kind) & rooted)
-            bad[root[rows[_repeated(parent[rows])]]] = True
-        vector_rows = np.flatnonzero(_IS_VECTOR_CODE[mcode] & (mroot >= 0))
-        bad[mroot[vector_rows[_repeated(mparent[vector_rows] * 16 + mcode[vector_rows])]]] = True
+            rows = np.flatnonzero((code == kind) & (parent >= 0))
+            flag(rows[_repeated(parent[rows])])
+        vector_rows = np.flatnonzero(_IS_VECTOR_CODE[mcode] & (mparent >= 0))
+        flag_marks(vector_rows[_repeated(mparent[vector_rows] * 16 + mcode[vector_rows])])
+        expert_rows = np.flatnonzero(is_expert_mark & (mparent >= 0))
+        if len(expert_rows) and len(vector_rows):
+            # a router with a moe.routing vector and v1 marks: the per-event path's precedence rules
+            routing_routers = mparent[vector_rows[mcode[vector_rows] == _ROUTING]]
+            flag_marks(expert_rows[np.isin(mparent[expert_rows], routing_routers)])
         fast_step = is_step & ~bad
-        in_fast = rooted & fast_step[root]
+        in_fast = rooted & fast_step[np.maximum(root, 0)]
+        in_fast_mark = (mroot >= 0) & fast_step[np.maximum(mroot, 0)]
+        # layers built on their own and filed as the per-event path would: loose ones, and the
+        # well-formed layers of a step that takes the per-event path (e.g. one split over batches)
+        free = np.zeros(n, dtype=bool)
+        unit = enclosing(is_unit) if loose.any() or bad[is_step].any() else None  # each range's step or layer
+        if unit is not None:
+            bad_unit = np.zeros(n, dtype=bool)  # per layer row: its subtree cannot be built here
+            munit = np.where(mparent >= 0, unit[mparent], -1)
+            for rows in flagged:
+                bad_unit[unit[rows[unit[rows] >= 0]]] = True
+                # a bad layer is filed under its parent by the per-event path: that parent's unit waits
+                nested = rows[is_layer[rows] & (parent[rows] >= 0)]
+                outer = unit[parent[nested]]
+                bad_unit[outer[outer >= 0]] = True
+            for rows in flagged_marks:
+                bad_unit[munit[rows[munit[rows] >= 0]]] = True
+            free = is_layer & ~bad_unit & (loose | (rooted & (parent == root) & ~fast_step[np.maximum(root, 0)]))
+            if free.any():
+                in_fast |= (unit >= 0) & free[np.maximum(unit, 0)]
+                in_fast_mark |= (munit >= 0) & free[np.maximum(munit, 0)]
         if not in_fast.any():
             return [], range_rows, mark_rows
-        in_fast_mark = (mroot >= 0) & fast_step[np.maximum(mroot, 0)]
         stats = self._stats
 
         payload, ptype = ranges["payload"], ranges["payload_type"]
-        unsigned, signed, floats = payload.tolist(), payload.view(np.int64).tolist(), payload.view(np.float64).tolist()
-        ptypes = ptype.tolist()
+        row_lists: list[_RowLists] = []  # made only for steps built as objects (a list per column of the batch)
 
         def int_of(i: int) -> int | None:
-            t = ptypes[i]
+            if not row_lists:
+                row_lists.append(_RowLists.of(ranges))
+            lists = row_lists[0]
+            t = lists.ptypes[i]
             if t in _SIGNED_TYPES:
-                return signed[i]
+                return lists.signed[i]
             if t in _INT_TYPES:
-                return unsigned[i]
+                return lists.unsigned[i]
             stats["malformed_payloads"] += 1
             return None
 
-        start, end, cat = ranges["start_ns"].tolist(), ranges["end_ns"].tolist(), category.tolist()
-        tid = ranges["tid"].tolist()
         steps: dict[int, StepEvent] = {}
-        for i in np.flatnonzero(fast_step).tolist():
-            steps[i] = StepEvent(batch.pid, tid[i], start[i], end[i], int_of(i), [], None, [], None)
+        step_rows = np.flatnonzero(fast_step)
+        step_types = ptype[step_rows]
+        step_int = _IS_INT[step_types]
+        stats["malformed_payloads"] += len(step_rows) - int(np.count_nonzero(step_int))
+        for i, t, t0, t1, is_int, is_signed, as_unsigned, as_signed in zip(
+                step_rows.tolist(), ranges["tid"][step_rows].tolist(), ranges["start_ns"][step_rows].tolist(),
+                ranges["end_ns"][step_rows].tolist(), step_int.tolist(), _IS_SIGNED[step_types].tolist(),
+                payload[step_rows].tolist(), payload.view(np.int64)[step_rows].tolist(), strict=True):
+            tokens = as_signed if is_signed else as_unsigned if is_int else None
+            steps[i] = StepEvent(batch.pid, t, t0, t1, tokens, [], None, [], None)
         stats["steps"] += len(steps)
         stats["steps_columnar"] += len(steps)
         # marks: request keys in mark order; vectors decoded per batch, checked as the per-event path does
-        mpar = mparent.tolist()
         requests = np.flatnonzero(in_fast_mark & (mcode == _REQUEST))
         stats["request_marks"] += len(requests)
-        for at, value, payload_type in zip(requests.tolist(), marks["payload"][requests].tolist(),
-                                           mptype[requests].tolist(), strict=True):
-            steps[mpar[at]].requests.append(_signed(value, payload_type))
+        for parent_row, value, payload_type in zip(mparent[requests].tolist(), marks["payload"][requests].tolist(),
+                                                   mptype[requests].tolist(), strict=True):
+            steps[parent_row].requests.append(_signed(value, payload_type))
         vectors: dict[tuple[int, int], np.ndarray] = {}
         fast_vectors = vector_rows[in_fast_mark[vector_rows]]
         vector_codes, vector_parents = mcode[fast_vectors], mparent[fast_vectors]
@@ -642,64 +782,158 @@ class MoeConventionParser:
             rows = np.flatnonzero(in_fast & (code == kind))
             into[parent[rows]] = rows
             stats[stat] += len(rows)
-        loads_of: dict[int, list[ExpertLoadEvent]] = {}
-        ffns_of: dict[int, list[ExpertFfnEvent]] = {}
+        # expert load / FFN ranges, in (layer row, start) order; objects only for steps built as objects
         leaves = np.flatnonzero(in_fast & ((code == _R_LOAD) | (code == _R_FFN)))
+        owner = np.empty(0, dtype=np.int64)
         if len(leaves):
             owner = np.where(parent_code[leaves] == _R_LAYER, parent[leaves], parent[parent[leaves]])
             order = np.lexsort((ranges["start_ns"][leaves], owner))
-            for i, layer_row, kind in zip(leaves[order].tolist(), owner[order].tolist(),
-                                          code[leaves][order].tolist(), strict=True):
-                if kind == _R_LOAD:
-                    stats["expert_loads"] += 1
-                    loads_of.setdefault(layer_row, []).append(
-                        ExpertLoadEvent(expert=cat[i] - 1, start_ns=start[i], end_ns=end[i], bytes_moved=int_of(i)))
-                else:
-                    stats["expert_ffns"] += 1
-                    ffns_of.setdefault(layer_row, []).append(
-                        ExpertFfnEvent(expert=cat[i] - 1, start_ns=start[i], end_ns=end[i], tokens=int_of(i)))
-        layer_rows = np.flatnonzero(in_fast & (code == _R_LAYER))
+            leaves, owner = leaves[order], owner[order]
+        leaf_is_load = code[leaves] == _R_LOAD
+        loads_count = int(np.count_nonzero(leaf_is_load))
+        stats["expert_loads"] += loads_count
+        stats["expert_ffns"] += len(leaves) - loads_count
+        # v1 per-expert marks of these steps: (router row, dropped?, expert, value), summed below
+        v1 = _V1Marks.empty()
+        if expert_values is not None:
+            at = expert_rows[in_fast_mark[expert_rows]]
+            stats["expert_marks"] += len(at)
+            v1 = _V1Marks(router=mparent[at].astype(np.int64), dropped=mcode[at] == _DROPPED,
+                          expert=marks["category"][at].astype(np.int64) - 1, value=expert_values[at])
+        free_rows = np.flatnonzero(free)
+        layer_rows = np.flatnonzero(in_fast & is_layer & ~free)
         layer_rows = layer_rows[np.lexsort((ranges["start_ns"][layer_rows], root[layer_rows]))]
-        stats["layers"] += len(layer_rows)
-        roots = root.tolist()
-        batch_columns = (start, end, cat, ptypes, floats)
+        stats["layers"] += len(layer_rows) + len(free_rows)
+        in_step_layer = np.zeros(n, dtype=bool)  # the layers of fast steps (not the free ones)
+        in_step_layer[layer_rows] = True
         layer_root = root[layer_rows]
         step_layers: dict[int, tuple[int, int]] = {}  # step row -> its layers' [first, end) in layer_rows
         if len(layer_rows):
             cut = np.flatnonzero(layer_root[1:] != layer_root[:-1]) + 1
             firsts = [0, *cut.tolist()]
             ends = [*cut.tolist(), len(layer_rows)]
-            step_layers = {roots[layer_rows[f]]: (f, e) for f, e in zip(firsts, ends, strict=True)}
+            step_layers = {r: (f, e) for r, f, e in zip(layer_root[firsts].tolist(), firsts, ends, strict=True)}
+        # layers of steps that end here, filed as columns by earlier batches (the steps' pending children)
+        absorbed: dict[int, list[LayerColumns]] = {}
+        if len(absorbable):
+            for i, step_uid in zip(step_rows.tolist(), uid[step_rows].tolist(), strict=True):
+                if step_uid in self._column_parents:
+                    absorbed[i] = [child[1] for child in self._take(step_uid)[0]]
+        layer_count = {i: e - f for i, (f, e) in step_layers.items()}
+        for i, parts in absorbed.items():
+            layer_count[i] = layer_count.get(i, 0) + sum(len(p) for p in parts)
         columns = None  # LayerColumns pay off from COLUMN_MIN_LAYERS layers a step (below, objects are cheaper)
-        if any(e - f >= COLUMN_MIN_LAYERS for f, e in step_layers.values()):
+        if any(layer_count[i] >= COLUMN_MIN_LAYERS for i in step_layers):
+            of_steps = in_step_layer[owner]
+            v1_of_steps = in_step_layer[parent[v1.router]]
             columns = _BatchLayers(ranges, layer_rows, router_at[layer_rows], experts_at[layer_rows], vectors,
-                                   owners=owner if len(leaves) else None)
+                                   leaves=leaves[of_steps], leaf_owner=owner[of_steps],
+                                   leaf_is_load=leaf_is_load[of_steps],
+                                   v1=v1.subset(v1_of_steps).with_layer(parent))
+        object_steps: list[int] = []
         for i, step in steps.items():
             step.device_time_us = vectors.get((i, _STEP_DEVICE))
-            routing, entropy = vectors.get((i, _STEP_ROUTING)), vectors.get((i, _STEP_ENTROPY))
             first, end = step_layers.get(i, (0, 0))
+            routing, entropy = vectors.get((i, _STEP_ROUTING)), vectors.get((i, _STEP_ENTROPY))
             cols = None
-            if columns is not None and end - first >= COLUMN_MIN_LAYERS:
+            if columns is not None and end > first and layer_count.get(i, 0) >= COLUMN_MIN_LAYERS:
                 cols = columns.of_step(first, end, routing, entropy)
+            earlier = absorbed.get(i)
+            if earlier:  # (step vectors over layers of several batches: objects, as the per-event path)
+                whole = None
+                if routing is None and entropy is None and (cols is not None or end == first):
+                    whole = _concat_columns([*earlier, cols] if cols is not None else earlier)
+                cols = whole
             if cols is not None:
                 step.set_columns(cols)
                 stats["steps_layer_columns"] += 1
                 self._finish_step(step, None, vectors.get((i, _STEP_REQUESTS)), None)
-                continue
-            rows = layer_rows[first:end]
-            step.layers = self._layer_objects(rows.tolist(), router_at[rows].tolist(), experts_at[rows].tolist(),
-                                              batch_columns, vectors, loads_of, ffns_of, int_of)
-            self._finish_step(step, routing, vectors.get((i, _STEP_REQUESTS)), entropy)
+            else:
+                object_steps.append(i)
+        # free layers (their step ends in a later batch, or takes the per-event path): as columns where
+        # they can be, filed under their step
+        as_columns = np.zeros(n, dtype=bool)
+        loose_rows = np.flatnonzero(free)
+        if len(loose_rows):
+            loose_rows = loose_rows[np.lexsort((ranges["start_ns"][loose_rows], parent_uid[loose_rows]))]
+            in_loose = np.zeros(n, dtype=bool)
+            in_loose[loose_rows] = True
+            of_loose, v1_of_loose = in_loose[owner], in_loose[parent[v1.router]]
+            loose_layers = _BatchLayers(ranges, loose_rows, router_at[loose_rows], experts_at[loose_rows], vectors,
+                                        leaves=leaves[of_loose], leaf_owner=owner[of_loose],
+                                        leaf_is_load=leaf_is_load[of_loose],
+                                        v1=v1.subset(v1_of_loose).with_layer(parent))
+            parents_of = parent_uid[loose_rows]
+            bounds = (np.flatnonzero(parents_of[1:] != parents_of[:-1]) + 1).tolist()
+            for f, e, step_uid in zip([0, *bounds], [*bounds, len(loose_rows)], parents_of[[0, *bounds]].tolist(),
+                                      strict=True):
+                part = loose_layers.of_step(f, e, None, None)
+                if part is not None:
+                    self._file(step_uid, ("columns", part), events=len(part))  # one event per layer, as objects
+                    as_columns[loose_rows[f:e]] = True
+        free_objects = free & ~as_columns
+        if object_steps or free_objects.any():
+            if not row_lists:
+                row_lists.append(_RowLists.of(ranges))
+            lists = row_lists[0]
+            batch_columns = (lists.start, lists.end, lists.cat, lists.ptypes, lists.floats)
+            as_objects = free_objects.copy()  # layer rows built as objects: these free ones, those of object steps
+            of_object_step = np.zeros(n, dtype=bool)
+            of_object_step[object_steps] = True
+            as_objects[layer_rows[of_object_step[root[layer_rows]]]] = True
+            loads_of, ffns_of = self._leaf_objects(leaves, owner, leaf_is_load, as_objects[owner], batch_columns,
+                                                   int_of)
+            v1_of = v1.dicts(as_objects[parent[v1.router]])
+            free_rows = np.flatnonzero(free_objects)
+            if len(free_rows):
+                rows = free_rows[np.argsort(ranges["start_ns"][free_rows], kind="stable")]
+                built = self._layer_objects(rows.tolist(), router_at[rows].tolist(), experts_at[rows].tolist(),
+                                            batch_columns, vectors, loads_of, ffns_of, v1_of, int_of)
+                for parent_uid_of, layer in zip(parent_uid[rows].tolist(), built, strict=True):
+                    self._file(parent_uid_of, layer)  # as the per-event path files a completed layer
+            for i in object_steps:
+                step = steps[i]
+                first, end = step_layers.get(i, (0, 0))
+                rows = layer_rows[first:end]
+                layers = self._layer_objects(rows.tolist(), router_at[rows].tolist(), experts_at[rows].tolist(),
+                                             batch_columns, vectors, loads_of, ffns_of, v1_of, int_of)
+                earlier = absorbed.get(i)
+                if earlier:
+                    layers = [layer for part in earlier for layer in part.materialize()] + layers
+                    layers.sort(key=lambda layer: layer.start_ns)
+                step.layers = layers
+                self._finish_step(step, vectors.get((i, _STEP_ROUTING)), vectors.get((i, _STEP_REQUESTS)),
+                                  vectors.get((i, _STEP_ENTROPY)))
         return list(steps.values()), range_rows[~in_fast], mark_rows[~in_fast_mark]
+
+    @staticmethod
+    def _leaf_objects(leaves: np.ndarray, owner: np.ndarray, is_load: np.ndarray, wanted: np.ndarray,
+                      batch_columns: tuple[list[int], list[int], list[int], list[int], list[float]],
+                      int_of: Callable[[int], int | None],
+                      ) -> tuple[dict[int, list[ExpertLoadEvent]], dict[int, list[ExpertFfnEvent]]]:
+        """The expert load and FFN ranges among `leaves` (in layer row, start order) that `wanted`
+        selects, as objects per layer row."""
+        start, end, cat, _, _ = batch_columns
+        loads_of: dict[int, list[ExpertLoadEvent]] = {}
+        ffns_of: dict[int, list[ExpertFfnEvent]] = {}
+        for i, layer_row, load in zip(leaves[wanted].tolist(), owner[wanted].tolist(), is_load[wanted].tolist(),
+                                      strict=True):
+            if load:
+                loads_of.setdefault(layer_row, []).append(ExpertLoadEvent(cat[i] - 1, start[i], end[i], int_of(i)))
+            else:
+                ffns_of.setdefault(layer_row, []).append(ExpertFfnEvent(cat[i] - 1, start[i], end[i], int_of(i)))
+        return loads_of, ffns_of
 
     def _layer_objects(self, rows: list[int], router_rows: list[int], experts_rows: list[int],
                        batch_columns: tuple[list[int], list[int], list[int], list[int], list[float]],
                        vectors: dict[tuple[int, int], np.ndarray], loads_of: dict[int, list[ExpertLoadEvent]],
                        ffns_of: dict[int, list[ExpertFfnEvent]],
+                       v1_of: dict[int, tuple[dict[int, int], dict[int, int]]],
                        int_of: Callable[[int], int | None]) -> list[LayerEvent]:
         """One step's layers as objects, one small loop per layer: a step not clean enough for
-        LayerColumns (per-expert ranges, mixed E, a malformed payload or vector). `batch_columns` are
-        the batch's start, end, category, payload type and payload-as-double columns as lists."""
+        LayerColumns (expert loads, mixed E, a malformed payload or vector, few layers). `batch_columns`
+        are the batch's start, end, category, payload type and payload-as-double columns as lists;
+        `v1_of`: router row -> its v1 marks summed ({expert: tokens}, {expert: over capacity})."""
         stats = self._stats
         start, end, cat, ptypes, floats = batch_columns
         out: list[LayerEvent] = []
@@ -715,7 +949,9 @@ class MoeConventionParser:
                 else:
                     stats["malformed_payloads"] += 1
                     entropy = None
-                router = RouterEvent(cat[r] - 1, start[r], end[r], entropy, {}, {}, vectors.get((r, _ROUTING)), None)
+                tokens, dropped = v1_of.get(r) or ({}, {})
+                router = RouterEvent(cat[r] - 1, start[r], end[r], entropy, tokens, dropped,
+                                     vectors.get((r, _ROUTING)), None)
             fused = None
             if x >= 0:
                 fused = ExpertsEvent(start[x], end[x], int_of(x), vectors.get((x, _EXPERTS_TIME)))
@@ -922,9 +1158,12 @@ class MoeConventionParser:
             step_routing: np.ndarray | None = None
             step_requests: np.ndarray | None = None
             step_entropy: np.ndarray | None = None
+            parts: list[LayerColumns] = []  # layers the whole-batch path filed as columns
             for child in children:
                 if isinstance(child, LayerEvent):
                     step.layers.append(child)
+                elif _is_columns(child):
+                    parts.append(child[1])
                 elif isinstance(child, tuple) and child[0] == "request":
                     step.requests.append(child[1])
                 elif _is_vector(child, _STEP_DEVICE) and step.device_time_us is None:
@@ -937,6 +1176,19 @@ class MoeConventionParser:
                     step_entropy = child[2]
                 else:
                     self._stats["misplaced"] += _events([child])
+            if parts:
+                whole = None
+                if step_routing is None and step_entropy is None:  # (step vectors: on the objects below)
+                    own = _columns_of_layers(step.layers, parts[0].num_experts) if step.layers else None
+                    if own is not None or not step.layers:
+                        pieces = sorted([*parts, *([own] if own is not None else [])], key=lambda c: int(c.start_ns[0]))
+                        whole = _concat_columns(pieces)
+                if whole is not None:
+                    step.set_columns(whole)
+                    self._stats["steps_layer_columns"] += 1
+                    self._finish_step(step, None, step_requests, None)
+                    return step
+                step.layers.extend(layer for part in parts for layer in part.materialize())
             step.layers.sort(key=lambda layer: layer.start_ns)
             self._finish_step(step, step_routing, step_requests, step_entropy)
             return step
@@ -1032,12 +1284,14 @@ class MoeConventionParser:
 class _BatchLayers:
     """The whole batch's moe.layer rows (in step, then start order) as arrays, and which of them a
     LayerColumns can hold as they are: an integer E > 0, a router payload that is a double, an
-    experts payload that is a non-negative integer, vectors of the right length, no per-expert
-    ranges under them. ``of_step`` cuts one step's columns out, or answers None (per-event objects)."""
+    experts payload that is a non-negative integer, vectors of the right length, no expert-load
+    ranges under them, FFN ranges with integer payloads, v1 marks naming experts below E (E at most
+    MAX_V1_COLUMN_EXPERTS). ``of_step`` cuts one step's columns out, or answers None (per-event
+    objects)."""
 
     def __init__(self, ranges: np.ndarray, layer_rows: np.ndarray, router_rows: np.ndarray,
                  experts_rows: np.ndarray, vectors: dict[tuple[int, int], np.ndarray], *,
-                 owners: np.ndarray | None) -> None:
+                 leaves: np.ndarray, leaf_owner: np.ndarray, leaf_is_load: np.ndarray, v1: _V1Marks) -> None:
         payload, ptype = ranges["payload"], ranges["payload_type"]
         signed_payload = payload.view(np.int64)
 
@@ -1066,8 +1320,33 @@ class _BatchLayers:
         clean &= ~self.has_experts | tokens_ok
         self.experts_start_ns = np.where(self.has_experts, ranges["start_ns"][x].astype(np.int64), 0)
         self.experts_end_ns = np.where(self.has_experts, ranges["end_ns"][x].astype(np.int64), 0)
-        if owners is not None and len(owners):
-            clean &= ~np.isin(layer_rows, owners)  # expert load / FFN ranges: objects
+        self.ffn_at = self.v1_at = np.empty(0, dtype=np.int64)  # (none: the common moe/v2 case)
+        self.ffn: FfnColumns | None = None
+        self.v1 = v1
+        if len(leaves) or len(v1.router):
+            position = np.full(len(ranges), -1, dtype=np.int64)  # range row -> its index in layer_rows
+            position[layer_rows] = np.arange(len(layer_rows))
+        if len(leaves):
+            clean[position[leaf_owner[leaf_is_load]]] = False  # expert loads: objects (the join times them)
+            # FFN ranges (v1 runtimes that loop over experts) as columns, in (layer, start) order
+            ffn = leaves[~leaf_is_load]
+            ffn_at = position[leaf_owner[~leaf_is_load]]
+            ffn_tokens, ffn_ok = _int64_values(payload[ffn], ptype[ffn])
+            clean[ffn_at[~ffn_ok]] = False  # a payload the per-event path counts (or a huge unsigned one)
+            order = np.lexsort((ranges["start_ns"][ffn], ffn_at))
+            self.ffn_at = ffn_at[order]
+            self.ffn = FfnColumns(self.ffn_at, ranges["category"][ffn][order].astype(np.int64) - 1,
+                                  ranges["start_ns"][ffn][order].astype(np.int64),
+                                  ranges["end_ns"][ffn][order].astype(np.int64), ffn_tokens[order])
+        if len(v1.router):
+            # v1 per-expert marks, by layer index in layer_rows; an expert id >= E stays a dict key
+            assert v1.layer is not None
+            v1_at = position[v1.layer]
+            v1_experts = self.experts[v1_at]
+            clean[v1_at[(v1.expert >= v1_experts) | (v1_experts > MAX_V1_COLUMN_EXPERTS)]] = False
+            order = np.argsort(v1_at, kind="stable")
+            self.v1_at = v1_at[order]
+            self.v1 = _V1Marks(v1.router[order], v1.dropped[order], v1.expert[order], v1.value[order])
         # per-layer vectors (moe/v2 moe.routing in each router, moe.experts.time in each experts range)
         self.routing: list[np.ndarray | None] | None = None
         self.times: list[np.ndarray | None] | None = None
@@ -1123,12 +1402,32 @@ class _BatchLayers:
             by_index = routing.reshape(n, 2 * e)
             counts = by_index if in_order else by_index[rank]
             has_routing = kind > ROUTER_NONE
+        marked: np.ndarray | None = None
+        lo, hi = np.searchsorted(self.v1_at, (first, end)).tolist() if len(self.v1_at) else (0, 0)
+        if hi > lo:  # moe/v1 marks: summed per (layer, tokens | over capacity, expert) into [n, 2E]
+            if counts is not None or routing is not None:
+                return None  # v1 marks beside v2 vectors: the per-event path's precedence rules
+            marks = self.v1
+            flat = (self.v1_at[lo:hi] - first) * (2 * e) + marks.dropped[lo:hi] * e + marks.expert[lo:hi]
+            summed = np.zeros(n * 2 * e, dtype=np.int64)
+            np.add.at(summed, flat, marks.value[lo:hi])
+            marked = np.zeros(n * 2 * e, dtype=bool)
+            marked[flat] = True
+            counts, marked = summed.reshape(n, 2 * e), marked.reshape(n, 2 * e)
+            has_routing = np.asarray(marked.any(axis=1))
         times = self.times[first:end] if self.times is not None else None
         if times is not None and any(t is not None and len(t) != e for t in times):
             return None
+        ffns = None
+        lo, hi = np.searchsorted(self.ffn_at, (first, end)).tolist() if len(self.ffn_at) else (0, 0)
+        if hi > lo and self.ffn is not None:
+            f = self.ffn
+            ffns = FfnColumns(f.layer[lo:hi] - first, f.expert[lo:hi], f.start_ns[lo:hi], f.end_ns[lo:hi],
+                              f.tokens[lo:hi])
         return LayerColumns(layer, self.start_ns[at], self.end_ns[at], e, kind, self.router_start_ns[at],
                             self.router_end_ns[at], entropy_bits, has_routing, counts, self.has_experts[at],
-                            self.experts_start_ns[at], self.experts_end_ns[at], self.experts_tokens[at], times)
+                            self.experts_start_ns[at], self.experts_end_ns[at], self.experts_tokens[at], times,
+                            marked, ffns)
 
 
 _MARK_CODES = {
@@ -1136,6 +1435,85 @@ _MARK_CODES = {
     ROUTING: _ROUTING, EXPERTS_TIME: _EXPERTS_TIME, STEP_DEVICE: _STEP_DEVICE, STEP_ROUTING: _STEP_ROUTING,
     STEP_REQUESTS: _STEP_REQUESTS, STEP_ENTROPY: _STEP_ENTROPY,
 }
+
+
+class _RowLists(NamedTuple):
+    """A batch's range columns as Python lists, for the steps built as objects (per-row numpy field
+    access costs ~10x a list index)."""
+
+    start: list[int]
+    end: list[int]
+    cat: list[int]
+    ptypes: list[int]
+    floats: list[float]  # the payload's bits as a double
+    unsigned: list[int]
+    signed: list[int]
+
+    @staticmethod
+    def of(ranges: np.ndarray) -> _RowLists:
+        payload = ranges["payload"]
+        return _RowLists(ranges["start_ns"].tolist(), ranges["end_ns"].tolist(), ranges["category"].tolist(),
+                         ranges["payload_type"].tolist(), payload.view(np.float64).tolist(), payload.tolist(),
+                         payload.view(np.int64).tolist())
+
+
+class _V1Marks(NamedTuple):
+    """A batch's moe/v1 per-expert marks under the routers of whole-batch steps, as columns."""
+
+    router: np.ndarray  # int64: the router's row in the batch's domain ranges
+    dropped: np.ndarray  # bool: moe.expert.dropped (else moe.expert.tokens)
+    expert: np.ndarray  # int64: category - 1
+    value: np.ndarray  # int64: the payload as the producer meant it (|value| < _V1_MAX_ABS_VALUE)
+    layer: np.ndarray | None = None  # int64: the router's layer row (with_layer)
+
+    @staticmethod
+    def empty() -> _V1Marks:
+        none = np.empty(0, dtype=np.int64)
+        return _V1Marks(none, np.empty(0, dtype=bool), none, none)
+
+    def subset(self, wanted: np.ndarray) -> _V1Marks:
+        return _V1Marks(self.router[wanted], self.dropped[wanted], self.expert[wanted], self.value[wanted])
+
+    def with_layer(self, parent: np.ndarray) -> _V1Marks:
+        return self._replace(layer=parent[self.router])
+
+    def dicts(self, wanted: np.ndarray) -> dict[int, tuple[dict[int, int], dict[int, int]]]:
+        """router row -> ({expert: tokens}, {expert: over capacity}) summed over the marks that
+        `wanted` selects: one numpy sort and sum, then one dict entry per (router, kind, expert)."""
+        at = np.flatnonzero(wanted)
+        out: dict[int, tuple[dict[int, int], dict[int, int]]] = {}
+        if not len(at):
+            return out
+        router, dropped, expert, value = self.router[at], self.dropped[at], self.expert[at], self.value[at]
+        order = np.lexsort((expert, dropped, router))
+        router, dropped, expert, value = router[order], dropped[order], expert[order], value[order]
+        new = np.ones(len(at), dtype=bool)
+        new[1:] = (router[1:] != router[:-1]) | (dropped[1:] != dropped[:-1]) | (expert[1:] != expert[:-1])
+        firsts = np.flatnonzero(new)
+        sums = np.add.reduceat(value, firsts)
+        for r, is_dropped, e, n in zip(router[firsts].tolist(), dropped[firsts].tolist(), expert[firsts].tolist(),
+                                       sums.tolist(), strict=True):
+            pair = out.get(r)
+            if pair is None:
+                pair = out[r] = ({}, {})
+            pair[1 if is_dropped else 0][e] = n
+        return out
+
+
+def _v1_values(payload: np.ndarray, payload_type: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(value as int64, summable column-wise) of v1 per-expert mark payloads: an integer type and
+    |value| < _V1_MAX_ABS_VALUE, so int64 sums equal the per-event path's Python-int sums."""
+    as_signed = payload.view(np.int64)
+    small = np.where(_IS_SIGNED[payload_type], (as_signed > -_V1_MAX_ABS_VALUE) & (as_signed < _V1_MAX_ABS_VALUE),
+                     payload < _V1_MAX_ABS_VALUE)
+    return as_signed, _IS_INT[payload_type] & small
+
+
+def _int64_values(payload: np.ndarray, payload_type: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(value as int64, the per-event path's integer equals it) of integer payloads: an integer
+    type, and an unsigned one below 2**63."""
+    as_signed = payload.view(np.int64)
+    return as_signed, _IS_SIGNED[payload_type] | (_IS_UNSIGNED[payload_type] & (as_signed >= 0))
 
 
 def _set_routing(router: RouterEvent, row: np.ndarray) -> None:
@@ -1147,6 +1525,108 @@ def _set_routing(router: RouterEvent, row: np.ndarray) -> None:
 def _nonzero_counts(counts: np.ndarray) -> dict[int, int]:
     nz = np.flatnonzero(counts)
     return dict(zip(nz.tolist(), counts[nz].tolist(), strict=True))
+
+
+def _is_columns(child: Any) -> bool:
+    """A pending ("columns", LayerColumns) entry: layers of a step that ends in a later batch."""
+    return isinstance(child, tuple) and child[0] == "columns"
+
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _columns_of_layers(layers: list[LayerEvent], e: int) -> LayerColumns | None:
+    """A few layers built as objects (one that was split over batches) as columns, for a step whose
+    other layers arrived as columns; None where columns cannot hold them exactly as they are."""
+    layers = sorted(layers, key=lambda layer: layer.start_ns)
+    n = len(layers)
+    kind = np.zeros(n, dtype=np.int8)
+    router_start, router_end = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    entropy = np.full(n, NAN)
+    has_experts = np.zeros(n, dtype=bool)
+    x_start, x_end, x_tokens = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    counts = np.zeros((n, 2 * e), dtype=np.int64)
+    marked = np.zeros((n, 2 * e), dtype=bool)
+    ffn_rows: list[tuple[int, int, int, int, int]] = []
+
+    def fits(value: int | None) -> bool:
+        return value is not None and _INT64_MIN <= value <= _INT64_MAX
+
+    for i, layer in enumerate(layers):
+        if layer.num_experts != e or layer.loads:
+            return None
+        router = layer.router
+        if router is not None:
+            if (not router.timed or router.entropy_bits is None or router.vector is not None
+                    or router.counts is not None):
+                return None
+            kind[i], router_start[i], router_end[i], entropy[i] = (ROUTER_RANGE, router.start_ns, router.end_ns,
+                                                                   router.entropy_bits)
+            for offset, per_expert in ((0, router.tokens), (e, router.dropped)):
+                for expert, value in per_expert.items():
+                    if not 0 <= expert < e or not fits(value):
+                        return None
+                    counts[i, offset + expert], marked[i, offset + expert] = value, True
+        fused = layer.experts
+        if fused is not None:
+            tokens = fused.tokens
+            if fused.time_us is not None or tokens is None or not fits(tokens):
+                return None
+            has_experts[i], x_start[i], x_end[i], x_tokens[i] = True, fused.start_ns, fused.end_ns, tokens
+        for ffn in layer.ffns:
+            if not fits(ffn.tokens) or not fits(ffn.expert):
+                return None
+            ffn_rows.append((i, ffn.expert, ffn.start_ns, ffn.end_ns, ffn.tokens or 0))
+    v1 = bool(marked.any())
+    ffns = None
+    if ffn_rows:
+        ffns = FfnColumns(*(np.array(column, dtype=np.int64) for column in zip(*ffn_rows, strict=True)))
+    return LayerColumns(np.array([layer.layer for layer in layers], dtype=np.int64),
+                        np.array([layer.start_ns for layer in layers], dtype=np.int64),
+                        np.array([layer.end_ns for layer in layers], dtype=np.int64), e, kind, router_start,
+                        router_end, entropy, np.asarray(marked.any(axis=1)), counts if v1 else None, has_experts,
+                        x_start, x_end, x_tokens, None, marked if v1 else None, ffns)
+
+
+def _concat_columns(parts: list[LayerColumns]) -> LayerColumns | None:
+    """One step's layer columns from its parts (earlier batches' first), or None where they do not
+    join as they are (another E, v1 marks beside v2 vectors, integer types apart, out of start order):
+    the step is then built as objects."""
+    if len(parts) == 1:
+        return parts[0]
+    e = parts[0].num_experts
+    start_ns = np.concatenate([p.start_ns for p in parts])
+    if any(p.num_experts != e for p in parts) or (len(start_ns) > 1 and (np.diff(start_ns) < 0).any()):
+        return None
+    with_counts = [p for p in parts if p.counts is not None]
+    counts = marked = None
+    if with_counts:
+        v1 = [p.marked is not None for p in with_counts]
+        dtype = with_counts[0].counts.dtype if with_counts[0].counts is not None else None
+        if any(v != v1[0] for v in v1) or any(p.counts is not None and p.counts.dtype != dtype for p in with_counts):
+            return None
+        counts = np.concatenate([p.counts if p.counts is not None else np.zeros((len(p), 2 * e), dtype=dtype)
+                                 for p in parts])
+        if v1[0]:
+            marked = np.concatenate([p.marked if p.marked is not None else np.zeros((len(p), 2 * e), dtype=bool)
+                                     for p in parts])
+    times: list[np.ndarray | None] | None = None
+    if any(p.experts_time_us is not None for p in parts):
+        times = [t for p in parts for t in (p.experts_time_us if p.experts_time_us is not None else [None] * len(p))]
+    ffns = None
+    if any(p.ffns is not None for p in parts):
+        offsets = np.cumsum([0, *(len(p) for p in parts)]).tolist()
+        own = [(p.ffns, at) for p, at in zip(parts, offsets, strict=False) if p.ffns is not None]
+        ffns = FfnColumns(*(np.concatenate([getattr(f, name) + (at if name == "layer" else 0) for f, at in own])
+                            for name in FfnColumns._fields))
+
+    def joined(name: str) -> np.ndarray:
+        return np.concatenate([getattr(p, name) for p in parts])
+
+    return LayerColumns(joined("layer"), start_ns, joined("end_ns"), e, joined("router_kind"),
+                        joined("router_start_ns"), joined("router_end_ns"), joined("entropy_bits"),
+                        joined("has_routing"), counts, joined("has_experts"), joined("experts_start_ns"),
+                        joined("experts_end_ns"), joined("experts_tokens"), times, marked, ffns)
 
 
 def _is_vector(child: Any, code: int) -> bool:
@@ -1196,6 +1676,8 @@ def _events(children: list[Any]) -> int:
     for c in children:
         if isinstance(c, tuple) and c[0] == "counts":
             total += c[3]
+        elif _is_columns(c):
+            total += len(c[1])
         elif isinstance(c, tuple) and c[0] == "experts":
             total += 1 + len(c[2]) + len(c[3])
         else:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from moescope.collectors.moe_convention import MoeConventionParser, StepEvent
-from moescope.collectors.nvtx import MARK_DTYPE, RANGE_DTYPE, NvtxBatch, NvtxCollector
+from moescope.collectors.nvtx import MARK_DTYPE, RANGE_DTYPE, NvtxBatch, NvtxCollector, StringTable
 
 HERE = Path(__file__).resolve().parent
 PRODUCER = HERE / "producer.py"
@@ -117,3 +117,31 @@ def plain(value: object) -> object:
     if isinstance(value, dict):
         return {k: plain(v) for k, v in value.items()}
     return value
+
+
+def tape_batches(events: list[tuple[str, int]], ranges: list[dict[str, Any]], marks: list[dict[str, Any]],
+                 lost: set[int], cuts: list[int], strings: StringTable, *, domain: int,
+                 tid: int = 77) -> list[NvtxBatch]:
+    """A recorded tape of ("range" | "mark", index) events cut into NvtxBatches at ``cuts``: ranges
+    whose uid is in ``lost`` are reported lost (lost_uids) where the range would have been."""
+    bounds = sorted({min(c, len(events)) for c in cuts} | {0, len(events)})
+    out = []
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        part = events[lo:hi]
+        rows = [ranges[i] for kind, i in part if kind == "range"]
+        dropped = [r["uid"] for r in rows if r["uid"] in lost]
+        rows = [r for r in rows if r["uid"] not in lost]
+        range_rows = np.zeros(len(rows), dtype=RANGE_DTYPE)
+        for i, r in enumerate(rows):
+            for k, v in r.items():
+                range_rows[i][k] = v
+            range_rows[i]["domain_id"], range_rows[i]["tid"] = domain, tid
+        mrows = [marks[i] for kind, i in part if kind == "mark"]
+        mark_rows = np.zeros(len(mrows), dtype=MARK_DTYPE)
+        for i, m in enumerate(mrows):
+            for k, v in m.items():
+                mark_rows[i][k] = v
+            mark_rows[i]["domain_id"], mark_rows[i]["tid"] = domain, tid
+        out.append(NvtxBatch(pid=9, ranges=range_rows, marks=mark_rows, strings=strings,
+                             lost_uids=np.array(dropped, dtype=np.uint64)))
+    return out

@@ -8,21 +8,18 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from nvtx_helpers import parse_steps, plain
+from nvtx_helpers import parse_steps, plain, tape_batches
 
 from moescope.collectors import moe_convention
 from moescope.collectors.moe_convention import MoeConventionParser, StepEvent
 from moescope.collectors.nvtx import (
-    MARK_DTYPE,
     PAYLOAD_DOUBLE,
     PAYLOAD_I64,
     PAYLOAD_NONE,
     PAYLOAD_U64,
-    RANGE_DTYPE,
     NvtxBatch,
     StringTable,
 )
@@ -160,28 +157,7 @@ def _tape(steps: list[dict[str, Any]]) -> tuple[_Tape, set[int]]:
 
 
 def _batches(tape: _Tape, lost: set[int], cuts: list[int]) -> list[NvtxBatch]:
-    strings = _strings()
-    bounds = sorted({min(c, len(tape.events)) for c in cuts} | {0, len(tape.events)})
-    out = []
-    for lo, hi in zip(bounds, bounds[1:], strict=False):
-        events = tape.events[lo:hi]
-        rows = [tape.ranges[i] for kind, i in events if kind == "range"]
-        dropped = [r["uid"] for r in rows if r["uid"] in lost]
-        rows = [r for r in rows if r["uid"] not in lost]
-        ranges = np.zeros(len(rows), dtype=RANGE_DTYPE)
-        for i, r in enumerate(rows):
-            for k, v in r.items():
-                ranges[i][k] = v
-            ranges[i]["domain_id"], ranges[i]["tid"] = DOMAIN, 77
-        mrows = [tape.marks[i] for kind, i in events if kind == "mark"]
-        marks = np.zeros(len(mrows), dtype=MARK_DTYPE)
-        for i, m in enumerate(mrows):
-            for k, v in m.items():
-                marks[i][k] = v
-            marks[i]["domain_id"], marks[i]["tid"] = DOMAIN, 77
-        out.append(NvtxBatch(pid=9, ranges=ranges, marks=marks, strings=strings,
-                             lost_uids=np.array(dropped, dtype=np.uint64)))
-    return out
+    return tape_batches(tape.events, tape.ranges, tape.marks, lost, cuts, _strings(), domain=DOMAIN)
 
 
 def _run(batches: list[NvtxBatch], *, fast: bool) -> tuple[list[StepEvent], dict[str, int]]:
