@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,3 +146,21 @@ def tape_batches(events: list[tuple[str, int]], ranges: list[dict[str, Any]], ma
         out.append(NvtxBatch(pid=9, ranges=range_rows, marks=mark_rows, strings=strings,
                              lost_uids=np.array(dropped, dtype=np.uint64)))
     return out
+
+
+def assert_paths_agree(batches: list[NvtxBatch],
+                       run: Callable[..., tuple[list[StepEvent], dict[str, int]]],
+                       column_min_layers: int) -> tuple[list[StepEvent], list[StepEvent]]:
+    """``run(batches, fast=...)`` both ways, the whole-batch path with COLUMN_MIN_LAYERS set to
+    ``column_min_layers``: the same counters and steps; returns (fast steps, per-event steps)."""
+    import pytest
+
+    from moescope.collectors import moe_convention
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(moe_convention, "COLUMN_MIN_LAYERS", column_min_layers)
+        fast_steps, fast_stats = run(batches, fast=True)
+    slow_steps, slow_stats = run(batches, fast=False)
+    assert fast_stats == slow_stats
+    assert plain(fast_steps) == plain(slow_steps)
+    return fast_steps, slow_steps

@@ -8,10 +8,9 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from nvtx_helpers import parse_steps, plain, tape_batches
+from nvtx_helpers import assert_paths_agree, parse_steps, tape_batches
 
 from moescope.collectors import moe_convention
 from moescope.collectors.moe_convention import MoeConventionParser, StepEvent
@@ -174,13 +173,7 @@ def test_both_paths_give_the_same_steps_and_counts(steps: list[dict[str, Any]], 
                                                    column_min_layers: int) -> None:
     """(column_min_layers 1: every clean step of this test's 0-4 layers takes LayerColumns too)"""
     tape, lost = _tape(steps)
-    batches = _batches(tape, lost, cuts)
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(moe_convention, "COLUMN_MIN_LAYERS", column_min_layers)
-        fast_steps, fast_stats = _run(batches, fast=True)
-    slow_steps, slow_stats = _run(batches, fast=False)
-    assert fast_stats == slow_stats
-    assert plain(fast_steps) == plain(slow_steps)
+    assert_paths_agree(_batches(tape, lost, cuts), _run, column_min_layers)
 
 
 def test_well_formed_steps_in_one_batch_all_take_the_column_wise_path() -> None:

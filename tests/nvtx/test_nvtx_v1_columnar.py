@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from nvtx_helpers import plain, tape_batches
+from nvtx_helpers import assert_paths_agree, plain, tape_batches
 
 from moescope.agent.join import RequestJoin
 from moescope.collectors import moe_convention
@@ -213,13 +213,7 @@ def test_v1_whole_batch_path_equals_the_per_event_path(steps: list[dict[str, Any
                                                       column_min_layers: int) -> None:
     """(column_min_layers 1: every clean step of this test's 0-5 layers takes LayerColumns too)"""
     tape, lost = _tape(steps)
-    batches = _batches(tape, lost, cuts)
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(moe_convention, "COLUMN_MIN_LAYERS", column_min_layers)
-        fast_steps, fast_stats = _parse(batches, fast=True)
-    slow_steps, slow_stats = _parse(batches, fast=False)
-    assert fast_stats == slow_stats
-    assert plain(fast_steps) == plain(slow_steps)
+    fast_steps, slow_steps = assert_paths_agree(_batches(tape, lost, cuts), _parse, column_min_layers)
     assert _joined(fast_steps) == _joined(slow_steps)
 
 
