@@ -97,6 +97,7 @@ class BufferedStep:
     routing_ns: int = 0
     expert_load_ns: int = 0
     layer_count: int = 0  # moe.layer ranges of the step (its tree may be let go before it retires)
+    tree_bytes: int = 0  # what the join counted for its tree (tree_bytes() when buffered; 0 once let go)
     retired: bool = False  # left the buffer
     # the steps of a parser batch whose tables were computed as one (``table`` is
     # group.step(group_index)): outputs add a run of such steps in one operation; None for a lone step
@@ -214,8 +215,27 @@ def layer_precision_of(state: RuntimeState) -> dict[int, str]:
 
 
 def tree_bytes(b: BufferedStep) -> int:
-    """What a buffered step's layer tree holds, about (0 once it was let go)."""
+    """What a buffered step's layer tree holds, about (0 once it was let go): its columns' arrays
+    where it has them (a moe/v1 step's int64 counts, mask and FFN ranges are ~350 KB at
+    qwen3-30b-a3b shape), else an estimate per layer object."""
+    columns = b.step.columns
+    if columns is not None and b.step.layer_count:
+        return _columns_bytes(columns)
     return b.step.layer_count * (8 * b.num_experts + LAYER_TREE_OVERHEAD_BYTES)
+
+
+def _columns_bytes(columns: LayerColumns) -> int:
+    total = 0
+    for name in _COLUMN_ARRAYS:
+        value = getattr(columns, name)
+        if isinstance(value, np.ndarray):
+            total += value.nbytes
+        elif isinstance(value, tuple):  # FfnColumns
+            total += sum(a.nbytes for a in value if isinstance(a, np.ndarray))
+    for vector in columns.experts_time_us or ():
+        if vector is not None:
+            total += vector.nbytes
+    return total + len(columns) * LAYER_TREE_OVERHEAD_BYTES
 
 
 def _own_tree(b: BufferedStep) -> None:
@@ -229,6 +249,8 @@ def _own_tree(b: BufferedStep) -> None:
             value = getattr(columns, name)
             if isinstance(value, np.ndarray) and value.base is not None:
                 setattr(columns, name, value.copy())
+            elif isinstance(value, tuple):  # FfnColumns: arrays of the batch's ranges
+                setattr(columns, name, type(value)(*(np.copy(a) for a in value)))
         if columns.experts_time_us is not None:
             columns.experts_time_us = [None if v is None else v.copy() for v in columns.experts_time_us]
     table = b.table
@@ -489,7 +511,8 @@ class RequestJoin:
             self._by_key.setdefault((step.pid, key), deque()).append(buffered)
         events: list[JoinEvent] = [StepSeen(buffered, changed)]
         self._buffered_layers += layers
-        self._buffered_tree_bytes += tree_bytes(buffered)
+        buffered.tree_bytes = tree_bytes(buffered)
+        self._buffered_tree_bytes += buffered.tree_bytes
         while len(self._buffer) > self.max_buffered_steps:
             self._counts["steps_evicted_overflow"] += 1
             events.append(StepRetired(self._retire_oldest_locked(), evicted=True))
@@ -690,7 +713,8 @@ class RequestJoin:
         if b.retired or not b.step.layer_count:
             return
         self._buffered_layers -= b.step.layer_count
-        self._buffered_tree_bytes -= tree_bytes(b)
+        self._buffered_tree_bytes -= b.tree_bytes
+        b.tree_bytes = 0
         b.step = b.step.without_layers()
         b.group = None
         table = self._empty_tables.get(b.num_experts)
@@ -702,7 +726,8 @@ class RequestJoin:
         b = self._buffer.popleft()
         b.retired = True
         self._buffered_layers -= b.step.layer_count
-        self._buffered_tree_bytes -= tree_bytes(b)
+        self._buffered_tree_bytes -= b.tree_bytes
+        b.tree_bytes = 0
         for key in set(b.step.requests):
             q = self._by_key.get((b.step.pid, key))
             if q and q[0] is b:

@@ -105,6 +105,8 @@ def counts_from_marks(marks: Mapping[int, int], *, num_experts: int) -> CountVec
         if tokens < 0:
             raise ValueError(f"expert {expert}: negative token count {tokens}")
         out[expert] += tokens
+    if max(out) > INT64_MAX:  # a u64 mark past int64, or a sum past it: a bad payload, like a negative one
+        raise ValueError(f"token count {max(out)} does not fit int64")
     return np.array(out, dtype=np.int64)
 
 
@@ -346,6 +348,7 @@ def step_health(layers: Sequence[LayerHealth]) -> StepHealth:
 
 FloatVector = npt.NDArray[np.float64]
 INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
 CountMatrix = npt.NDArray[np.int64] | npt.NDArray[np.int32]
 
 

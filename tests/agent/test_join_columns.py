@@ -43,3 +43,23 @@ def test_columns_give_the_object_path_table(dtype: type, negative: bool) -> None
     for name in ("layers", "tokens", "dropped", "tokens_total", "gini", "entropy_bits", "router_entropy_bits"):
         np.testing.assert_array_equal(getattr(ta, name), getattr(tb, name), err_msg=name)
     assert (4 in ta.layers.tolist()) is not negative  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("count", [2**63, 2**62])
+def test_a_v1_count_past_int64_is_a_bad_layer_not_a_raise(count: int) -> None:
+    # a u64 mark of 2^63 or more (or marks summing past int64) is a bad payload: the layer is left
+    # out of the health and counted, as a negative count is; it must not raise into the pipeline
+    from moescope.collectors.moe_convention import LayerEvent, RouterEvent
+
+    layers = [LayerEvent(layer=i, start_ns=1_000 + i, end_ns=2_000, num_experts=E,
+                         router=RouterEvent(layer=i, start_ns=1_000, end_ns=1_500, entropy_bits=1.0,
+                                            tokens={0: 5, 1: 3}))
+              for i in range(3)]
+    router = layers[1].router
+    assert router is not None
+    router.tokens = {0: count, 1: count}  # 2^62 + 2^62 = 2^63: the sum leaves int64 too
+    step = StepEvent(3, 3, 1_000, 5_000, 64, [7], None, layers)
+    join = RequestJoin(clock=lambda: 0)
+    table = join._table(step, E)
+    assert table.layers.tolist() == [0, 2]
+    assert join.stats()["layers_bad_routing"] == 1
