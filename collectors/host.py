@@ -24,7 +24,7 @@ from typing import Literal
 
 from moescope.collectors.registry import CollectorConfig, register
 from moescope.errors import SourceUnavailable
-from moescope.procfs import pid_exists
+from moescope.procfs import EXITED_STATES, pid_exists
 
 log = logging.getLogger("moescope.host")
 
@@ -93,9 +93,20 @@ class TargetGone(Exception):
 # ---------------------------------------------------------------- procfs readers
 
 
-def _read_text(path: Path) -> str:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return f.read()
+_READ_CHUNK_BYTES = 1 << 16
+
+
+def _read_text(path: Path | str) -> str:
+    """The whole file, read with raw os.read: procfs/cgroupfs files are small, and a text-mode
+    open() (buffer + decoder objects) cost about 3x the read itself, several times per sample."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = [os.read(fd, _READ_CHUNK_BYTES)]
+        while chunks[-1]:  # procfs may hand a large file over in pieces: read to EOF
+            chunks.append(os.read(fd, _READ_CHUNK_BYTES))
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode("utf-8", errors="replace")
 
 
 def read_rss_bytes(pid: int, *, proc_root: Path = Path("/proc"), source: RssSource = "status") -> int:
@@ -118,6 +129,34 @@ def read_rss_bytes(pid: int, *, proc_root: Path = Path("/proc"), source: RssSour
         # A zombie (or a kernel thread) has no VmRSS line: it holds no memory.
         return 0
     raise ValueError(f"{proc_root / str(pid) / name}: no {key} line")
+
+
+def read_live_rss_bytes(pid: int, *, proc_root: Path = Path("/proc")) -> int:
+    """RSS from /proc/PID/status, with liveness from the same read: raises TargetGone when the
+    process is gone, a zombie or dead (its State line), so a sample needs no separate stat read."""
+    try:
+        text = _read_text(f"{proc_root}/{pid}/status")  # a str path: Path arithmetic cost more than the read
+    except (FileNotFoundError, ProcessLookupError) as exc:
+        raise TargetGone(f"process {pid} exited") from exc
+    state = _status_field(text, "State:")
+    if state and state[0] in EXITED_STATES:
+        raise TargetGone(f"process {pid} exited")
+    rss = _status_field(text, "VmRSS:")
+    return int(rss[0]) * 1024 if rss else 0  # "kB" meaning KiB; no VmRSS line: holds no memory
+
+
+def _status_field(text: str, key: str) -> list[str]:
+    """The words after `key` on its line of a /proc status text ([] when absent); a find, not a
+    split of every line: this runs on each sample."""
+    if text.startswith(key):
+        at = 0
+    else:
+        at = text.find("\n" + key)
+        if at < 0:
+            return []
+        at += 1
+    end = text.find("\n", at)
+    return text[at + len(key) : end if end >= 0 else len(text)].split()
 
 
 def read_meminfo_total_bytes(*, proc_root: Path = Path("/proc")) -> int | None:
@@ -285,7 +324,7 @@ def _pick_mount(mounts: list[_Mount], path: str, *, version: Literal[1, 2]) -> _
     return ranked[0] if ranked and prefix_len(ranked[0]) >= 0 else None
 
 
-def _read_int_file(path: Path) -> int | None:
+def _read_int_file(path: Path | str) -> int | None:
     """Integer content; None for "max" (v2's unlimited). Raises FileNotFoundError when absent."""
     value = _read_text(path).strip()
     if value == "max":
@@ -293,7 +332,7 @@ def _read_int_file(path: Path) -> int | None:
     return int(value)
 
 
-def _read_stat_key(path: Path, key: str) -> int | None:
+def _read_stat_key(path: Path | str, key: str) -> int | None:
     try:
         text = _read_text(path)
     except OSError:
@@ -305,17 +344,23 @@ def _read_stat_key(path: Path, key: str) -> int | None:
     return None
 
 
-def _read_level(version: Literal[1, 2], cg_path: str, directory: Path) -> CgroupMemory:
+def _read_limit(version: Literal[1, 2], directory: Path | str) -> int | None:
+    """One level's memory limit, None when unlimited (v2 "max", v1's page-counter maximum)."""
     if version == 2:
-        current = _read_int_file(directory / "memory.current")
-        limit = _read_int_file(directory / "memory.max")
-        inactive = _read_stat_key(directory / "memory.stat", "inactive_file")
-    else:
-        current = _read_int_file(directory / "memory.usage_in_bytes")
-        limit = _read_int_file(directory / "memory.limit_in_bytes")
-        if limit is not None and limit >= CGROUP_V1_UNLIMITED_MIN_BYTES:
-            limit = None
-        inactive = _read_stat_key(directory / "memory.stat", "total_inactive_file")
+        return _read_int_file(f"{directory}/memory.max")
+    limit = _read_int_file(f"{directory}/memory.limit_in_bytes")
+    return None if limit is not None and limit >= CGROUP_V1_UNLIMITED_MIN_BYTES else limit
+
+
+def _read_level(version: Literal[1, 2], cg_path: str, directory: Path | str, *, limit: int | None = None,
+                limit_read: bool = False) -> CgroupMemory:
+    """One level's usage, limit and inactive file cache; `limit_read`: the caller read the limit."""
+    usage_name, inactive_key = ("memory.current", "inactive_file") if version == 2 else (
+        "memory.usage_in_bytes", "total_inactive_file")
+    current = _read_int_file(f"{directory}/{usage_name}")
+    if not limit_read:
+        limit = _read_limit(version, directory)
+    inactive = _read_stat_key(f"{directory}/memory.stat", inactive_key)
     if current is None:
         raise ValueError(f"{directory}: usage reads 'max'")
     return CgroupMemory(
@@ -340,7 +385,7 @@ def read_cgroup_memory(
     `mounts`: this process's parsed mountinfo when the caller keeps it (read here otherwise).
     """
     try:
-        cgroup_text = _read_text(proc_root / str(pid) / "cgroup")
+        cgroup_text = _read_text(f"{proc_root}/{pid}/cgroup")
     except (FileNotFoundError, ProcessLookupError) as exc:
         raise TargetGone(f"process {pid} exited") from exc
     v1_path, v2_path = parse_proc_cgroup(cgroup_text)
@@ -357,8 +402,9 @@ def read_cgroup_memory(
     if mount is None:
         kind = "cgroup2" if version == 2 else "cgroup (memory)"
         raise LookupError(f"no {kind} filesystem mounted for cgroup {cg_path}")
-    leaf_dir = _cgroup_directory(cg_path, mount, rootfs)
-    mount_dir = _cgroup_directory(mount.root, mount, rootfs)
+    # str paths from here: a walk of Path objects cost more than the reads it made
+    leaf_dir = str(_cgroup_directory(cg_path, mount, rootfs))
+    mount_dir = str(_cgroup_directory(mount.root, mount, rootfs))
     try:
         leaf = _read_level(version, cg_path, leaf_dir)
     except FileNotFoundError as exc:
@@ -368,15 +414,17 @@ def read_cgroup_memory(
 
     best = leaf if leaf.max_bytes is not None else None
     level_dir, level_path = leaf_dir, cg_path
-    while level_dir != mount_dir and level_dir != level_dir.parent:
-        level_dir = level_dir.parent
+    while level_dir != mount_dir and level_dir != os.path.dirname(level_dir):
+        level_dir = os.path.dirname(level_dir)
         level_path = level_path.rstrip("/").rsplit("/", 1)[0] or "/"
         try:
-            level = _read_level(version, level_path, level_dir)
+            # The limit first: an unlimited level bounds nothing, so its usage and stat go unread.
+            limit = _read_limit(version, level_dir)
+            if limit is None:
+                continue
+            level = _read_level(version, level_path, level_dir, limit=limit, limit_read=True)
         except (OSError, ValueError):
             continue  # the hierarchy root has no limit files; a level we cannot read bounds nothing we see
-        if level.max_bytes is None:
-            continue
         if best is None or _ratio(level) > _ratio(best):
             best = level
     return best if best is not None else leaf
@@ -424,18 +472,27 @@ class HostCollector:
         self.rss_source: RssSource = rss_source
         self._gone_reported = False
         self._cgroup_error_reported: str | None = None
-        # mountinfo is re-read every MOUNTS_REFRESH_NS, not every sample (it was a third of the
-        # collector's CPU): cgroup filesystems are mounted once at boot or container start.
+        # mountinfo and MemTotal are re-read every MOUNTS_REFRESH_NS, not every sample (mountinfo
+        # was a third of the collector's CPU): cgroup filesystems are mounted once at boot or
+        # container start, and MemTotal moves only on memory hot-plug.
         self._mounts: list[_Mount] | None = None
         self._mounts_read_ns = 0
+        self._host_total: int | None = None
+        self._host_total_read_ns = 0
 
     def collect(self) -> HostSample:
         now_ns = time.time_ns()
-        host_total = read_meminfo_total_bytes(proc_root=self.proc_root)
+        if self._host_total is None or now_ns - self._host_total_read_ns > MOUNTS_REFRESH_NS:
+            self._host_total = read_meminfo_total_bytes(proc_root=self.proc_root)
+            self._host_total_read_ns = now_ns
+        host_total = self._host_total
         try:
-            if not pid_exists(self.target_pid, proc_root=self.proc_root):
-                raise TargetGone(f"process {self.target_pid} exited")
-            rss = read_rss_bytes(self.target_pid, proc_root=self.proc_root, source=self.rss_source)
+            if self.rss_source == "status":  # liveness and RSS from one read of /proc/PID/status
+                rss = read_live_rss_bytes(self.target_pid, proc_root=self.proc_root)
+            else:
+                if not pid_exists(self.target_pid, proc_root=self.proc_root):
+                    raise TargetGone(f"process {self.target_pid} exited")
+                rss = read_rss_bytes(self.target_pid, proc_root=self.proc_root, source=self.rss_source)
             cgroup: CgroupMemory | None = None
             cgroup_error: str | None = None
             try:

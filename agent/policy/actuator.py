@@ -205,9 +205,14 @@ class RuntimeState:
             for layer in result["layers"]:
                 index = int(layer["layer"])
                 entropy_bits[index] = float(layer["entropy_bits"])
+                experts_of: dict[int, list[Expert]] = {}  # the (layer, expert) keys, built once per length
                 for key, table in per.items():
-                    for expert, value in enumerate(layer[key]):
-                        table[(index, expert)] = value
+                    values = layer[key]
+                    count = len(values)
+                    layer_experts = experts_of.get(count)
+                    if layer_experts is None:
+                        layer_experts = experts_of[count] = [(index, expert) for expert in range(count)]
+                    table.update(zip(layer_experts, values))  # one C-level pass: this runs every policy period
             return cls(
                 precision_default=str(result["precision"]["default"]),
                 devices=[str(d) for d in config["devices"]],

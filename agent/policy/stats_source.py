@@ -156,7 +156,8 @@ class RuntimeStatsSignals:
 class RuntimeStatsSource:
     """A daemon source of ``RuntimeState`` records: the runtime's stats that the policy's poller
     (``RuntimeStatsSignals``, on the policy thread) last read, emitted once each on the daemon thread,
-    so per-layer precision and residency reach spans and the live view through the join."""
+    so per-layer precision and residency reach spans and the live view through the join. A state
+    equal to the one emitted before it (an idle runtime) is counted, not emitted again."""
 
     name = "runtime-stats"
 
@@ -165,6 +166,7 @@ class RuntimeStatsSource:
         self._emit = emit
         self._last: RuntimeState | None = None
         self.emitted = 0
+        self.unchanged = 0  # states read that equal the last one emitted: not emitted again
         self._last_poll_duration_ns: int | None = None
 
     def poll(self, now_ns: int) -> int:
@@ -178,7 +180,12 @@ class RuntimeStatsSource:
         state = self.signals.last_state  # one attribute read: the policy thread replaces it whole
         if state is None or state is self._last:
             return 0
-        self._last = state
+        previous, self._last = self._last, state
+        if previous is not None and state == previous:
+            # An idle runtime answers the same stats every period: its consumers keep the latest
+            # state, so an equal one changes nothing downstream (and the join's work is skipped).
+            self.unchanged += 1
+            return 0
         self._emit(state)
         self.emitted += 1
         return 1
@@ -189,7 +196,10 @@ class RuntimeStatsSource:
         return SourceHealth(self._last_poll_duration_ns, self.signals.last_read_ok, self.signals.last_read_error)
 
     def stats(self) -> dict[str, int]:
-        return {"records": self.emitted, "polls_failed": self.signals.poll_errors}
+        # "records": every state taken from the poller (the live view's rate of this source), also
+        # those equal to the previous one and so not emitted again ("records_unchanged").
+        return {"records": self.emitted + self.unchanged, "records_unchanged": self.unchanged,
+                "polls_failed": self.signals.poll_errors}
 
     def close(self) -> None:
         return None
