@@ -1,6 +1,7 @@
 """Cost of `moescope.instrument()` on a real transformers MoE forward pass: instrumented vs plain.
 
     .venv/bin/python -m benchmarks.hf_instrument_cost [--pairs 10] [--realistic-pairs N] [--forwards 30] [--quick]
+    .venv/bin/python -m benchmarks.hf_instrument_cost --own-us [--rounds 30]
 
 Two shapes, each a tiny-config Qwen3-MoE built from transformers' config class (random weights):
   tiny:      4 MoE layers, 8 experts, top-2, width 64, a 2 x 8 token step (the test models);
@@ -15,6 +16,13 @@ forwards; the ratio is median(B) / median(A), and each pair's B/A gives the spre
 `pair_ratio`: median, quartiles, extremes). Each forward is timed twice: the thread's CPU time
 (what the bars are judged on: other processes on a shared machine inflate wall time, not this
 thread's CPU time) and wall time (reported). Bars: <= 1.03 tiny, <= 1.01 realistic.
+`--own-us`: moescope's own time per tiny forward, measured directly (less noisy than the ratio on a
+loaded machine): timing wrappers go *below* moescope's on the model, each router and each experts
+module (instance `forward` attributes that moescope then wraps) and *above* it on the model and on
+each MoE block; moescope's own time is the sum of (outer - inner) per forward, instrumented minus
+the same sum plain (the wrappers' own cost); blocks of 10 forwards alternate plain / instrumented,
+medians. It uses only `moescope.instrument()` and `moescope.hf.discover`, so it measures an older
+tree too (`PYTHONPATH=OLD_TREE python benchmarks/hf_instrument_cost.py --own-us`).
 CPU only: the CUDA path (device-side counts, one copy per step) is not measured here; its
 correctness and sync count are checked by tests/gpu/check_device_routing.py on a GPU machine.
 Writes bench-results/hf_instrument_cost.json.
@@ -98,6 +106,78 @@ def measure_shape(name: str, *, pairs: int, forwards: int, progress: Callable[[s
     }
 
 
+def measure_own_us(*, rounds: int, forwards: int = 10) -> dict[str, Any]:
+    """moescope's own µs per tiny forward (module docstring, --own-us)."""
+    import torch
+
+    import moescope
+    from moescope.hf.discover import discover
+    from moescope.hf.tiny import tiny_model
+
+    shape = SHAPES["tiny"]
+    model = tiny_model("qwen3_moe", **shape["config"])
+    ids = torch.randint(0, 128, (shape["batch"], shape["tokens"]), generator=torch.Generator().manual_seed(0))
+    clock = time.perf_counter_ns
+    inside = [0]  # per forward: sum over timed calls of (outer - inner), ns
+
+    def below(module: torch.nn.Module) -> None:
+        forward = type(module).forward.__get__(module)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                inside[0] -= clock() - t0
+
+        module.forward = timed
+
+    def above(forward: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                inside[0] += clock() - t0
+        return timed
+
+    blocks = discover(model).blocks
+    below(model)
+    for block in blocks:
+        below(block.router)
+        below(block.experts)
+        block.block.forward = above(block.block.forward)
+
+    def run(instrumented: bool) -> list[float]:
+        ins = moescope.instrument(model) if instrumented else None
+        if ins is not None and not ins.active:
+            raise SystemExit(f"hf_instrument_cost: instrumentation inactive: {ins.reason}")
+        step = above(model.forward)  # above moescope's wrapper of the model's forward
+        own: list[float] = []
+        with torch.no_grad():
+            for i in range(forwards):
+                inside[0] = 0
+                step(input_ids=ids)
+                if i:  # the first forward after instrument() learns each router's layout
+                    own.append(inside[0] / 1e3)
+        if ins is not None:
+            ins.close()
+        return own
+
+    with torch.no_grad():
+        for _ in range(3):
+            model(input_ids=ids)
+    plain: list[float] = []
+    instrumented: list[float] = []
+    for r in range(rounds):
+        for arm in ((False, True) if r % 2 == 0 else (True, False)):
+            (instrumented if arm else plain).extend(run(arm))
+    own_us = statistics.median(instrumented) - statistics.median(plain)
+    return {"shape": "tiny", "rounds": rounds, "forwards_per_block": forwards,
+            "timing_wrappers_us_median": statistics.median(plain),
+            "timing_wrappers_and_moescope_us_median": statistics.median(instrumented), "own_us_per_forward": own_us}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=10, help="A/B pairs per shape (default 10)")
@@ -107,10 +187,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="A/B pairs of the realistic shape (default: --pairs; its runs take ~100x longer)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: less noise)")
     parser.add_argument("--quick", action="store_true", help="3 pairs, fewer forwards (a smoke run)")
+    parser.add_argument("--own-us", action="store_true",
+                        help="only moescope's own µs per tiny forward, measured directly (see above)")
+    parser.add_argument("--rounds", type=int, default=30, help="--own-us: alternating rounds (default 30)")
     args = parser.parse_args(argv)
     import torch
 
     torch.set_num_threads(args.threads)
+    command = "python -m benchmarks.hf_instrument_cost " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.own_us:
+        own = measure_own_us(rounds=args.rounds)
+        path = write_result("hf_instrument_own", {"command": command, "threads": args.threads, **own})
+        print(f"tiny: moescope's own time {own['own_us_per_forward']:.1f} us per forward "
+              f"(timing wrappers alone {own['timing_wrappers_us_median']:.1f} us) -> {path}")
+        return 0
     pairs = 3 if args.quick else args.pairs
     runs = [
         measure_shape("tiny", pairs=pairs, forwards=10 if args.quick else args.forwards, progress=print),
@@ -119,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     bar_met = all(r["bar_met"] for r in runs)
     path = write_result("hf_instrument_cost", {
-        "command": "python -m benchmarks.hf_instrument_cost " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command,
         "threads": args.threads, "runs": runs, "bar_met": bar_met,
     })
     for r in runs:

@@ -10,6 +10,12 @@ v1 emits one mark per expert with tokens and one `moe.expert.ffn` range per expe
 Per step, v2 names the step's requests with one `moe.step.requests` vector (keys, input tokens,
 output tokens: moe/v2.1); v1 marks each request key (`moe.request`).
 
+The v2.2 compact form (`CompactStep`, from `compact_step()`): per layer only a `moe.layer` range, per
+step one `moe.step.routing` and one `moe.step.entropy` vector, both *held*: a 0-d structured numpy
+array bound once to its attributes object, which the producer refills in place (the `nvtx` package
+keeps a pointer to a 0-d array's own bytes instead of copying it per set), so a step's vectors cost
+two bare marks.
+
 Only the model thread emits. Messages come from the fixed set MESSAGES, registered once at start
 (registered strings are cached by the producer: a unique string per event would leak). With no
 NVTX tool attached `nvtx.get_domain` returns a dummy domain and every call here is an empty method.
@@ -18,7 +24,7 @@ Neutral: imports numpy and nvtx only (a serving process imports it; so may the a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -43,7 +49,7 @@ MSG_EXPERTS_TIME = "moe.experts.time"
 MSG_STEP_DEVICE = "moe.step.device"
 MSG_STEP_ROUTING = "moe.step.routing"
 MSG_STEP_REQUESTS = "moe.step.requests"
-MSG_STEP_ENTROPY = "moe.step.entropy"  # v2.2 compact form (docs/nvtx-convention.md); this emitter sends moe.router
+MSG_STEP_ENTROPY = "moe.step.entropy"  # v2.2 compact form (docs/nvtx-convention.md): CompactStep sends it
 ROUTING_PLACES = ("layer", "step")  # v2: a routing vector per layer, or one for the whole step
 # In the order of the convention's table (tests/runtime/test_docs.py checks).
 MESSAGES: tuple[str, ...] = (
@@ -124,6 +130,11 @@ class Instrumentation:
 
     def step_pop(self) -> None:
         """Ends the moe.step range (v2 per-step routing: after sending the step's routing vector)."""
+
+    def compact_step(self, layer_experts: Sequence[int], layer_ids: Sequence[int] | None = None) -> CompactStep:
+        """The v2.2 compact emission of steps whose layers (in index order: `layer_ids`, default
+        0..L-1) have these E: its vectors are real buffers to fill; this no-op one emits nothing."""
+        return CompactStep(layer_experts, domain=None, layer_ids=layer_ids)
 
 
 class NvtxInstrumentation(Instrumentation):
@@ -262,6 +273,11 @@ class NvtxInstrumentation(Instrumentation):
     def pop(self) -> None:
         self._pop()
 
+    def compact_step(self, layer_experts: Sequence[int], layer_ids: Sequence[int] | None = None) -> CompactStep:
+        if not self.v2:
+            raise ValueError("the compact form (moe/v2.2) needs convention v2")
+        return CompactStep(layer_experts, domain=self._domain, layer_ids=layer_ids)
+
     def step_pop(self) -> None:
         rows = self._step_rows
         if rows:
@@ -270,6 +286,96 @@ class NvtxInstrumentation(Instrumentation):
             self._mark(a)
             rows.clear()
         self._pop()
+
+
+class HeldVector:
+    """A vector payload bound once to its attributes object: a 0-d numpy array of the structured
+    dtype [("values", T, (n,))], whose bytes the `nvtx` package points at instead of copying them at
+    each set (it copies every n-d array). Refill `values` in place, then mark."""
+
+    __slots__ = ("buffer", "values")
+
+    def __init__(self, element: type[np.generic], length: int) -> None:
+        self.buffer = np.zeros((), dtype=np.dtype([("values", element, (length,))]))
+        self.values: np.ndarray = self.buffer["values"]  # a view: writes land in `buffer`
+
+
+class CompactStep:
+    """moe/v2.2 compact emission for steps of a fixed layer layout (E per layer, in index order):
+    per layer one `moe.layer` range (category and E set once here), per step the held
+    `moe.step.routing` (int32, per layer tokens[E] ++ over_capacity[E]) and `moe.step.entropy`
+    (float64 [L], bits) vectors. The producer fills `routing` / `entropy` in place (the
+    over-capacity halves start at 0 and stay so unless written), then calls `emit()` inside its
+    `moe.step` range. With domain=None the buffers exist and nothing is emitted."""
+
+    __slots__ = ("layer_experts", "layer_ids", "routing", "entropy", "rows", "routing_bytes", "_routing", "_entropy",
+                 "_emit")
+
+    def __init__(self, layer_experts: Sequence[int], *, domain: NvtxDomainLike | None,
+                 layer_ids: Sequence[int] | None = None) -> None:
+        self.layer_experts = tuple(int(e) for e in layer_experts)
+        # each emitted layer's index (its category - 1): 0..L-1 unless the step has only some layers
+        ids = range(len(self.layer_experts)) if layer_ids is None else layer_ids
+        self.layer_ids = tuple(int(i) for i in ids)
+        if len(self.layer_ids) != len(self.layer_experts):
+            raise ValueError(f"compact step: {len(self.layer_ids)} layer ids for {len(self.layer_experts)} layers")
+        self._routing = HeldVector(np.int32, 2 * sum(self.layer_experts))
+        self._entropy = HeldVector(np.float64, len(self.layer_experts))
+        self.routing = self._routing.values  # int32 [Σ 2E]
+        self.entropy = self._entropy.values  # float64 [L]
+        self.routing_bytes = self.routing.data.cast("B")  # the same bytes, for struct.pack_into
+        starts = np.cumsum((0, *(2 * e for e in self.layer_experts)))
+        # per layer its [2E] row (views): tokens routed per expert, then over capacity
+        self.rows = [self.routing[int(a):int(b)] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+        self._emit = self._emit_nothing if domain is None else self._bind(domain)
+
+    def matrix(self) -> np.ndarray | None:
+        """The routing as an [L, 2E] view when every layer has the same E (else None)."""
+        if not self.layer_experts or len(set(self.layer_experts)) != 1:
+            return None
+        return self.routing.reshape(len(self.layer_experts), -1)
+
+    def emit(self) -> int:
+        """The step's layers (one push and pop each, back to back), then the two vectors; inside
+        the open moe.step range. Returns the NVTX calls made."""
+        return self._emit()
+
+    @staticmethod
+    def _emit_nothing() -> int:
+        return 0
+
+    def _bind(self, domain: NvtxDomainLike) -> Callable[[], int]:
+        layers = [domain.get_event_attributes(message=MSG_LAYER, category=layer + 1, payload=experts)
+                  for layer, experts in zip(self.layer_ids, self.layer_experts, strict=True)]
+        routing = domain.get_event_attributes(message=MSG_STEP_ROUTING, payload=self._routing.buffer)
+        entropy = domain.get_event_attributes(message=MSG_STEP_ENTROPY, payload=self._entropy.buffer)
+        calls = 2 * len(layers) + 2
+        handle = getattr(domain, "handle", None)
+        try:  # the package's module-level calls skip the keyword dict the Domain methods build (cost rules)
+            from nvtx._lib import mark as lib_mark
+            from nvtx._lib import pop_range as lib_pop
+            from nvtx._lib import push_range as lib_push
+        except ImportError:
+            handle = None
+        if handle is not None and isinstance(domain, nvtx.Domain):
+            def emit_lib() -> int:
+                for a in layers:
+                    lib_push(a, handle)
+                    lib_pop(handle)
+                lib_mark(routing, handle)
+                lib_mark(entropy, handle)
+                return calls
+            return emit_lib
+        push, pop, mark = domain.push_range, domain.pop_range, domain.mark
+
+        def emit_domain() -> int:
+            for a in layers:
+                push(a)
+                pop()
+            mark(routing)
+            mark(entropy)
+            return calls
+        return emit_domain
 
 
 def make_instrumentation(*, enabled: bool, domain: NvtxDomainLike | None = None,

@@ -1,11 +1,15 @@
 """Forward hooks that turn a model's MoE blocks into moe/v2 NVTX events (docs/nvtx-convention.md).
 
 Per forward call of the instrumented module: one `moe.step` range (payload: tokens in the batch)
-with one `moe.request` mark per request key given with `set_request_keys`. Per MoE block and call:
-`moe.layer` (payload E), inside it `moe.router` (payload: mean token entropy in bits of what the
-router selects from, moescope/hf/scoring.py) and `moe.experts` (payload: assignments = k × tokens,
-no capacity in these models); the routing vectors go once per step as `moe.step.routing` (the
-default; `routing="layer"` sends one `moe.routing` per layer instead).
+with one `moe.request` mark per request key given with `set_request_keys` (or one
+`moe.step.requests` vector, `set_request_tokens`). Per MoE block and call: `moe.layer` (payload E).
+Compact (moe/v2.2, the default): nothing else per layer; after the last layer the step's routing
+(`moe.step.routing`) and router entropies (`moe.step.entropy`: mean token entropy in bits of what
+the router selects from, moescope/hf/scoring.py) as two held vectors (moescope/moe_nvtx.py
+CompactStep). Full (`compact=False`, `routing="layer"` or live): inside each `moe.layer` a
+`moe.router` (payload: the entropy) and `moe.experts` (payload: assignments = k × tokens, no
+capacity in these models); the routing vectors once per step as `moe.step.routing`, or per layer
+(`routing="layer"`: one `moe.routing` in each router).
 
 Deferred (the default, and always on CUDA): the hooks only keep each layer's router scores and
 top-k indices (references, no copy) and, on CUDA, time its experts call with CUDA events. On a CPU,
@@ -32,6 +36,7 @@ import functools
 import logging
 import math
 import os
+import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -67,6 +72,10 @@ _add = np.add.reduce  # the ufunc method itself: no Python wrapper per call
 # Host counts by list.count up to this much work (E x (assignments + 40) summed over the step's
 # layers, about 30 µs); numpy above, whose few calls cost more than that in a forward
 _LIST_COUNT_WORK = 20_000
+# A compact host step's counts by a Python loop up to this many assignments (all layers; ≈ 60 ns
+# each here), by one bincount above (≈ 5 tensor calls, ≈ 100 µs whatever the size)
+_LOOP_COUNT_ASSIGNMENTS = 1536
+_COMPACT_LAYOUTS = 64  # held-vector layouts kept (steps that run other sets of layers)
 
 
 @dataclass(slots=True)
@@ -234,6 +243,122 @@ def _to_host(reduced: list[_Reduced]) -> list[tuple[np.ndarray, Sequence[float]]
     return out
 
 
+class _CompactFast:
+    """The compact step end of a host model whose layers share E: torch views of the held vectors
+    (its counts and entropies are written straight there) and the per-layer bin offsets."""
+
+    __slots__ = ("layers", "experts", "expert_ids", "step", "matrix", "tokens", "tokens_t", "entropy_t", "kind",
+                 "scorings", "_weights", "_pack")
+
+    def __init__(self, step: moe_nvtx.CompactStep, experts: int) -> None:
+        layers = len(step.layer_experts)
+        self.layers, self.experts, self.step = layers, experts, step
+        matrix = step.matrix()
+        assert matrix is not None  # one E for every layer: make() checked
+        self.matrix = matrix  # [L, 2E] int32: per layer tokens[E] ++ over_capacity[E]
+        self.expert_ids = range(experts)
+        self.tokens = matrix[:, :experts]  # written each step; the over-capacity halves stay 0
+        self.tokens_t = torch.from_numpy(matrix)[:, :experts]  # the same bytes as a tensor
+        self.entropy_t = torch.from_numpy(step.entropy)
+        self._weights: dict[int, torch.Tensor] = {}  # per T·E: [T·E] of 1 / (T ln 2)
+        # the routing vector's bytes from a flat list of L·E counts: per layer E int32; the pad bytes
+        # (its over-capacity half, 0 since nothing writes it) are skipped by pack_into
+        self._pack = struct.Struct("=" + f"{experts}i{4 * experts}x" * layers).pack_into
+        self.kind: str | None = None
+        self.scorings: list[Scoring] = []
+
+    @classmethod
+    def make(cls, ins: Instrumentation) -> _CompactFast | None:
+        experts = set(ins._num_experts)
+        if len(experts) != 1:
+            return None
+        (num_experts,) = experts
+        layers = len(ins._num_experts)
+        return cls(ins._compact_step(tuple((i, num_experts) for i in range(layers))), num_experts)
+
+    def learn_kind(self, scorings: Sequence[Scoring | None]) -> bool | None:
+        """True when every layer's scoring is known and of one kind (decided at the layers' first
+        calls), None while some are not known yet, False when they differ (never this path)."""
+        known = [s for s in scorings if s is not None]
+        if len(known) != self.layers:
+            return None
+        if len({s.kind for s in known}) != 1:
+            return False
+        self.kind, self.scorings = known[0].kind, known
+        return True
+
+    def fill(self, scores: tuple[torch.Tensor, ...], indices: tuple[torch.Tensor, ...]) -> int:
+        """Each layer's scores [..., E] and indices [..., k] (layer order, one shape each) -> the
+        held vectors; returns the indices outside 0..E-1 (left out of the counts). Inside a forward
+        each tensor or numpy call costs 10-50 µs on a small CPU (caches cold after the model's own
+        work), so this is written for the fewest: the entropies in four (cat, float64 softmax,
+        entr, one matrix-vector product into the held vector), a small step's counts in three
+        (stack, view, tolist) and a Python loop, written with one struct.pack_into. Raises
+        RuntimeError when the layers' shapes differ (the caller takes the general path)."""
+        layers, experts = self.layers, self.experts
+        stacked = torch.cat(scores)  # [L·T, E] (or [L·B, S, E])
+        if stacked.requires_grad:
+            stacked = stacked.detach()
+        if self.kind == "softmax":
+            # mean token entropy in bits: entr(softmax) summed per layer and scaled by one
+            # matrix-vector product, written into the held vector (float64 throughout)
+            entr = torch.special.entr(torch.softmax(stacked, dim=-1, dtype=torch.float64)).view(layers, -1)
+            torch.mv(entr, self._scale(entr.shape[1]), out=self.entropy_t)
+        else:
+            per_layer = stacked.reshape(layers, -1, experts)
+            biases = [s.bias for s in self.scorings] if self.kind == "sigmoid" else None
+            bias = _stack_biases(biases, experts, per_layer, torch.float64)
+            nats = sum_entropy_nats_layers(self.kind or "", per_layer, bias, dtype=torch.float64)
+            torch.mul(nats, 1.0 / (max(per_layer.shape[1], 1) * _LN2), out=self.entropy_t)
+        flat = torch.stack(indices).view(layers, -1)
+        assignments = flat.shape[1]
+        if layers * assignments <= _LOOP_COUNT_ASSIGNMENTS:
+            counted = self._count_small(flat.tolist())
+            if counted is not None:
+                self._pack(self.step.routing_bytes, 0, *counted)  # tokens[E] per layer; over capacity untouched (0)
+                return layers * assignments - sum(counted)
+        # a large step: one bincount over all layers, out-of-range indices in each layer's bin E
+        bins = experts + 1
+        binned = flat.long().clamp(-1, experts).remainder_(bins)
+        binned += self._offsets(bins)
+        counts_t = torch.bincount(binned.reshape(-1), minlength=layers * bins).view(layers, bins)
+        self.tokens_t.copy_(counts_t[:, :experts])
+        return int(counts_t[:, experts].sum())
+
+    def _count_small(self, rows: list[list[int]]) -> list[int] | None:
+        """L·E counts of a small step's index lists by a plain loop (a loop warms up after its first
+        pass; a tensor or numpy call pays its cold start every step). Bin E takes -1 and E (the
+        "not routed here" markers; left out); None when an index lies further out (the caller
+        counts another way)."""
+        experts = self.experts
+        counted: list[int] = []
+        for row in rows:
+            if row and min(row) < -1:
+                return None
+            bins = [0] * (experts + 1)
+            try:
+                for index in row:
+                    bins[index] += 1  # -1 lands in bins[E]
+            except IndexError:  # an index > E
+                return None
+            del bins[experts]
+            counted += bins
+        return counted
+
+    def _scale(self, size: int) -> torch.Tensor:
+        """[T·E] float64 of 1 / (T ln 2): the per-layer sum of token entropies (nats) to the mean in bits."""
+        weights = self._weights.get(size)
+        if weights is None:
+            if len(self._weights) >= _COMPACT_LAYOUTS:
+                self._weights.clear()
+            tokens = size // self.experts
+            weights = self._weights[size] = torch.full((size,), 1.0 / (max(tokens, 1) * _LN2), dtype=torch.float64)
+        return weights
+
+    def _offsets(self, bins: int) -> torch.Tensor:
+        return torch.arange(0, self.layers * bins, bins, dtype=torch.int64).unsqueeze(1)
+
+
 class _Wrapped:
     """One module whose `forward` is wrapped (an instance attribute over the class's method): the
     module's `__call__` then takes torch's no-hook fast path, which costs less per call than a
@@ -272,7 +397,8 @@ class Instrumentation:
     """What `moescope.instrument(model)` returns: the blocks found, the NVTX state, and `close()`."""
 
     def __init__(self, *, model: nn.Module, discovery: Discovery, emitter: moe_nvtx.Instrumentation,
-                 nvtx_state: str, on_routing: RoutingObserver | None = None, defer: bool = True) -> None:
+                 nvtx_state: str, on_routing: RoutingObserver | None = None, defer: bool = True,
+                 compact: bool = False) -> None:
         self.model = model
         self.discovery = discovery
         self.blocks: tuple[MoeBlock, ...] = discovery.blocks
@@ -306,6 +432,12 @@ class Instrumentation:
         self._experts_handles: dict[int, _Wrapped] = {}
         self._events: list[tuple[Any, Any]] = []  # CUDA event pairs, one per experts call of a step, reused
         self._zeros = {b.num_experts: np.zeros(b.num_experts, dtype=np.int64) for b in self.blocks}
+        # moe/v2.2 compact steps (deferred layers only): per layout (layer, E) of a step, its held vectors
+        self.compact = compact and all(self._deferred)
+        self._compact_steps: dict[tuple[tuple[int, int], ...], moe_nvtx.CompactStep] = {}
+        self._fast: _CompactFast | None = None  # the whole-model host step, built at its first use
+        # no batched fast path: the full form, CUDA layers, or layers that differ in E
+        self._fast_off = not self.compact or self._any_cuda
         self._warned = False
         self._on_routing = on_routing
         if (emitter.active or on_routing is not None) and self.blocks:
@@ -416,17 +548,18 @@ class Instrumentation:
             try:
                 place = score_places[layer]
                 if mode[layer] == _ROUTER_FAST:  # the router returns the experts' very index tensor: keep both
-                    index_place = index_places[layer]
-                    if type(output) is tuple and len(output) > max(place, index_place):
-                        found, indices = output[place], output[index_place]
-                        if (isinstance(found, torch.Tensor) and isinstance(indices, torch.Tensor)
-                                and found.shape[-1] == num_experts and not indices.is_floating_point()):
+                    try:
+                        found, indices = output[place], output[index_places[layer]]
+                        # the layout as learned: E-column scores, integer indices (else learned again)
+                        if found.shape[-1] == num_experts and not indices.is_floating_point():
                             pending.append((step.calls, layer, found, indices))
                             step.calls += 1
                             step.pending_elements += found.numel()
                             if step.pending_elements > _PENDING_ELEMENTS:  # a long prefill: reduce now, hold less
                                 self._reduce_pending()
                             return output
+                    except (TypeError, IndexError, AttributeError, KeyError):  # not a tuple of tensors any more
+                        pass
                     self._leave_router_fast(layer)  # its output changed: through the experts wrapper again
                 if place >= 0:
                     found = output[place] if type(output) is tuple and place < len(output) else None
@@ -562,7 +695,11 @@ class Instrumentation:
         step.open = False
         try:
             if step.pending or step.reduced:
-                self._emit_deferred(step)
+                # the common host step first: every layer once, batched into the held vectors
+                if not (self._fast_off or step.reduced) and self._emit_compact_fast(step.pending):
+                    pass
+                else:
+                    self._emit_deferred(step)
             self._stats["steps"] += 1
         except Exception as exc:  # noqa: BLE001 - never into the model
             self._failed("step end", exc)
@@ -686,8 +823,74 @@ class Instrumentation:
         return out
 
     def _emit_deferred(self, step: _StepState) -> None:
-        """The step's deferred layers: reduced together, one device-to-host copy, then their events
-        in call order and the experts times as `moe.step.device`."""
+        if self.compact:
+            self._emit_compact(step)
+        else:
+            self._emit_full(step)
+
+    def _compact_step(self, layout: tuple[tuple[int, int], ...]) -> moe_nvtx.CompactStep:
+        made = self._compact_steps.get(layout)
+        if made is None:
+            if len(self._compact_steps) >= _COMPACT_LAYOUTS:  # a model whose steps vary without end
+                self._compact_steps.clear()
+            made = self._compact_steps[layout] = self._em.compact_step([e for _, e in layout], [i for i, _ in layout])
+        return made
+
+    def _emit_compact_fast(self, pending: list[_Entry]) -> bool:
+        """A host step that ran every layer once, in order, with one E, scoring kind and shape: a
+        few batched tensor ops write its counts and entropies straight into the held vectors. False
+        (nothing done) for any other step."""
+        fast = self._fast
+        if fast is None:
+            fast = self._fast = _CompactFast.make(self)
+            if fast is None:
+                self._fast_off = True  # layers of different E: always the general path
+                return False
+        _, layer_ids, scores, indices = zip(*pending)
+        if layer_ids != fast.step.layer_ids:
+            return False
+        if fast.kind is None:
+            learned = fast.learn_kind(self._scoring)
+            if not learned:
+                self._fast_off = learned is False  # routers of different kinds: always the general path
+                return False
+        try:
+            out_of_range = fast.fill(scores, indices)
+        except RuntimeError:  # shapes differ between layers: the general path
+            return False
+        stats = self._stats
+        stats["layers"] += fast.layers
+        if out_of_range:
+            stats["indices_out_of_range"] += out_of_range
+        fast.step.emit()
+        on_routing = self._on_routing
+        if on_routing is not None:
+            experts = fast.experts
+            for layer, (row, bits) in enumerate(zip(fast.matrix, fast.step.entropy.tolist(), strict=True)):
+                on_routing(layer, row[:experts].astype(np.int64), bits)
+        return True
+
+    def _emit_compact(self, step: _StepState) -> None:
+        """Any compact step (CUDA layers, a step reduced early, some layers only): the full form's
+        reductions and its one device-to-host copy, then the held vectors filled in layer order."""
+        rows = self._reduced_rows(step)
+        rows.sort(key=lambda row: (row[0][1], row[0][0]))  # layer index order (the vectors' row order)
+        compact = self._compact_step(tuple((entry[1], self._num_experts[entry[1]]) for entry, _, _ in rows))
+        on_routing = self._on_routing
+        for i, ((_, layer, _, _), counts_row, entropy) in enumerate(rows):
+            row = compact.rows[i]
+            experts = counts_row.shape[0]
+            row[:experts] = counts_row
+            compact.entropy[i] = entropy
+            if on_routing is not None:
+                on_routing(layer, counts_row, entropy)
+        compact.emit()
+        if self._any_cuda:
+            self._em.step_device_mark(self._device_time_us(sorted(rows, key=lambda row: row[0][0])))
+
+    def _reduced_rows(self, step: _StepState) -> list[tuple[_Entry, np.ndarray, float]]:
+        """(entry, counts [E] int64, entropy bits) of each of the step's calls, in call order: every
+        group reduced, one device-to-host copy."""
         reduced = step.reduced + self._reduce(step.pending) if step.pending else step.reduced
         rows: list[tuple[_Entry, np.ndarray, float]] = []
         for r, (counts, entropy_bits) in zip(reduced, _to_host(reduced), strict=True):
@@ -699,6 +902,22 @@ class Instrumentation:
         if len(reduced) > 1:
             rows.sort(key=lambda row: row[0][0])
         self._stats["layers"] += len(rows)
+        return rows
+
+    def _device_time_us(self, rows: list[tuple[_Entry, np.ndarray, float]]) -> np.ndarray:
+        """Each call's experts device time (µs; 0 for a host layer), rows in call order; the events
+        are complete after the step's copy."""
+        time_us = np.zeros(len(rows), dtype=np.float32)
+        for i, ((call, layer, _, _), _, _) in enumerate(rows):  # i == call
+            if self._cuda[layer]:
+                start, end = self._events[call]
+                time_us[i] = start.elapsed_time(end) * 1000.0  # ms -> µs
+        return time_us
+
+    def _emit_full(self, step: _StepState) -> None:
+        """The step's deferred layers: reduced together, one device-to-host copy, then their events
+        in call order and the experts times as `moe.step.device`."""
+        rows = self._reduced_rows(step)
         em, zeros, num_experts, on_routing = self._em, self._zeros, self._num_experts, self._on_routing
         layer_push, router_push, routing, pop = em.layer_push, em.router_push, em.routing, em.pop
         experts_push, experts_pop = em.experts_push, em.experts_pop
@@ -714,12 +933,7 @@ class Instrumentation:
             if on_routing is not None:
                 on_routing(layer, counts_row, entropy)
         if self._any_cuda:
-            time_us = np.zeros(len(rows), dtype=np.float32)
-            for i, ((call, layer, _, _), _, _) in enumerate(rows):  # i == call
-                if self._cuda[layer]:
-                    start, end = self._events[call]
-                    time_us[i] = start.elapsed_time(end) * 1000.0  # ms -> µs; complete after the copy
-            em.step_device_mark(time_us)
+            em.step_device_mark(self._device_time_us(rows))
 
 
 def arrange_injection() -> str:
@@ -739,10 +953,14 @@ def arrange_injection() -> str:
 
 def instrument(model: nn.Module, *, routing: str = "step", inject: bool = True,
                domain: moe_nvtx.NvtxDomainLike | None = None,
-               on_routing: RoutingObserver | None = None, defer: bool = True) -> Instrumentation:
+               on_routing: RoutingObserver | None = None, defer: bool = True,
+               compact: bool = True) -> Instrumentation:
     """Finds the model's MoE blocks and emits moe/v2 for every forward call of `model`.
 
     routing: "step" (one `moe.step.routing` vector per step, cheapest) or "layer" (one per layer).
+    compact (with routing="step" and deferred layers; the default): the v2.2 compact form — per
+    layer only `moe.layer`, the step's routing and router entropies as two held vectors; False:
+    also `moe.router` and `moe.experts` per layer (their payloads: entropy, k × tokens).
     inject: set NVTX_INJECTION64_PATH (when unset) before the first NVTX call, so the process can be
     observed by a later `agent start --pid PID`. on_routing: also called per layer and step with the
     routing (a serving process's own statistics; deferred layers: after the step). defer: keep each
@@ -761,7 +979,7 @@ def instrument(model: nn.Module, *, routing: str = "step", inject: bool = True,
         state = ("inactive: no NVTX tool attached (NVTX was initialised before moescope.instrument() "
                  f"without one; {injection})")
     ins = Instrumentation(model=model, discovery=discovery, emitter=emitter, nvtx_state=state, on_routing=on_routing,
-                          defer=defer)
+                          defer=defer, compact=compact and routing == "step")
     log.debug("instrumented %d blocks in %.1f ms", len(discovery.blocks), (time.monotonic_ns() - started_ns) / 1e6)
     return ins
 

@@ -2,7 +2,7 @@
 Writes what the model's own router outputs say (output_router_logits=True, read apart from
 moescope's hooks) as JSON: the truth the agent's parse is compared with.
 
-    python hf_producer.py --arch qwen3_moe --log FILE [--routing step|layer] [--decode-steps N] [--live]
+    python hf_producer.py --arch qwen3_moe --log FILE [--routing step|layer] [--decode-steps N] [--live] [--full]
 
 NVTX_INJECTION64_PATH is not set by the test: instrument() arranges it before the first NVTX call.
 Prints "ready" once instrumented (the ring file exists), waits for "go" on stdin.
@@ -36,9 +36,9 @@ def layer_truth(logits: torch.Tensor, *, top_k: int) -> dict[str, Any]:
     return {"counts": counts.tolist(), "entropy_bits": entropy_bits, "tokens": int(s.shape[0])}
 
 
-def run(*, arch: str, routing: str, decode_steps: int, live: bool) -> dict[str, Any]:
+def run(*, arch: str, routing: str, decode_steps: int, live: bool, full: bool) -> dict[str, Any]:
     model: Any = tiny_model(arch)  # a transformers model: its attributes are not typed
-    ins = moescope.instrument(model, routing=routing, defer=not live)
+    ins = moescope.instrument(model, routing=routing, defer=not live, compact=not full)
     assert ins.active, ins.describe()
     top_k = int(model.config.num_experts_per_tok)
     print("ready", flush=True)
@@ -58,7 +58,7 @@ def run(*, arch: str, routing: str, decode_steps: int, live: bool) -> dict[str, 
             steps.append({"t0": t0, "t1": t1, "tokens": int(ids.numel()),
                           "layers": [layer_truth(x, top_k=top_k) for x in out.router_logits]})
             ids = out.logits[:, -1:].argmax(-1)
-    result = {"arch": arch, "top_k": top_k, "experts": [b.num_experts for b in ins.blocks],
+    result = {"arch": arch, "top_k": top_k, "compact": ins.compact, "experts": [b.num_experts for b in ins.blocks],
               "nvtx": ins.nvtx_state, "stats": ins.stats(), "steps": steps}
     ins.close()
     return result
@@ -71,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--routing", choices=("step", "layer"), default="step")
     p.add_argument("--decode-steps", type=int, default=3)
     p.add_argument("--live", action="store_true", help="live per-layer ranges (defer=False)")
+    p.add_argument("--full", action="store_true", help="moe.router and moe.experts per layer (compact=False)")
     args = p.parse_args(argv)
-    result = run(arch=args.arch, routing=args.routing, decode_steps=args.decode_steps, live=args.live)
+    result = run(arch=args.arch, routing=args.routing, decode_steps=args.decode_steps, live=args.live, full=args.full)
     with open(args.log, "w", encoding="utf-8") as f:
         json.dump(result, f)
     return 0

@@ -491,3 +491,158 @@ def test_a_long_step_is_reduced_early_with_the_same_numbers(monkeypatch: pytest.
     for a, b in zip(early.named("moe.router"), at_end.named("moe.router"), strict=True):
         assert math.isclose(a[3], b[3], abs_tol=1e-12)
     assert len(at_end.named("moe.layer")) == 3
+
+
+def _values(payload: Any) -> np.ndarray:
+    """A vector payload as sent: a held vector (0-d structured array) or a plain array."""
+    return payload["values"] if payload.dtype.names else payload
+
+
+def _steps(domain: RecordingDomain) -> list[list[tuple[str, str, Any, Any, int]]]:
+    """The events of each moe.step range, in order."""
+    steps: list[list[tuple[str, str, Any, Any, int]]] = []
+    for event in domain.events:
+        if event[0] == "push" and event[1] == "moe.step":
+            steps.append([])
+        steps[-1].append(event)
+    return steps
+
+
+def _run_steps(model: Any, *, compact: bool, steps: int = 3) -> tuple[RecordingDomain, list[Any], Any]:
+    """A prefill of 2 x 7 tokens and greedy decode steps, with the model's own router logits."""
+    domain = RecordingDomain()
+    seen: list[tuple[int, list[int], float]] = []
+    ins = moescope.instrument(model, domain=domain, compact=compact,
+                              on_routing=lambda layer, counts, bits: seen.append((layer, counts.tolist(), bits)))
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(21))
+    router_logits: list[Any] = []
+    past = None
+    with torch.no_grad():
+        for _ in range(steps):
+            out = model(input_ids=ids, past_key_values=past, use_cache=True, output_router_logits=True)
+            router_logits.append(out.router_logits)
+            past = out.past_key_values
+            ids = out.logits[:, -1:].argmax(-1)
+    ins.close()
+    return domain, router_logits, (ins, seen)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_compact_steps_carry_the_full_forms_numbers(arch: str) -> None:
+    """The default (moe/v2.2 compact: per layer only moe.layer, the step's routing and entropies as
+    two held vectors) sends, step after step, the numbers of the full form (moe.router and
+    moe.experts per layer) and of the model's own router outputs: counts, k x tokens, entropy."""
+    model: Any = tiny_model(arch, layers=3)
+    compact, truth, (ins, compact_seen) = _run_steps(model, compact=True)
+    full, _, (full_ins, full_seen) = _run_steps(model, compact=False)
+    assert ins.compact and not full_ins.compact and ins.stats()["layers"] == 9
+    top_k = int(model.config.num_experts_per_tok)
+    assert not compact.named("moe.router") and not compact.named("moe.experts") and compact.depth == 0
+    for step, full_step, logits in zip(_steps(compact), _steps(full), truth, strict=True):
+        layers = [(e[0], e[1], e[2], e[3], e[4]) for e in step if e[1] == "moe.layer"]
+        assert layers == [("push", "moe.layer", i + 1, 8, 1) for i in range(3)]
+        (routing,) = [e for e in step if e[1] == "moe.step.routing"]
+        (entropy,) = [e for e in step if e[1] == "moe.step.entropy"]
+        (full_routing,) = [e for e in full_step if e[1] == "moe.step.routing"]
+        full_entropy = [e[3] for e in full_step if e[1] == "moe.router"]
+        assert routing[4] == entropy[4] == 1  # marks inside moe.step
+        assert step[0][3] == full_step[0][3]  # tokens
+        assert _values(routing[3]).tolist() == full_routing[3].tolist()
+        assert np.allclose(_values(entropy[3]), full_entropy, rtol=0, atol=1e-9)
+        rows = _values(routing[3]).reshape(3, 16)
+        for layer, x in enumerate(logits):
+            p = torch.softmax(x.double(), -1)
+            want = torch.bincount(x.topk(top_k, dim=-1).indices.reshape(-1), minlength=8).tolist()
+            assert rows[layer].tolist() == want + [0] * 8 and sum(want) == top_k * x.shape[0] == top_k * step[0][3]
+            assert math.isclose(float(_values(entropy[3])[layer]), entropy_bits(p), abs_tol=1e-6)
+    assert [(layer, counts) for layer, counts, _ in compact_seen] == [(layer, counts) for layer, counts, _ in full_seen]
+    assert np.allclose([b for _, _, b in compact_seen], [b for _, _, b in full_seen], rtol=0, atol=1e-9)
+
+
+class UnevenModel(nn.Module):
+    """Two MoE blocks of different E (6 and 4): compact steps take the general path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack = nn.Sequential(OddMoe(experts=6), nn.ReLU(), OddMoe(experts=4, k=2))
+
+    def forward(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        return self.stack(inputs_embeds)
+
+
+@pytest.mark.parametrize("case", ["uneven", "reduced_early", "changing_layout"])
+def test_compact_general_path_carries_the_full_forms_numbers(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compact steps off the batched fast path (layers of different E; a step reduced early, as a
+    long prefill is) and on it with a router whose layout changes between steps (learned again)
+    carry the full form's numbers."""
+    from moescope.hf import emit
+
+    torch.manual_seed(2)
+    generator = torch.Generator().manual_seed(22)
+    model: nn.Module
+    if case == "reduced_early":
+        monkeypatch.setattr(emit, "_PENDING_ELEMENTS", 1)
+        model = tiny_model("qwen3_moe", layers=3)
+        inputs: list[dict[str, torch.Tensor]] = [
+            {"input_ids": torch.randint(0, 128, shape, generator=generator)} for shape in ((2, 5), (1, 3))]
+    else:
+        model = UnevenModel().eval() if case == "uneven" else PickModel().eval()
+        inputs = [{"inputs_embeds": torch.randn(n, 16, generator=generator)} for n in (5, 3, 4)]
+    routers = [m.router for m in model.modules() if isinstance(m, PickMoe)]
+
+    def run(compact: bool) -> RecordingDomain:
+        domain = RecordingDomain()
+        ins = moescope.instrument(model, domain=domain, compact=compact)
+        with torch.no_grad():
+            for i, kwargs in enumerate(inputs):
+                for router in routers:
+                    router.layout = ("tuple", "logits", "swapped")[i]
+                model(**kwargs)
+        ins.close()
+        assert ins.stats()["hook_errors"] == 0
+        return domain
+
+    compact, full = run(True), run(False)
+    assert not compact.named("moe.router") and compact.depth == 0
+    assert len(compact.named("moe.step.routing")) == len(compact.named("moe.step.entropy")) == len(inputs)
+    for step, full_step in zip(_steps(compact), _steps(full), strict=True):
+        assert [e[2:4] for e in step if e[1] == "moe.layer"] == [e[2:4] for e in full_step if e[1] == "moe.layer"]
+        (routing,) = [_values(e[3]).tolist() for e in step if e[1] == "moe.step.routing"]
+        (full_routing,) = [e[3].tolist() for e in full_step if e[1] == "moe.step.routing"]
+        assert routing == full_routing
+        (entropy,) = [_values(e[3]) for e in step if e[1] == "moe.step.entropy"]
+        assert np.allclose(entropy, [e[3] for e in full_step if e[1] == "moe.router"], rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "probabilities", "sigmoid"])
+@pytest.mark.parametrize("counting", ["loop", "bincount"])
+def test_compact_fast_fill_equals_the_definitions(kind: str, counting: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compact fast path's batched reduction into the held vectors equals a token-by-token
+    count and entropy, with indices outside 0..E-1 (near: -1 and E; far: -5 and E + 3) left out."""
+    from moescope import moe_nvtx
+    from moescope.hf import emit
+    from moescope.hf.scoring import Scoring
+
+    if counting == "bincount":
+        monkeypatch.setattr(emit, "_LOOP_COUNT_ASSIGNMENTS", 0)
+    generator = torch.Generator().manual_seed(23)
+    num_experts, tokens, k, layers = 6, 9, 2, 3
+    for far in (False, True):
+        scores, indices, biases, expected = [], [], [], []
+        for layer in range(layers):
+            raw = torch.randn(tokens, num_experts, generator=generator)
+            scores.append(torch.softmax(raw, -1) if kind == "probabilities" else raw)
+            with_bias = kind == "sigmoid" and layer != 1
+            biases.append(torch.rand(num_experts, generator=generator) * 0.3 if with_bias else None)
+            indices.append(torch.randint(0, num_experts, (tokens, k), generator=generator))
+            indices[-1][0, 0], indices[-1][1, 1] = (-5, num_experts + 3) if far else (-1, num_experts)
+            expected.append(_truth(kind, scores[-1], indices[-1], biases[-1], num_experts))
+        fast = emit._CompactFast(moe_nvtx.CompactStep([num_experts] * layers, domain=None), num_experts)
+        fast.kind, fast.scorings = kind, [Scoring(kind=kind, evidence="", bias=b) for b in biases]
+        for row in fast.step.rows:
+            row[:num_experts] = 7  # a previous step's counts are overwritten (over capacity is never written)
+        out_of_range = fast.fill(tuple(scores), tuple(indices))
+        assert out_of_range == 2 * layers
+        for layer, (want_counts, want_entropy, _) in enumerate(expected):
+            assert fast.step.rows[layer].tolist() == want_counts + [0] * num_experts
+            assert math.isclose(float(fast.step.entropy[layer]), want_entropy, abs_tol=1e-6)

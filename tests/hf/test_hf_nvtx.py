@@ -59,13 +59,18 @@ def run_producer(tmp_path: Path, ring_dir: Path, *args: str) -> tuple[list[StepE
         kill_group(proc)
 
 
-@pytest.mark.parametrize("arch,routing,live", [("mixtral", "step", False), ("qwen2_moe", "step", False),
-                                               ("qwen3_moe", "layer", False), ("qwen3_moe", "step", True)])
+@pytest.mark.parametrize("arch,routing,mode", [
+    ("mixtral", "step", "compact"), ("qwen2_moe", "step", "compact"), ("qwen3_moe", "step", "compact"),
+    ("mixtral", "step", "full"), ("qwen3_moe", "layer", "full"), ("qwen3_moe", "step", "live")])
 def test_agent_counts_equal_the_models_own_router_outputs(tmp_path: Path, ring_dir: Path, arch: str,
-                                                          routing: str, live: bool) -> None:
-    """Deferred (the default: layers emitted after the step) and live (defer=False) paths."""
+                                                          routing: str, mode: str) -> None:
+    """Deferred (the default: layers emitted after the step) in the compact form (the default:
+    moe.step.routing + moe.step.entropy, per layer only moe.layer) and the full form (moe.router and
+    moe.experts per layer), and live (defer=False) paths."""
     steps, truth, stats = run_producer(tmp_path, ring_dir, "--arch", arch, "--routing", routing,
-                                       *(["--live"] if live else []))
+                                       *({"live": ["--live"], "full": ["--full"]}.get(mode, [])))
+    compact = mode == "compact"
+    assert truth["compact"] == compact
     assert truth["nvtx"].startswith("active (NVTX_INJECTION64_PATH set by moescope.instrument()")
     assert truth["stats"]["hook_errors"] == truth["stats"]["layers_without_scores"] == 0
     top_k = truth["top_k"]
@@ -84,6 +89,11 @@ def test_agent_counts_equal_the_models_own_router_outputs(tmp_path: Path, ring_d
             assert over_capacity == [0] * 8
             assert math.isclose(router.entropy_bits, wl["entropy_bits"], abs_tol=1e-6)
             assert 0.0 < router.entropy_bits <= math.log2(8)
+            assert router.routed() == top_k * want["tokens"]  # what the agent reports as routed
+            if compact:  # no moe.router / moe.experts ranges: an untimed router, no experts span
+                assert not router.timed and layer.experts is None
+                continue
+            assert router.timed
             assert layer.experts is not None and layer.experts.tokens == top_k * want["tokens"]
             assert layer.start_ns <= router.start_ns and layer.experts.end_ns <= layer.end_ns
     assert stats["malformed_vectors"] == stats["misplaced"] == stats["orphans"] == stats["unknown_names"] == 0
