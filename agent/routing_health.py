@@ -451,14 +451,7 @@ def layer_table(
         block = None
     fast = _native_health(c, d) if rows else None
     if fast is not None:
-        entropy = fast.entropy_bits
-        return LayerTable(
-            layers=index, tokens=c, dropped=d, router_entropy_bits=h_r, tokens_total=fast.total,
-            dropped_total=fast.dropped, entropy_bits=entropy,
-            entropy_normalised=np.where(fast.total > 0, 1.0, NAN) if e == 1 else entropy / math.log2(e),
-            gini=fast.gini, max_share=fast.max_share, cv=fast.cv, drop_fraction=fast.drop_fraction,
-            router_entropy_normalised=router_norm, block=block,
-        )
+        return LayerTable(layers=index, tokens=c, dropped=d, block=block, **_health_columns(fast, h_r, e))
     if rows and (c.min() < 0 or d.min() < 0):
         raise ValueError("expert counts must be >= 0")
     n = c.sum(axis=1, dtype=np.int64)
@@ -573,15 +566,21 @@ def steps_table(*, layers: CountVector, blocks: CountMatrix, router_entropy_bits
     fast = native.count_rows(blocks[:, :, :e], blocks[:, :, e:], _CLOG2C)
     if fast is None:
         return None
-    entropy = fast.entropy_bits
     h_r = np.asarray(router_entropy_bits, dtype=np.float64)
-    return StepsTable(
-        layers=layers, blocks=blocks, router_entropy_bits=h_r, tokens_total=fast.total,
-        dropped_total=fast.dropped, entropy_bits=entropy,
-        entropy_normalised=np.where(fast.total > 0, 1.0, NAN) if e == 1 else entropy / math.log2(e),
-        gini=fast.gini, max_share=fast.max_share, cv=fast.cv, drop_fraction=fast.drop_fraction,
-        router_entropy_normalised=np.full(k * rows, NAN) if e == 1 else h_r / math.log2(e),
-    )
+    return StepsTable(layers=layers, blocks=blocks, **_health_columns(fast, h_r, e))
+
+
+def _health_columns(fast: native.RowHealth, h_r: FloatVector, e: int) -> dict[str, npt.NDArray[Any]]:
+    """The health columns of LayerTable and StepsTable from the native pass's rows (one definition
+    of the normalisations: by log2 E; E = 1 has one outcome, normalised entropy 1 where routed)."""
+    entropy = fast.entropy_bits
+    return {
+        "router_entropy_bits": h_r, "tokens_total": fast.total, "dropped_total": fast.dropped,
+        "entropy_bits": entropy,
+        "entropy_normalised": np.where(fast.total > 0, 1.0, NAN) if e == 1 else entropy / math.log2(e),
+        "gini": fast.gini, "max_share": fast.max_share, "cv": fast.cv, "drop_fraction": fast.drop_fraction,
+        "router_entropy_normalised": np.full(len(h_r), NAN) if e == 1 else h_r / math.log2(e),
+    }
 
 
 def _rank_sums(c: CountMatrix, top: int) -> CountVector:
