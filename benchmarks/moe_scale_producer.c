@@ -28,7 +28,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../collectors/nvtx_inject/nvtx_abi.h"
+#include "../collectors/nvtx_inject/nvtx_client.h"
 
 #define POOL_STEPS 16
 #define CAPACITY_FACTOR 1.25
@@ -54,24 +54,6 @@ typedef void (*mark_fn)(msnvtx_domain_handle, const msnvtx_event_attributes *);
 typedef msnvtx_domain_handle (*domain_create_fn)(const char *);
 typedef msnvtx_string_handle (*register_fn)(msnvtx_domain_handle, const char *);
 
-static msnvtx_function_pointer core_slots[16];
-static msnvtx_function_pointer core2_slots[16];
-static msnvtx_function_pointer *core_table[16];
-static msnvtx_function_pointer *core2_table[16];
-
-static int get_module(int module, msnvtx_function_table *out, unsigned int *size) {
-    if (module == MSNVTX_CB_MODULE_CORE) *out = core_table;
-    else if (module == MSNVTX_CB_MODULE_CORE2) *out = core2_table;
-    else return 0;
-    *size = 16;
-    return 1;
-}
-
-static const msnvtx_export_table_callbacks callbacks = {sizeof callbacks, get_module};
-
-static const void *get_export_table(uint32_t id) {
-    return id == MSNVTX_ETID_CALLBACKS ? &callbacks : NULL;
-}
 
 static uint64_t clock_ns(clockid_t clock) {
     struct timespec ts;
@@ -171,21 +153,16 @@ int main(int argc, char **argv) {
         return 2;
     }
     int v2 = strcmp(convention, "v2") == 0, compact = strcmp(convention, "v2-compact") == 0;
-    for (int i = 0; i < 16; i++) {
-        core_table[i] = &core_slots[i];
-        core2_table[i] = &core2_slots[i];
-    }
     const char *tool = getenv("NVTX_INJECTION64_PATH");
     int have_tool = 0;
     if (tool && *tool) {
-        void *lib = dlopen(tool, RTLD_NOW);
-        if (!lib) {
+        void *lib;
+        int loaded = msclient_load(tool, &lib);
+        if (loaded == 1) {
             fprintf(stderr, "dlopen: %s\n", dlerror());
             return 1;
         }
-        int (*init)(msnvtx_get_export_table_fn) =
-            (int (*)(msnvtx_get_export_table_fn))dlsym(lib, "InitializeInjectionNvtx2");
-        if (!init || !init(get_export_table)) {
+        if (loaded) {
             fprintf(stderr, "injection init failed\n");
             return 1;
         }

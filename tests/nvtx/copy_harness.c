@@ -18,27 +18,13 @@
 #include <string.h>
 #include <time.h>
 
-#include "../../collectors/nvtx_inject/nvtx_abi.h"
+#include "../../collectors/nvtx_inject/nvtx_client.h"
 
 typedef void (*mark_fn)(msnvtx_domain_handle, const msnvtx_event_attributes *);
 typedef msnvtx_domain_handle (*domain_create_fn)(const char *);
 typedef uint64_t (*schema_register_fn)(msnvtx_domain_handle, const msnvtx_schema_attr *);
 
-static msnvtx_function_pointer core_slots[16], core2_slots[16];
-static msnvtx_function_pointer *core_table[16], *core2_table[16];
 static intptr_t payload_slots[63];
-
-static int get_module(int module, msnvtx_function_table *out, unsigned int *size) {
-    if (module == MSNVTX_CB_MODULE_CORE) *out = core_table;
-    else if (module == MSNVTX_CB_MODULE_CORE2) *out = core2_table;
-    else return 0;
-    *size = 16;
-    return 1;
-}
-static const msnvtx_export_table_callbacks callbacks = {sizeof callbacks, get_module};
-static const void *get_export_table(uint32_t id) {
-    return id == MSNVTX_ETID_CALLBACKS ? (const void *)&callbacks : NULL;
-}
 
 /* int32 element counts: below, at and above 2 KiB of bytes, odd tails, up to 200 KiB */
 static const uint32_t lengths[] = {16, 509, 510, 511, 512, 1021, 1024, 4093, 16384, 29696, 51201};
@@ -51,15 +37,11 @@ static const uint32_t gaps[] = {0, 8, 16, 24, 40, 63, 64, 200, 2048};
 int main(int argc, char **argv) {
     if (argc != 3) return 2;
     long events = atol(argv[2]);
-    for (int i = 0; i < 16; i++) {
-        core_table[i] = &core_slots[i];
-        core2_table[i] = &core2_slots[i];
-    }
-    void *lib = dlopen(argv[1], RTLD_NOW);
-    if (!lib) return 3;
-    int (*init)(msnvtx_get_export_table_fn) = (int (*)(msnvtx_get_export_table_fn))dlsym(lib, "InitializeInjectionNvtx2");
+    void *lib;
+    int loaded = msclient_load(argv[1], &lib);
+    if (loaded) return loaded + 2; /* 3: dlopen, 4: the initializer */
     int (*init_ext)(msnvtx_ext_module_info *) = (int (*)(msnvtx_ext_module_info *))dlsym(lib, "InitializeInjectionNvtxExtension");
-    if (!init || !init_ext || !init(get_export_table)) return 4;
+    if (!init_ext) return 4;
     mark_fn mark = (mark_fn)core2_slots[MSNVTX_CORE2_DomainMarkEx];
     if (!mark) return 5;
     msnvtx_domain_handle domain = ((domain_create_fn)core2_slots[MSNVTX_CORE2_DomainCreateA])("copy");

@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../collectors/nvtx_inject/nvtx_abi.h"
+#include "../../collectors/nvtx_inject/nvtx_client.h"
 
 typedef void (*mark_fn)(msnvtx_domain_handle, const msnvtx_event_attributes *);
 typedef int (*push_fn)(msnvtx_domain_handle, const msnvtx_event_attributes *);
@@ -24,21 +24,7 @@ typedef msnvtx_domain_handle (*domain_create_fn)(const char *);
 typedef uint64_t (*schema_register_fn)(msnvtx_domain_handle, const msnvtx_schema_attr *);
 typedef uint8_t (*is_enabled_fn)(msnvtx_domain_handle);
 
-static msnvtx_function_pointer core_slots[16], core2_slots[16];
-static msnvtx_function_pointer *core_table[16], *core2_table[16];
 static intptr_t payload_slots[63];
-
-static int get_module(int module, msnvtx_function_table *out, unsigned int *size) {
-    if (module == MSNVTX_CB_MODULE_CORE) *out = core_table;
-    else if (module == MSNVTX_CB_MODULE_CORE2) *out = core2_table;
-    else return 0;
-    *size = 16;
-    return 1;
-}
-static const msnvtx_export_table_callbacks callbacks = {sizeof callbacks, get_module};
-static const void *get_export_table(uint32_t id) {
-    return id == MSNVTX_ETID_CALLBACKS ? (const void *)&callbacks : NULL;
-}
 
 static mark_fn mark;
 static push_fn push;
@@ -103,15 +89,11 @@ static void *worker(void *arg) {
 int main(int argc, char **argv) {
     if (argc != 4) return 2;
     thread_events = atol(argv[3]);
-    for (int i = 0; i < 16; i++) {
-        core_table[i] = &core_slots[i];
-        core2_table[i] = &core2_slots[i];
-    }
-    void *lib = dlopen(argv[1], RTLD_NOW);
-    if (!lib) return 3;
-    int (*init)(msnvtx_get_export_table_fn) = (int (*)(msnvtx_get_export_table_fn))dlsym(lib, "InitializeInjectionNvtx2");
+    void *lib;
+    int loaded = msclient_load(argv[1], &lib);
+    if (loaded) return loaded + 2; /* 3: dlopen, 4: the initializer */
     int (*init_ext)(msnvtx_ext_module_info *) = (int (*)(msnvtx_ext_module_info *))dlsym(lib, "InitializeInjectionNvtxExtension");
-    if (!init || !init_ext || !init(get_export_table)) return 4;
+    if (!init_ext) return 4;
     mark = (mark_fn)core2_slots[MSNVTX_CORE2_DomainMarkEx];
     push = (push_fn)core2_slots[MSNVTX_CORE2_DomainRangePushEx];
     pop = (pop_fn)core2_slots[MSNVTX_CORE2_DomainRangePop];

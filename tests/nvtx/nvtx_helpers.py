@@ -79,6 +79,13 @@ def drain_until_finished(collector: NvtxCollector, *, poll_sleep_s: float = 0.00
         time.sleep(poll_sleep_s)
 
 
+def close_harness(collector: NvtxCollector | None, proc: subprocess.Popen[str]) -> None:
+    """A harness run's cleanup, whatever happened: the collector closed, the process group gone."""
+    if collector is not None:
+        collector.close()
+    kill_group(proc)
+
+
 def kill_group(proc: subprocess.Popen[str]) -> None:
     """Kill a started process's whole group (it runs in its own session) and close its pipes."""
     if proc.poll() is None:

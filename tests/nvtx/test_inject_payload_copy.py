@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 from abi_harness import build_c_harness
-from nvtx_helpers import WAIT_S, Capture, drain_until_finished
+from nvtx_helpers import WAIT_S, Capture, close_harness, drain_until_finished
 
 from moescope.collectors.nvtx import PAYLOAD_EXT, NvtxCollector, injection_library_path
 
@@ -42,11 +42,7 @@ def test_payload_bytes_arrive_intact_through_both_copy_paths(tmp_path: Path, rin
         assert proc.stdout.read().strip() == "done"
         stats = collector.stats()
     finally:
-        if collector is not None:
-            collector.close()
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait(timeout=10)
+        close_harness(collector, proc)
 
     marks = sorted(((int(m["ts_ns"]), batch, m) for batch in capture.batches for m in batch.marks
                     if int(m["payload_type"]) == PAYLOAD_EXT), key=lambda item: item[0])

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from nvtx_helpers import HERE, Capture, drain_until_finished
+from nvtx_helpers import HERE, Capture, close_harness, drain_until_finished
 
 import moescope.collectors.nvtx as nv
 from moescope.collectors.nvtx import NvtxCollector, injection_library_path
@@ -76,11 +76,7 @@ def test_core_and_core2_callbacks_through_the_abi(tmp_path: Path, ring_dir: Path
         assert proc.wait(timeout=60) == 0
         stats = collector.stats()
     finally:
-        if collector is not None:
-            collector.close()
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait(timeout=10)
+        close_harness(collector, proc)
     log = json.loads(log_path.read_text())
     strings = collector.strings
     assert log["init"] == [1, 1]  # idempotent: the second object is served by the same ring

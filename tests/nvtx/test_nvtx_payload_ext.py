@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 from abi_harness import build_c_harness
-from nvtx_helpers import WAIT_S, Capture, Producer, drain_until_finished
+from nvtx_helpers import WAIT_S, Capture, Producer, close_harness, drain_until_finished
 
 from moescope.collectors.nvtx import (
     ENTRY_FLAG_ARRAY_LENGTH_INDEX,
@@ -97,11 +97,7 @@ def _run_c_harness(tmp_path: Path, ring_dir: Path, *, thread_events: int,
         assert proc.wait(timeout=WAIT_S) == 0  # the process finishes: nothing crashed it
         stats = collector.stats()
     finally:
-        if collector is not None:
-            collector.close()
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait(timeout=10)
+        close_harness(collector, proc)
     return json.loads(log_path.read_text()), stats, capture, collector
 
 
