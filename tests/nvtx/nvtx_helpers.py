@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from moescope.collectors.moe_convention import MoeConventionParser, StepEvent
-from moescope.collectors.nvtx import MARK_DTYPE, RANGE_DTYPE, NvtxBatch, NvtxCollector, StringTable
+from moescope.collectors.nvtx import MARK_DTYPE, PAYLOAD_I64, RANGE_DTYPE, NvtxBatch, NvtxCollector, StringTable
 
 HERE = Path(__file__).resolve().parent
 PRODUCER = HERE / "producer.py"
@@ -127,11 +127,55 @@ def plain(value: object) -> object:
     return value
 
 
-def tape_batches(events: list[tuple[str, int]], ranges: list[dict[str, Any]], marks: list[dict[str, Any]],
-                 lost: set[int], cuts: list[int], strings: StringTable, *, domain: int,
+class Tape:
+    """One thread's NVTX events in ring order, as the agent's nesting would hand them on: completed
+    ranges and marks with their parents (names as string ids from ``sids``)."""
+
+    def __init__(self, sids: dict[str, int]) -> None:
+        self.sids = sids
+        self.t = 1000
+        self.uid = 0
+        self.stack: list[int] = []
+        self.open: dict[int, dict[str, Any]] = {}
+        self.ranges: list[dict[str, Any]] = []
+        self.marks: list[dict[str, Any]] = []
+        self.events: list[tuple[str, int]] = []  # ("range" | "mark", index), in completion order
+
+    def push(self, name: str, *, category: int = 0, payload: int = 0, ptype: int = PAYLOAD_I64) -> dict[str, Any]:
+        self.t += 7
+        self.uid += 1
+        row = {"uid": self.uid, "parent_uid": self.stack[-1] if self.stack else 0, "start_ns": self.t,
+               "string_id": self.sids[name], "category": category, "payload": payload, "payload_type": ptype,
+               "depth": len(self.stack)}
+        self.stack.append(self.uid)
+        self.open[self.uid] = row
+        return row
+
+    def pop(self, *, recorded: bool = True) -> int:
+        """Ends the innermost range; `recorded` False: its pop never reaches the ring."""
+        self.t += 5
+        uid = self.stack.pop()
+        row = self.open.pop(uid)
+        if recorded:
+            row["end_ns"] = self.t
+            self.ranges.append(row)
+            self.events.append(("range", len(self.ranges) - 1))
+        return uid
+
+    def mark(self, name: str, *, category: int = 0, payload: int = 0, ptype: int = PAYLOAD_I64,
+             parent: int | None = None) -> None:
+        self.t += 3
+        self.marks.append({"parent_uid": self.stack[-1] if parent is None else parent, "ts_ns": self.t,
+                           "string_id": self.sids[name], "category": category, "payload": payload,
+                           "payload_type": ptype})
+        self.events.append(("mark", len(self.marks) - 1))
+
+
+def tape_batches(tape: Tape, lost: set[int], cuts: list[int], strings: StringTable, *, domain: int,
                  tid: int = 77) -> list[NvtxBatch]:
-    """A recorded tape of ("range" | "mark", index) events cut into NvtxBatches at ``cuts``: ranges
-    whose uid is in ``lost`` are reported lost (lost_uids) where the range would have been."""
+    """The tape's events cut into NvtxBatches at ``cuts``: ranges whose uid is in ``lost`` are
+    reported lost (lost_uids) where the range would have been."""
+    events, ranges, marks = tape.events, tape.ranges, tape.marks
     bounds = sorted({min(c, len(events)) for c in cuts} | {0, len(events)})
     out = []
     for lo, hi in zip(bounds, bounds[1:], strict=False):

@@ -10,7 +10,7 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from nvtx_helpers import assert_paths_agree, parse_steps, tape_batches
+from nvtx_helpers import Tape, assert_paths_agree, parse_steps, tape_batches
 
 from moescope.collectors import moe_convention
 from moescope.collectors.moe_convention import MoeConventionParser, StepEvent
@@ -40,44 +40,6 @@ def _strings() -> StringTable:
     return table
 
 
-class _Tape:
-    """One thread's events in ring order, turned into completed ranges and marks with parents."""
-
-    def __init__(self) -> None:
-        self.t = 1000
-        self.uid = 0
-        self.stack: list[int] = []
-        self.ranges: list[dict[str, Any]] = []  # in completion order
-        self.marks: list[dict[str, Any]] = []
-        self.events: list[tuple[str, int]] = []  # ("range"|"mark", index): the ring order of completions
-
-    def push(self, name: str, *, category: int = 0, payload: int = 0, ptype: int = PAYLOAD_I64) -> dict[str, Any]:
-        self.t += 7
-        self.uid += 1
-        row = {"uid": self.uid, "parent_uid": self.stack[-1] if self.stack else 0, "start_ns": self.t,
-               "string_id": SID[name], "category": category, "payload": payload, "payload_type": ptype,
-               "depth": len(self.stack)}
-        self.stack.append(self.uid)
-        self._open = getattr(self, "_open", {})
-        self._open[self.uid] = row
-        return row
-
-    def pop(self) -> None:
-        self.t += 5
-        uid = self.stack.pop()
-        row = self._open.pop(uid)
-        row["end_ns"] = self.t
-        self.ranges.append(row)
-        self.events.append(("range", len(self.ranges) - 1))
-
-    def mark(self, name: str, *, category: int = 0, payload: int = 0, ptype: int = PAYLOAD_I64,
-             parent: int | None = None) -> None:
-        self.t += 3
-        self.marks.append({"parent_uid": self.stack[-1] if parent is None else parent, "ts_ns": self.t,
-                           "string_id": SID[name], "category": category, "payload": payload, "payload_type": ptype})
-        self.events.append(("mark", len(self.marks) - 1))
-
-
 def _double(x: float) -> int:
     value: int = struct.unpack("<Q", struct.pack("<d", x))[0]
     return value
@@ -94,8 +56,8 @@ step_shape = st.fixed_dictionaries({
 })
 
 
-def _tape(steps: list[dict[str, Any]]) -> tuple[_Tape, set[int]]:
-    tape = _Tape()
+def _tape(steps: list[dict[str, Any]]) -> tuple[Tape, set[int]]:
+    tape = Tape(SID)
     lost: set[int] = set()
     for s in steps:
         edit, at = s["edit"], s["edit_at"]
@@ -155,8 +117,8 @@ def _tape(steps: list[dict[str, Any]]) -> tuple[_Tape, set[int]]:
     return tape, lost
 
 
-def _batches(tape: _Tape, lost: set[int], cuts: list[int]) -> list[NvtxBatch]:
-    return tape_batches(tape.events, tape.ranges, tape.marks, lost, cuts, _strings(), domain=DOMAIN)
+def _batches(tape: Tape, lost: set[int], cuts: list[int]) -> list[NvtxBatch]:
+    return tape_batches(tape, lost, cuts, _strings(), domain=DOMAIN)
 
 
 def _run(batches: list[NvtxBatch], *, fast: bool) -> tuple[list[StepEvent], dict[str, int]]:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from nvtx_helpers import assert_paths_agree, plain, tape_batches
+from nvtx_helpers import Tape, assert_paths_agree, plain, tape_batches
 
 from moescope.agent.join import RequestJoin
 from moescope.collectors import moe_convention
@@ -56,47 +56,6 @@ def _u64(value: int) -> int:
     return value & ((1 << 64) - 1)  # a signed payload as its 64-bit pattern
 
 
-class _Tape:
-    """One thread's events in ring order: completed ranges and marks with their parents."""
-
-    def __init__(self) -> None:
-        self.t = 1000
-        self.uid = 0
-        self.stack: list[int] = []
-        self.open: dict[int, dict[str, Any]] = {}
-        self.ranges: list[dict[str, Any]] = []
-        self.marks: list[dict[str, Any]] = []
-        self.events: list[tuple[str, int]] = []  # ("range" | "mark", index), in completion order
-
-    def push(self, name: str, *, category: int = 0, payload: int = 0, ptype: int = PAYLOAD_I64) -> dict[str, Any]:
-        self.t += 7
-        self.uid += 1
-        row = {"uid": self.uid, "parent_uid": self.stack[-1] if self.stack else 0, "start_ns": self.t,
-               "string_id": SID[name], "category": category, "payload": payload, "payload_type": ptype,
-               "depth": len(self.stack)}
-        self.stack.append(self.uid)
-        self.open[self.uid] = row
-        return row
-
-    def pop(self, *, recorded: bool = True) -> int:
-        """Ends the innermost range; `recorded` False: its pop never reaches the ring."""
-        self.t += 5
-        uid = self.stack.pop()
-        row = self.open.pop(uid)
-        if recorded:
-            row["end_ns"] = self.t
-            self.ranges.append(row)
-            self.events.append(("range", len(self.ranges) - 1))
-        return uid
-
-    def mark(self, name: str, *, category: int = 0, payload: int = 0, ptype: int = PAYLOAD_I64,
-             parent: int | None = None) -> None:
-        self.t += 3
-        self.marks.append({"parent_uid": self.stack[-1] if parent is None else parent, "ts_ns": self.t,
-                           "string_id": SID[name], "category": category, "payload": payload, "payload_type": ptype})
-        self.events.append(("mark", len(self.marks) - 1))
-
-
 counts = st.lists(st.tuples(st.integers(0, E - 1), st.integers(-3, 40)), max_size=8)  # duplicates on purpose
 layer_shape = st.fixed_dictionaries({"tokens": counts, "dropped": counts,
                                      "ffns": st.lists(st.integers(0, E - 1), max_size=4, unique=True)})
@@ -109,8 +68,8 @@ step_shape = st.fixed_dictionaries({
 })
 
 
-def _tape(steps: list[dict[str, Any]]) -> tuple[_Tape, set[int]]:
-    tape = _Tape()
+def _tape(steps: list[dict[str, Any]]) -> tuple[Tape, set[int]]:
+    tape = Tape(SID)
     lost: set[int] = set()
     for s in steps:
         edit, at = s["edit"], s["edit_at"]
@@ -175,8 +134,8 @@ def _tape(steps: list[dict[str, Any]]) -> tuple[_Tape, set[int]]:
     return tape, lost
 
 
-def _batches(tape: _Tape, lost: set[int], cuts: list[int]) -> list[NvtxBatch]:
-    return tape_batches(tape.events, tape.ranges, tape.marks, lost, cuts, _strings(), domain=DOMAIN)
+def _batches(tape: Tape, lost: set[int], cuts: list[int]) -> list[NvtxBatch]:
+    return tape_batches(tape, lost, cuts, _strings(), domain=DOMAIN)
 
 
 def _parse(batches: list[NvtxBatch], *, fast: bool) -> tuple[list[StepEvent], dict[str, int]]:
