@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import struct
 import subprocess
 import time
 from collections.abc import Callable
@@ -124,6 +125,21 @@ def plain(value: object) -> object:
         return [plain(v) for v in value]
     if isinstance(value, dict):
         return {k: plain(v) for k, v in value.items()}
+    return value
+
+
+def string_table(sids: dict[str, int], *, domain: int, domain_name: str = "moe") -> StringTable:
+    """The agent's string table for a tape: ``domain`` named, every name under its id."""
+    table = StringTable()
+    table.domains[domain] = domain_name
+    for name, sid in sids.items():
+        table.add_string(sid, name)
+    return table
+
+
+def double_bits(x: float) -> int:
+    """A double payload as the 64 bits the ring carries."""
+    value: int = struct.unpack("<Q", struct.pack("<d", x))[0]
     return value
 
 

@@ -5,12 +5,11 @@ Both must give the same steps and the same counters, whatever the input."""
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from nvtx_helpers import Tape, assert_paths_agree, parse_steps, tape_batches
+from nvtx_helpers import Tape, assert_paths_agree, double_bits, parse_steps, string_table, tape_batches
 
 from moescope.collectors import moe_convention
 from moescope.collectors.moe_convention import MoeConventionParser, StepEvent
@@ -33,16 +32,10 @@ EDITS = ("none", "unknown name", "foreign name", "payload type", "category 0", "
 
 
 def _strings() -> StringTable:
-    table = StringTable()
-    table.domains[DOMAIN] = "moe"
-    for name, sid in SID.items():
-        table.add_string(sid, name)
-    return table
+    return string_table(SID, domain=DOMAIN)
 
 
-def _double(x: float) -> int:
-    value: int = struct.unpack("<Q", struct.pack("<d", x))[0]
-    return value
+_double = double_bits
 
 
 step_shape = st.fixed_dictionaries({

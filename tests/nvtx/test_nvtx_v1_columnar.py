@@ -7,13 +7,12 @@ the same numbers once the agent's join has turned them into count matrices."""
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from nvtx_helpers import Tape, assert_paths_agree, plain, tape_batches
+from nvtx_helpers import Tape, assert_paths_agree, double_bits, plain, string_table, tape_batches
 
 from moescope.agent.join import RequestJoin
 from moescope.collectors import moe_convention
@@ -40,16 +39,10 @@ EDITS = ("none", "mark under step", "mark under layer", "mark with no parent", "
 
 
 def _strings() -> StringTable:
-    table = StringTable()
-    table.domains[DOMAIN] = "moe"
-    for name, sid in SID.items():
-        table.add_string(sid, name)
-    return table
+    return string_table(SID, domain=DOMAIN)
 
 
-def _double(x: float) -> int:
-    value: int = struct.unpack("<Q", struct.pack("<d", x))[0]
-    return value
+_double = double_bits
 
 
 def _u64(value: int) -> int:
