@@ -342,7 +342,7 @@ class TraceOutput:
         cached = self._group_health
         if cached is None or cached[0] is not group:
             cached = self._group_health = (group, steps_health_attributes(group))
-        return dict(cached[1][b.group_index])
+        return cached[1][b.group_index]  # (_step_tree copies what it takes from _sampled_health)
 
     def _device_events(self, step: StepEvent) -> list[SpanEvent]:
         memory = self._memory
