@@ -24,12 +24,16 @@ NET_PEERS = HERE / "net_peers.py"
 WAIT_S = 60.0  # generous: only bounds waiting, never asserted on
 _names = count()
 
-# One packet in ten leaves loopback never: TCP has to retransmit (this kernel has no netem).
+# One packet in ten that loopback delivers is dropped on arrival: TCP has to retransmit (this
+# kernel has no netem). On arrival, not on the way out: a packet dropped at the output hook fails
+# its send back to TCP, which queues it again as new data (not a retransmit), so only a lost
+# tail ACK ever forced a resend; 4 x 256 KiB then retransmitted 0-5 segments and CI once saw 0.
+# Dropped on input, the sender believes it sent the segment: ~20 retransmits per connection.
 DROP_RULESET = """
 table inet moescope_netsig_test {
-  chain out {
-    type filter hook output priority 0; policy accept;
-    oif "lo" numgen random mod 10 0 drop
+  chain in {
+    type filter hook input priority 0; policy accept;
+    iif "lo" numgen random mod 10 0 drop
   }
 }
 """
