@@ -53,6 +53,12 @@ def _rank(count: int, q_exact: Fraction) -> int:
     return max(1, math.ceil(q_exact * count))
 
 
+def percentile_rank(count: int, pct: float) -> int:
+    """1-based nearest rank of the ``pct`` percentile (0..100) among ``count`` values: the rule of
+    ``nearest_rank`` (``pct`` taken as the decimal it is written as; the fraction is cached)."""
+    return _rank(count, _exact_fraction(pct, scale=100))
+
+
 def nearest_rank_position(count: int, q: float) -> int:
     """0-based index of the nearest-rank ``q``-quantile (0..1) among ``count >= 1`` sorted values."""
     if count < 1:

@@ -21,6 +21,8 @@ from moescope.agent import state as st
 from moescope.probes.ingress.aggregate import RequestTotals
 
 DEFAULT_PERIOD_NS = 250_000_000
+# (the two readings' times, seconds between them, their difference, the newest reading)
+_Delta = tuple[tuple[int, int], float, RequestTotals, RequestTotals]
 
 
 class KernelRequestWindow:
@@ -41,6 +43,10 @@ class KernelRequestWindow:
         self._lock = threading.Lock()  # tick on the daemon thread; panel/p99 on the publisher's, the policy's
         self._readings: deque[tuple[int, RequestTotals]] = deque()
         self._last_ns: int | None = None
+        # The last difference, by the readings it spans: the policy asks for the p99 five times a
+        # second and the live view for the panel, while the readings change every period.
+        self._delta_cache: _Delta | None = None
+        self._p99_cache: tuple[tuple[int, int], float] | None = None
 
     def tick(self, now_ns: int) -> None:
         """Daemon tick hook: a reading every period."""
@@ -60,26 +66,40 @@ class KernelRequestWindow:
             while len(self._readings) > 1 and self._readings[1][0] <= horizon:
                 self._readings.popleft()
 
-    def _delta(self) -> tuple[float, RequestTotals, RequestTotals] | None:
-        """(seconds covered, the difference, the newest reading); None before two readings."""
+    def _delta(self) -> _Delta | None:
+        """(the readings' times, seconds covered, the difference, the newest reading); None before
+        two readings. The difference is computed once per pair of readings."""
         with self._lock:
             if len(self._readings) < 2:
                 return None
             (first_ns, first), (last_ns, last) = self._readings[0], self._readings[-1]
-        return (last_ns - first_ns) / 1e9, last - first, last
+        key = (first_ns, last_ns)
+        cached = self._delta_cache
+        if cached is not None and cached[0] == key:
+            return cached
+        found = key, (last_ns - first_ns) / 1e9, last - first, last
+        self._delta_cache = found
+        return found
 
     def p99_ms(self) -> float:
         """p99 kernel latency over the window (ms); NaN when no request was answered in it."""
         found = self._delta()
-        value = found[1].percentile_ns(99) if found is not None else None
-        return math.nan if value is None else value / 1e6
+        if found is None:
+            return math.nan
+        cached = self._p99_cache
+        if cached is not None and cached[0] == found[0]:
+            return cached[1]
+        value = found[2].percentile_ns(99)
+        p99 = math.nan if value is None else value / 1e6
+        self._p99_cache = (found[0], p99)
+        return p99
 
     def panel(self, *, in_flight: int | None = None) -> st.Requests:
         """The Requests panel of the live-state snapshot."""
         found = self._delta()
         if found is None:
             return st.Requests(window_s=self.window_ns / 1e9, in_flight=in_flight)
-        seconds, delta, last = found
+        _, seconds, delta, last = found
 
         def ms(pct: float) -> float | None:
             value = delta.percentile_ns(pct)
