@@ -21,15 +21,16 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PERIOD_NS = 50_000_000  # drain period: bounds ring occupancy and report delay
 # A quiet loop ticks less often: after a round that handled at most QUIET_EVENTS events the period
-# doubles, up to IDLE_PERIOD_FACTOR x the base (50 -> 100 -> 200 ms); a busier round brings it back
+# doubles, up to IDLE_PERIOD_FACTOR x the base (50 -> 100 -> 150 ms); a busier round brings it back
 # to the base at once. A round costs ~1 ms however little it finds (every source's poll, the hooks),
-# which at 20 Hz was most of an idle agent's CPU (3.3 % of a core beside an idle runtime). The rings
-# are sized for it: the ingress ring holds 200 ms at its rate hint (100k requests/s) and an NVTX
-# ring of 65536 records 200 ms at 327k records/s, so a burst out of quiet loses nothing while the
-# first busy round comes. 1024 events a round is 5k/s at 200 ms: the reference load (~14 steps/s,
-# ~500 NVTX records/s) stays slow, nginx at 40k requests/s or a production-shape producer does not.
+# which at 20 Hz was most of an idle agent's CPU (3.3 % of a core beside an idle runtime). The cap
+# is what the rings absorb while the first busy round comes: the ingress ring holds 200 ms at its
+# rate hint (100k requests/s); a 65536-record NVTX ring holds 180 ms of moe/v1 at Qwen3-30B-A3B
+# depth and 20 steps/s (~360k records/s), the heaviest producer measured, so 150 ms and not 200.
+# 1024 events a round is ~7k/s at 150 ms: the reference load (~14 steps/s, ~500 NVTX records/s)
+# stays slow, nginx at 40k requests/s or a production-shape producer does not.
 QUIET_EVENTS = 1024
-IDLE_PERIOD_FACTOR = 4
+IDLE_PERIOD_FACTOR = 3
 
 STOP_SIGNAL = "signal"
 STOP_DURATION = "duration"
