@@ -1176,6 +1176,11 @@ class NvtxCollector:
         ):
             return 0
         self._last_drain_ns = now_ns
+        # threads' liveness before the drain, not after: a thread seen gone here reserved all its
+        # records below this head, so its last pops are drained before its ranges are called open
+        check_threads = now_ns - self._last_thread_check_ns >= THREAD_CHECK_PERIOD_NS
+        dead_tids = self._dead_open_tids() if check_threads else []
+        reserved_at_check = ring.head
         drained = 0
         while True:
             ready, pending = ring.committed(self._batch_records)
@@ -1197,9 +1202,10 @@ class NvtxCollector:
                 break
         ring.release_blob()
         self._sync_producer_counters()
-        if now_ns - self._last_thread_check_ns >= THREAD_CHECK_PERIOD_NS:
+        if check_threads:
             self._last_thread_check_ns = now_ns
-            self._close_dead_threads()
+            if dead_tids and ring.tail >= reserved_at_check:  # else a slot below it is in flight: next check
+                self._close_dead_threads(dead_tids)
         self.drained_through_ns = now_ns
         if exited:
             self._finish()
@@ -1613,14 +1619,18 @@ class NvtxCollector:
         self._open_starts = open_starts
         return ranges, lost
 
-    def _close_dead_threads(self) -> None:
+    def _dead_open_tids(self) -> list[int]:
+        """Threads with a range open that no longer exist."""
         if len(self._open_pushes) == 0:
-            return
+            return []
         tids = np.unique(self._open_pushes["tid"]).tolist()
-        dead = [t for t in tids if not task_exists(self.pid, int(t))]
-        if not dead:
-            return
+        return [t for t in tids if not task_exists(self.pid, int(t))]
+
+    def _close_dead_threads(self, dead: list[int]) -> None:
+        """Gives up the open ranges of threads gone (their records all drained since)."""
         gone = np.isin(self._open_pushes["tid"], dead)
+        if not gone.any():
+            return
         self._stats["ranges_open_at_thread_exit"] += int(np.count_nonzero(gone))
         lost = self._open_uid[gone]
         self._open_pushes = _records_at(self._open_pushes, ~gone)

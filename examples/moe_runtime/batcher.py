@@ -93,11 +93,13 @@ class BatchEngine:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, *, timeout_s: float = 5.0) -> None:
+    def stop(self, *, timeout_s: float = 5.0) -> bool:
+        """Ends the loop after the step in progress; True once the model thread has exited."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
         self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     def queue_sizes(self) -> dict[str, int]:
         with self._cond:

@@ -30,6 +30,8 @@ from moescope.examples.moe_runtime.batcher import BatchEngine, Overloaded, Reque
 from moescope.examples.moe_runtime.control import ControlServer, default_socket_path
 
 log = logging.getLogger("moe_runtime.server")
+# how long SIGTERM waits for the step in progress (a starved 2-core machine can take seconds per step)
+ENGINE_STOP_TIMEOUT_S = 20.0  # under LaunchedRuntime.stop's 30 s before SIGKILL
 
 MAX_BODY_BYTES = 1 << 20
 REQUEST_TIMEOUT_S = 300.0
@@ -369,6 +371,7 @@ def serve(runtime: ServedRuntime, *, prog: str, host: str, port: int, control_so
     print(f"control socket: {path}", flush=True)
     print(f"nvtx: {nvtx_state}", flush=True)
     print("ready", flush=True)
+    stopped = False
     try:
         while not stop.wait(0.5):
             pass
@@ -376,5 +379,12 @@ def serve(runtime: ServedRuntime, *, prog: str, host: str, port: int, control_so
         http.shutdown()
         http.server_close()
         control.close()
-        runtime.engine.stop()
+        stopped = runtime.engine.stop(timeout_s=ENGINE_STOP_TIMEOUT_S)
+    if not stopped:
+        # the model thread is still inside a step: finalizing the interpreter under a daemon thread
+        # in a torch call aborts the process ("terminate called without an active exception")
+        log.warning("model thread still in a step after %.0f s: exiting without finalizing", ENGINE_STOP_TIMEOUT_S)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0

@@ -57,7 +57,9 @@ SCRAPE_INTERVAL_S = 1
 RATE_INTERVAL = f"{4 * SCRAPE_INTERVAL_S}s"
 GRAFANA_INTERVAL = f"{SCRAPE_INTERVAL_S}s"
 MIN_LOADED_SCRAPES = 6  # scrapes of the loaded agent before anything is checked
-DATA_WAIT_S = 20.0  # how long a family or query without data is retried (load still running)
+# how long a family or query without data is retried (load still running); generous for a loaded
+# 2-core machine, and only spent when something is still missing
+DATA_WAIT_S = 60.0
 # Fewer resident experts than L*E (2*8): the others are loaded on demand, so moe.expert.load ranges
 # (and the expert-load panels) exist.
 RUNTIME_EXTRA = ["--resident-capacity-experts", "6"]
