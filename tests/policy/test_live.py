@@ -20,6 +20,8 @@ from moescope.agent.policy.config import load_policy
 from moescope.agent.policy.engine import PolicyEngine, PolicyLoop
 from moescope.agent.policy.stats_source import RuntimeStatsSignals
 
+TIMEOUT_MS = 10_000
+
 
 def run_load(port: int, scenario: str, duration_s: float) -> dict[str, Any]:
     out = subprocess.run(
@@ -44,12 +46,14 @@ def live_engine(
     rt: RuntimeProc, policy_text: str, tmp_path: Path
 ) -> tuple[PolicyEngine, PolicyLoop, RuntimeStatsSignals]:
     path = tmp_path / "policy.toml"
-    path.write_text(policy_text)
+    # Generous command and stats timeouts: the test asserts every read and action succeeded, and a
+    # loaded 2-core machine can hold the runtime's answer past the production default (2 s).
+    path.write_text(f"[engine]\ncommand_timeout_ms = {TIMEOUT_MS}\n\n{policy_text}")
     config = load_policy(path)
     engine = PolicyEngine(config, audit=AuditLog(path=tmp_path / "audit.jsonl"),
                           actuator=Actuator(rt.socket_path, timeout_s=config.command_timeout_ms / 1000.0))
     assert engine.start()
-    source = RuntimeStatsSignals(rt.socket_path, timeout_s=2.0)
+    source = RuntimeStatsSignals(rt.socket_path, timeout_s=TIMEOUT_MS / 1000.0)
     loop = PolicyLoop(engine, source, period_s=config.sample_period_s)
     loop.start()
     return engine, loop, source
