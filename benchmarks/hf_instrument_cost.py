@@ -21,8 +21,11 @@ loaded machine): timing wrappers go *below* moescope's on the model, each router
 module (instance `forward` attributes that moescope then wraps) and *above* it on the model and on
 each MoE block; moescope's own time is the sum of (outer - inner) per forward, instrumented minus
 the same sum plain (the wrappers' own cost); blocks of 10 forwards alternate plain / instrumented,
-medians. It uses only `moescope.instrument()` and `moescope.hf.discover`, so it measures an older
-tree too (`PYTHONPATH=OLD_TREE python benchmarks/hf_instrument_cost.py --own-us`).
+medians; it also reports the plain arm's whole forward, so the share of it (the bar's measure) comes
+from the same run. It uses only `moescope.instrument()` and `moescope.hf.discover`, so it measures
+an older tree too: `cd OLD_TREE && /path/to/.venv/bin/python -m benchmarks.hf_instrument_cost
+--own-us` (the working directory comes first on the import path, ahead of the editable install; the
+JSON's `moescope_file` says which tree ran).
 CPU only: the CUDA path (device-side counts, one copy per step) is not measured here; its
 correctness and sync count are checked by tests/gpu/check_device_routing.py on a GPU machine.
 Writes bench-results/hf_instrument_cost.json.
@@ -148,34 +151,47 @@ def measure_own_us(*, rounds: int, forwards: int = 10) -> dict[str, Any]:
         below(block.experts)
         block.block.forward = above(block.block.forward)
 
-    def run(instrumented: bool) -> list[float]:
+    def run(instrumented: bool) -> tuple[list[float], list[float]]:
+        """(timed-wrapper µs, whole-forward µs) per forward of one block."""
         ins = moescope.instrument(model) if instrumented else None
         if ins is not None and not ins.active:
             raise SystemExit(f"hf_instrument_cost: instrumentation inactive: {ins.reason}")
         step = above(model.forward)  # above moescope's wrapper of the model's forward
         own: list[float] = []
+        whole: list[float] = []
         with torch.no_grad():
             for i in range(forwards):
                 inside[0] = 0
+                t0 = clock()
                 step(input_ids=ids)
+                elapsed = clock() - t0
                 if i:  # the first forward after instrument() learns each router's layout
                     own.append(inside[0] / 1e3)
+                    whole.append(elapsed / 1e3)
         if ins is not None:
             ins.close()
-        return own
+        return own, whole
 
     with torch.no_grad():
         for _ in range(3):
             model(input_ids=ids)
     plain: list[float] = []
     instrumented: list[float] = []
+    plain_forward: list[float] = []
     for r in range(rounds):
         for arm in ((False, True) if r % 2 == 0 else (True, False)):
-            (instrumented if arm else plain).extend(run(arm))
+            own, whole = run(arm)
+            (instrumented if arm else plain).extend(own)
+            if not arm:
+                plain_forward.extend(whole)
     own_us = statistics.median(instrumented) - statistics.median(plain)
-    return {"shape": "tiny", "rounds": rounds, "forwards_per_block": forwards,
+    # the bar's denominator from the same run: the plain arm's whole forward (wall, timing wrappers in)
+    plain_forward_us = statistics.median(plain_forward)
+    return {"shape": "tiny", "moescope_file": moescope.__file__, "rounds": rounds, "forwards_per_block": forwards,
             "timing_wrappers_us_median": statistics.median(plain),
-            "timing_wrappers_and_moescope_us_median": statistics.median(instrumented), "own_us_per_forward": own_us}
+            "timing_wrappers_and_moescope_us_median": statistics.median(instrumented), "own_us_per_forward": own_us,
+            "plain_forward_us_median": plain_forward_us, "own_fraction_of_plain_forward": own_us / plain_forward_us,
+            "bar_fraction": SHAPES["tiny"]["bar_ratio"] - 1.0}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,8 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.own_us:
         own = measure_own_us(rounds=args.rounds)
         path = write_result("hf_instrument_own", {"command": command, "threads": args.threads, **own})
-        print(f"tiny: moescope's own time {own['own_us_per_forward']:.1f} us per forward "
-              f"(timing wrappers alone {own['timing_wrappers_us_median']:.1f} us) -> {path}")
+        print(f"tiny: moescope's own time {own['own_us_per_forward']:.1f} us per forward = "
+              f"{100 * own['own_fraction_of_plain_forward']:.2f} % of the plain forward "
+              f"({own['plain_forward_us_median']:.0f} us; bar {100 * own['bar_fraction']:.0f} %; "
+              f"timing wrappers alone {own['timing_wrappers_us_median']:.1f} us) -> {path}")
         return 0
     pairs = 3 if args.quick else args.pairs
     runs = [

@@ -72,8 +72,9 @@ _add = np.add.reduce  # the ufunc method itself: no Python wrapper per call
 # Host counts by list.count up to this much work (E x (assignments + 40) summed over the step's
 # layers, about 30 µs); numpy above, whose few calls cost more than that in a forward
 _LIST_COUNT_WORK = 20_000
-# A compact host step's counts by a Python loop up to this many assignments (all layers; ≈ 60 ns
-# each here), by one bincount above (≈ 5 tensor calls, ≈ 100 µs whatever the size)
+# A compact host step with indices outside 0..E-1 (which scatter_add refuses) is counted by a
+# Python loop up to this many assignments (all layers; ≈ 60 ns each here), by one bincount above
+# (≈ 5 tensor calls, ≈ 100 µs whatever the size)
 _LOOP_COUNT_ASSIGNMENTS = 1536
 _COMPACT_LAYOUTS = 64  # held-vector layouts kept (steps that run other sets of layers)
 
@@ -243,12 +244,17 @@ def _to_host(reduced: list[_Reduced]) -> list[tuple[np.ndarray, Sequence[float]]
     return out
 
 
+_ONES_SHAPES = 16  # index shapes whose scatter_add source is kept (a decode step per batch size, ...)
+_ONES_KEEP_ELEMENTS = 1 << 16  # assignments (all layers) of the largest step whose source is kept
+
+
 class _CompactFast:
     """The compact step end of a host model whose layers share E: torch views of the held vectors
-    (its counts and entropies are written straight there) and the per-layer bin offsets."""
+    (its counts and entropies are written straight there), scatter_add's sources and the per-layer
+    bin offsets of the out-of-range fallback."""
 
     __slots__ = ("layers", "experts", "expert_ids", "step", "matrix", "tokens", "tokens_t", "entropy_t", "kind",
-                 "scorings", "_weights", "_pack")
+                 "scorings", "_weights", "_pack", "_ones", "_zeros", "_scatter")
 
     def __init__(self, step: moe_nvtx.CompactStep, experts: int) -> None:
         layers = len(step.layer_experts)
@@ -266,6 +272,11 @@ class _CompactFast:
         self._pack = struct.Struct("=" + f"{experts}i{4 * experts}x" * layers).pack_into
         self.kind: str | None = None
         self.scorings: list[Scoring] = []
+        self._ones: dict[torch.Size, torch.Tensor] = {}  # per [L, assignments]: int32 ones, scatter_add's source
+        self._zeros = torch.zeros(layers, experts, dtype=torch.int32)  # scatter_add's base (never written)
+        # counts by one scatter_add into the held vector until a step has indices outside 0..E-1
+        # (scatter_add refuses them): from then on by the loop or bincount, which leave them out
+        self._scatter = True
 
     @classmethod
     def make(cls, ins: Instrumentation) -> _CompactFast | None:
@@ -287,15 +298,23 @@ class _CompactFast:
         self.kind, self.scorings = known[0].kind, known
         return True
 
-    def fill(self, scores: tuple[torch.Tensor, ...], indices: tuple[torch.Tensor, ...]) -> int:
+    def fill(self, scores: tuple[torch.Tensor, ...], indices: tuple[torch.Tensor, ...], *,
+             score_elements: int | None = None) -> int:
         """Each layer's scores [..., E] and indices [..., k] (layer order, one shape each) -> the
         held vectors; returns the indices outside 0..E-1 (left out of the counts). Inside a forward
-        each tensor or numpy call costs 10-50 µs on a small CPU (caches cold after the model's own
-        work), so this is written for the fewest: the entropies in four (cat, float64 softmax,
-        entr, one matrix-vector product into the held vector), a small step's counts in three
-        (stack, view, tolist) and a Python loop, written with one struct.pack_into. Raises
-        RuntimeError when the layers' shapes differ (the caller takes the general path)."""
+        each tensor call costs 10-40 µs on a small CPU (caches cold after the model's own work) and
+        a Python loop or struct call about as much, so this is six calls: a softmax router's
+        entropies by cat, float64 softmax, entr and one matrix-vector product into the held vector;
+        the counts by cat and one scatter_add into the held vector (`out=` buffers for the entropy
+        ops measured slower than fresh tensors). `score_elements`: the scores' elements summed over
+        the layers (the router wrapper's running count), else counted here. Raises RuntimeError
+        when the layers' shapes differ (cat refuses other sizes but the first's; a sum of elements
+        unlike L × the first layer's catches that; the caller takes the general path)."""
         layers, experts = self.layers, self.experts
+        if score_elements is None:
+            score_elements = sum(s.numel() for s in scores)
+        if score_elements != layers * scores[0].numel():
+            raise RuntimeError("the layers' scores differ in shape")
         stacked = torch.cat(scores)  # [L·T, E] (or [L·B, S, E])
         if stacked.requires_grad:
             stacked = stacked.detach()
@@ -310,7 +329,33 @@ class _CompactFast:
             bias = _stack_biases(biases, experts, per_layer, torch.float64)
             nats = sum_entropy_nats_layers(self.kind or "", per_layer, bias, dtype=torch.float64)
             torch.mul(nats, 1.0 / (max(per_layer.shape[1], 1) * _LN2), out=self.entropy_t)
-        flat = torch.stack(indices).view(layers, -1)
+        flat = torch.cat(indices).view(layers, -1)
+        if flat.dtype != torch.int64:  # scatter_add's index type
+            flat = flat.long()
+        if self._scatter:
+            ones = self._ones.get(flat.shape)
+            if ones is None:
+                ones = self._ones_like(flat)
+            try:
+                # tokens per expert per layer straight into the held vector's tokens halves
+                torch.scatter_add(self._zeros, 1, flat, ones, out=self.tokens_t)
+                return 0
+            except RuntimeError:  # an index outside 0..E-1: counted below, from now on too
+                self._scatter = False
+        return self._count_out_of_range(flat)
+
+    def _ones_like(self, flat: torch.Tensor) -> torch.Tensor:
+        ones = torch.ones(flat.shape, dtype=torch.int32)
+        if ones.numel() <= _ONES_KEEP_ELEMENTS:
+            if len(self._ones) >= _ONES_SHAPES:
+                self._ones.clear()
+            self._ones[flat.shape] = ones
+        return ones
+
+    def _count_out_of_range(self, flat: torch.Tensor) -> int:
+        """The counts of [L, assignments] int64 indices some of which lie outside 0..E-1 (left out;
+        returns how many): a Python loop for a small step, one bincount over all layers above."""
+        layers, experts = self.layers, self.experts
         assignments = flat.shape[1]
         if layers * assignments <= _LOOP_COUNT_ASSIGNMENTS:
             counted = self._count_small(flat.tolist())
@@ -319,7 +364,7 @@ class _CompactFast:
                 return layers * assignments - sum(counted)
         # a large step: one bincount over all layers, out-of-range indices in each layer's bin E
         bins = experts + 1
-        binned = flat.long().clamp(-1, experts).remainder_(bins)
+        binned = flat.clamp(-1, experts).remainder_(bins)
         binned += self._offsets(bins)
         counts_t = torch.bincount(binned.reshape(-1), minlength=layers * bins).view(layers, bins)
         self.tokens_t.copy_(counts_t[:, :experts])
@@ -525,7 +570,13 @@ class Instrumentation:
         step, step_pre, step_post = self._step, self._step_pre, self._step_post
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if step.closed and not step.depth:
+            if step.depth:  # a nested call of the same module: part of the open step
+                step.depth += 1
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    step.depth -= 1
+            if step.closed:
                 return original(*args, **kwargs)
             step_pre(args, kwargs)
             try:
@@ -551,7 +602,7 @@ class Instrumentation:
                     try:
                         found, indices = output[place], output[index_places[layer]]
                         # the layout as learned: E-column scores, integer indices (else learned again)
-                        if found.shape[-1] == num_experts and not indices.is_floating_point():
+                        if found.shape[-1] == num_experts and not indices.dtype.is_floating_point:
                             pending.append((step.calls, layer, found, indices))
                             step.calls += 1
                             step.pending_elements += found.numel()
@@ -667,15 +718,17 @@ class Instrumentation:
                         where, type(exc).__name__, exc)
 
     def _step_pre(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The outermost call's start (its wrapper counts nested calls). Every line here runs once
+        per forward with the caches cold, so the common case (input_ids by keyword) comes first."""
         step = self._step
-        step.depth += 1
-        if step.depth > 1:
-            return  # a nested call of the same module: part of the open step
+        step.depth = 1
         try:
-            tokens = _batch_tokens(args, kwargs)
+            ids = kwargs.get("input_ids")
+            tokens = ids.numel() if isinstance(ids, torch.Tensor) else _batch_tokens(args, kwargs)
             if tokens is None:
                 self._stats["steps_without_tokens"] += 1
-            self._em.step_push(tokens or 0)
+                tokens = 0
+            self._em.step_push(tokens)
             step.open = True
             if self._request_tokens is not None:
                 self._em.step_requests(self._request_keys, *self._request_tokens)
@@ -689,23 +742,23 @@ class Instrumentation:
 
     def _step_post(self) -> None:
         step = self._step
-        step.depth = max(0, step.depth - 1)
-        if step.depth or not step.open:
+        step.depth = 0
+        if not step.open:
             return
         step.open = False
+        pending, reduced = step.pending, step.reduced
         try:
-            if step.pending or step.reduced:
+            if pending or reduced:
                 # the common host step first: every layer once, batched into the held vectors
-                if not (self._fast_off or step.reduced) and self._emit_compact_fast(step.pending):
-                    pass
-                else:
+                if self._fast_off or reduced or not self._emit_compact_fast(pending):
                     self._emit_deferred(step)
             self._stats["steps"] += 1
         except Exception as exc:  # noqa: BLE001 - never into the model
             self._failed("step end", exc)
         finally:
-            step.pending.clear()
-            step.reduced.clear()
+            pending.clear()
+            if reduced:
+                reduced.clear()
             step.pending_elements = step.calls = 0
             self._em.step_pop()
 
@@ -855,7 +908,7 @@ class Instrumentation:
                 self._fast_off = learned is False  # routers of different kinds: always the general path
                 return False
         try:
-            out_of_range = fast.fill(scores, indices)
+            out_of_range = fast.fill(scores, indices, score_elements=self._step.pending_elements)
         except RuntimeError:  # shapes differ between layers: the general path
             return False
         stats = self._stats

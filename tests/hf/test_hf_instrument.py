@@ -646,3 +646,32 @@ def test_compact_fast_fill_equals_the_definitions(kind: str, counting: str, monk
         for layer, (want_counts, want_entropy, _) in enumerate(expected):
             assert fast.step.rows[layer].tolist() == want_counts + [0] * num_experts
             assert math.isclose(float(fast.step.entropy[layer]), want_entropy, abs_tol=1e-6)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_compact_fast_fill_scatters_in_range_counts_then_falls_back_for_good(index_dtype: torch.dtype) -> None:
+    """In-range indices are counted by one scatter_add into the held vector (int32 indices too);
+    a step with an index outside 0..E-1 (which scatter_add refuses) is counted by the fallback,
+    and so is every later step, each equal to a token-by-token count."""
+    from moescope import moe_nvtx
+    from moescope.hf import emit
+    from moescope.hf.scoring import Scoring
+
+    generator = torch.Generator().manual_seed(29)
+    num_experts, tokens, k, layers = 5, 7, 2, 4
+    fast = emit._CompactFast(moe_nvtx.CompactStep([num_experts] * layers, domain=None), num_experts)
+    fast.kind, fast.scorings = "softmax", [Scoring(kind="softmax", evidence="", bias=None)] * layers
+    for step, planted in enumerate((False, False, True, False)):
+        scores = [torch.randn(tokens, num_experts, generator=generator) for _ in range(layers)]
+        indices = [torch.randint(0, num_experts, (tokens, k), generator=generator).to(index_dtype)
+                   for _ in range(layers)]
+        if planted:
+            indices[2][3, 1] = num_experts
+        for row in fast.step.rows:
+            row[:num_experts] = 9  # the last step's counts are overwritten
+        assert fast.fill(tuple(scores), tuple(indices)) == int(planted), step
+        assert fast._scatter is (step < 2), step  # off from the first out-of-range step on
+        for layer in range(layers):
+            want_counts, want_entropy, _ = _truth("softmax", scores[layer], indices[layer].long(), None, num_experts)
+            assert fast.step.rows[layer].tolist() == want_counts + [0] * num_experts, (step, layer)
+            assert math.isclose(float(fast.step.entropy[layer]), want_entropy, abs_tol=1e-6)
