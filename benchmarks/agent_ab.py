@@ -1,0 +1,146 @@
+"""The agent's own CPU at the reference load, A/B between two checkouts of the agent, on one runtime.
+
+e2e_overhead compares the runtime with and without the agent; this compares two agents beside
+the same runtime (this checkout's), so a change to the agent is measured apart from the VM's
+drift in the runtime's own speed. Each run: a fresh reference runtime (NVTX injection on, rings
+on tmpfs), `agent start --pid` from tree A or B with e2e_overhead's arguments (every probe, traces
+to OTLP-JSON files, /metrics, policy in --dry-run), then the agent's CPU over `--idle-s` with no
+load and over `--duration-s` of the load generator (balanced, 8 clients) after a 3 s warm-up.
+Runs alternate A/B, B/A, ...; medians and pair ratios.
+
+    sudo .venv/bin/python -m benchmarks.agent_ab --baseline-tree /tmp/base [--tree .] [--pairs 4]
+
+A baseline tree: `git archive REV | tar -x -C /tmp/base`, with the native libraries copied in
+(agent/native/libmoescope_health.so, collectors/nvtx_inject/libmoescope_nvtx.so). Writes
+bench-results/agent_ab.json. Exit status: 0 done, 2 bad options, 4 a run could not be carried out
+(the runtime or an agent did not come up, or a request failed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import REPO, Metrics, alternate_ab, write_result
+from benchmarks.e2e_overhead import (
+    START_TIMEOUT_S,
+    BenchError,
+    cpu_s,
+    free_port,
+    run_loadgen,
+    start_runtime,
+    stop_group,
+)
+from moescope.examples.moe_runtime.launch import LaunchError, LineReader
+
+CONCURRENCY = 8
+WARMUP_S = 3.0
+SETTLE_S = 2.0  # after the agent's last start-up note, before the idle window
+
+
+def agent_argv(tree: Path, *args: str) -> list[str]:
+    """`agent ...` with `moescope` and its folders imported from `tree` (step_path.pin_tree)."""
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from pathlib import Path; "
+            f"from benchmarks.step_path import pin_tree; pin_tree(Path({str(tree)!r})); "
+            "from moescope.agent.cli import entry; sys.argv[0] = 'agent'; entry()")
+    return [sys.executable, "-c", code, *args]
+
+
+def one_run(tree: Path, *, idle_s: float, duration_s: float) -> Metrics:
+    with tempfile.TemporaryDirectory(prefix="moescope-agent-ab-") as work, \
+            tempfile.TemporaryDirectory(prefix="moescope-agent-ab-rings-", dir="/dev/shm") as rings:
+        workdir = Path(work)
+        (workdir / "rings").symlink_to(rings)
+        runtime = start_runtime(workdir, inject=True, name="ab")
+        state = workdir / "state"
+        state.mkdir()
+        proc = subprocess.Popen(
+            agent_argv(tree, "start", "--pid", str(runtime.proc.pid), "--state-dir", str(state),
+                       "--metrics-port", str(free_port()), "--dry-run", "--control-socket",
+                       str(runtime.control_socket), "--policy-audit", str(state / "audit.jsonl"),
+                       "--policy-state-dir", str(state)),
+            cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        err, out = LineReader(proc.stderr, keep_lines=None), LineReader(proc.stdout, keep_lines=None)
+        try:
+            try:
+                err.wait_for("agent: policy", timeout_s=START_TIMEOUT_S)  # the last note: all attached
+            except LaunchError as exc:
+                raise BenchError(f"agent from {tree}: {exc}") from None
+            time.sleep(SETTLE_S)
+            cpu0, t0 = cpu_s(proc.pid), time.monotonic()
+            time.sleep(idle_s)
+            idle = (cpu_s(proc.pid) - cpu0) / (time.monotonic() - t0)
+            run_loadgen(runtime.port, duration_s=WARMUP_S, concurrency=CONCURRENCY, out=None)
+            cpu0, runtime0, t0 = cpu_s(proc.pid), cpu_s(runtime.proc.pid), time.monotonic()
+            load = run_loadgen(runtime.port, duration_s=duration_s, concurrency=CONCURRENCY, out=None)
+            window_s = time.monotonic() - t0
+            agent_s, runtime_s = cpu_s(proc.pid) - cpu0, cpu_s(runtime.proc.pid) - runtime0
+        finally:
+            stop_group(proc, sig=signal.SIGINT, timeout_s=60.0)
+            err.join(10.0)
+            out.join(10.0)
+            stop_group(runtime.proc)
+    if int(load["failures"]):
+        raise BenchError(f"the load generator saw {load['failures']} failed requests")
+    ok = max(1, int(load["requests"]))
+    return {
+        "agent_idle_cpu_pct_of_core": 100.0 * idle,
+        "agent_cpu_pct_of_core": 100.0 * agent_s / window_s,
+        "agent_cpu_ms_per_request": 1000.0 * agent_s / ok,
+        "runtime_cpu_ms_per_request": 1000.0 * runtime_s / ok,
+        "throughput_rps": float(load["throughput_rps"]),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline-tree", type=Path, required=True, help="the agent's checkout for A")
+    parser.add_argument("--tree", type=Path, default=REPO, help="the agent's checkout for B (default: this one)")
+    parser.add_argument("--pairs", type=int, default=4, help="A/B pairs (default 4)")
+    parser.add_argument("--idle-s", type=float, default=10.0, help="the idle window per run (default 10)")
+    parser.add_argument("--duration-s", type=float, default=15.0, help="the loaded window per run (default 15)")
+    args = parser.parse_args(argv)
+    trees = {"a": args.baseline_tree.resolve(), "b": args.tree.resolve()}
+    for side, tree in trees.items():
+        if not (tree / "moescope" / "__init__.py").is_file() or not (tree / "agent").is_dir():
+            print(f"agent_ab: error: {side.upper()} tree {tree} is not a moescope checkout", file=sys.stderr)
+            return 2
+    if args.pairs < 1 or args.idle_s <= 0 or args.duration_s <= 0:
+        print("agent_ab: error: --pairs, --idle-s and --duration-s must be positive", file=sys.stderr)
+        return 2
+    try:
+        result = alternate_ab(
+            run_a=lambda: one_run(trees["a"], idle_s=args.idle_s, duration_s=args.duration_s),
+            run_b=lambda: one_run(trees["b"], idle_s=args.idle_s, duration_s=args.duration_s),
+            pairs=args.pairs, progress=lambda line: print(f"agent_ab: {line}", flush=True),
+        )
+    except BenchError as exc:
+        print(f"agent_ab: error: {exc}", file=sys.stderr)
+        return 4
+    summary: dict[str, Any] = result.to_dict()
+    per_pair = [b["agent_cpu_ms_per_request"] / a["agent_cpu_ms_per_request"]
+                for a, b in zip(result.a, result.b, strict=True)]
+    summary["pair_ratios_agent_cpu_ms_per_request"] = per_pair
+    for metric in ("agent_idle_cpu_pct_of_core", "agent_cpu_pct_of_core", "agent_cpu_ms_per_request",
+                   "runtime_cpu_ms_per_request", "throughput_rps"):
+        print(f"agent_ab: {metric}: A {result.median('a', metric):.2f}, B {result.median('b', metric):.2f} "
+              f"(B/A {result.ratio(metric):.3f})")
+    print(f"agent_ab: per request, pair ratios B/A: {', '.join(f'{r:.2f}' for r in per_pair)} "
+          f"(median {statistics.median(per_pair):.3f})")
+    path = write_result("agent_ab", {"trees": {k: str(v) for k, v in trees.items()}, "pairs": args.pairs,
+                                     "idle_s": args.idle_s, "duration_s": args.duration_s, **summary})
+    print(f"agent_ab: -> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
