@@ -32,6 +32,7 @@ from benchmarks.common import REPO, Metrics, alternate_ab, write_result
 from benchmarks.e2e_overhead import (
     START_TIMEOUT_S,
     BenchError,
+    agent_start_args,
     cpu_s,
     free_port,
     run_loadgen,
@@ -62,10 +63,7 @@ def one_run(tree: Path, *, idle_s: float, duration_s: float) -> Metrics:
         state = workdir / "state"
         state.mkdir()
         proc = subprocess.Popen(
-            agent_argv(tree, "start", "--pid", str(runtime.proc.pid), "--state-dir", str(state),
-                       "--metrics-port", str(free_port()), "--dry-run", "--control-socket",
-                       str(runtime.control_socket), "--policy-audit", str(state / "audit.jsonl"),
-                       "--policy-state-dir", str(state)),
+            agent_argv(tree, *agent_start_args(runtime, state, free_port())),
             cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )
         assert proc.stdout is not None and proc.stderr is not None

@@ -161,16 +161,19 @@ class Agent:
     notes: list[str] = field(default_factory=list)
 
 
+def agent_start_args(runtime: Runtime, state_dir: Path, metrics_port: int) -> list[str]:
+    """`agent start` with every probe and exporter on, policy in --dry-run (the on arm's agent)."""
+    return ["start", "--pid", str(runtime.proc.pid), "--state-dir", str(state_dir), "--metrics-port", str(metrics_port),
+            "--dry-run", "--control-socket", str(runtime.control_socket),
+            "--policy-audit", str(state_dir / "policy-audit.jsonl"), "--policy-state-dir", str(state_dir)]
+
+
 def start_agent(runtime: Runtime, workdir: Path, *, name: str, extra_args: tuple[str, ...] = ()) -> Agent:
     state_dir = workdir / f"{name}-state"
     state_dir.mkdir()
     metrics_port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moescope.agent", "start", "--pid", str(runtime.proc.pid),
-         "--state-dir", str(state_dir), "--metrics-port", str(metrics_port),
-         "--dry-run", "--control-socket", str(runtime.control_socket),
-         "--policy-audit", str(state_dir / "policy-audit.jsonl"), "--policy-state-dir", str(state_dir),
-         *extra_args],
+        [sys.executable, "-m", "moescope.agent", *agent_start_args(runtime, state_dir, metrics_port), *extra_args],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     assert proc.stdout is not None and proc.stderr is not None

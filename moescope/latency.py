@@ -107,10 +107,10 @@ class LatencyHistogram:
 
     def percentile(self, pct: float) -> int | None:
         """Nearest-rank percentile (``pct`` in 0..100) as its bucket's lower bound; None when empty."""
-        q_exact = _exact_fraction(pct, scale=100)
+        _exact_fraction(pct, scale=100)  # a bad pct is a caller bug even on an empty histogram
         if self.count == 0:
             return None
-        rank = _rank(self.count, q_exact)
+        rank = percentile_rank(self.count, pct)
         seen = 0
         for bucket in sorted(self._counts):
             seen += self._counts[bucket]
