@@ -1,10 +1,12 @@
-"""Package build: the pure-Python agent plus two native pieces, plain C shared objects (no Python
+"""Package build: the pure-Python agent plus three native pieces, plain C shared objects (no Python
 API) built here as Extensions so that `pip install -e .` (scripts/setup.sh) and wheel builds both
 produce them where the code finds them:
 - collectors/nvtx_inject/libmoescope_nvtx.so, the NVTX injection library NVTX dlopen()s inside the
   serving process (collectors/nvtx.py);
 - agent/native/libmoescope_health.so, the agent's per-row routing-health reductions, loaded with
-  ctypes (agent/native/__init__.py).
+  ctypes (agent/native/__init__.py);
+- moescope/hf/libmoescope_hf.so, the transformers instrumentation's host step reductions, loaded
+  with ctypes in the instrumented process (moescope/hf/native.py).
 Each top-level folder installs as a subpackage of `moescope` (see PACKAGE_DIR).
 """
 
@@ -17,7 +19,8 @@ from setuptools.command.build_ext import build_ext
 
 NVTX_EXT_NAME = "moescope.collectors.nvtx_inject.libmoescope_nvtx"
 HEALTH_EXT_NAME = "moescope.agent.native.libmoescope_health"
-PLAIN_LIBRARIES = (NVTX_EXT_NAME, HEALTH_EXT_NAME)
+HF_EXT_NAME = "moescope.hf.libmoescope_hf"
+PLAIN_LIBRARIES = (NVTX_EXT_NAME, HEALTH_EXT_NAME, HF_EXT_NAME)
 
 # Everything installs under one import namespace, `moescope`: each top-level folder of the
 # repository is a subpackage (agent/ -> moescope.agent, ...); nothing generic lands in site-packages.
@@ -61,9 +64,16 @@ health_reductions = Extension(
     libraries=["m"],
 )
 
+hf_step_fill = Extension(
+    HF_EXT_NAME,
+    sources=["moescope/hf/step_fill.c"],
+    extra_compile_args=["-std=c11", "-O2", "-fvisibility=hidden", "-Wall", "-Wextra"],
+    libraries=["m"],
+)
+
 setup(
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
-    ext_modules=[nvtx_injection, health_reductions],
+    ext_modules=[nvtx_injection, health_reductions, hf_step_fill],
     cmdclass={"build_ext": BuildNativeLibrary},
 )

@@ -1,7 +1,7 @@
 """Cost of `moescope.instrument()` on a real transformers MoE forward pass: instrumented vs plain.
 
     .venv/bin/python -m benchmarks.hf_instrument_cost [--pairs 10] [--realistic-pairs N] [--forwards 30] [--quick]
-    .venv/bin/python -m benchmarks.hf_instrument_cost --own-us [--rounds 30]
+    .venv/bin/python -m benchmarks.hf_instrument_cost --own-us [--rounds 30] [--own-shape tiny|realistic]
 
 Two shapes, each a tiny-config Qwen3-MoE built from transformers' config class (random weights):
   tiny:      4 MoE layers, 8 experts, top-2, width 64, a 2 x 8 token step (the test models);
@@ -16,16 +16,17 @@ forwards; the ratio is median(B) / median(A), and each pair's B/A gives the spre
 `pair_ratio`: median, quartiles, extremes). Each forward is timed twice: the thread's CPU time
 (what the bars are judged on: other processes on a shared machine inflate wall time, not this
 thread's CPU time) and wall time (reported). Bars: <= 1.03 tiny, <= 1.01 realistic.
-`--own-us`: moescope's own time per tiny forward, measured directly (less noisy than the ratio on a
-loaded machine): timing wrappers go *below* moescope's on the model, each router and each experts
-module (instance `forward` attributes that moescope then wraps) and *above* it on the model and on
-each MoE block; moescope's own time is the sum of (outer - inner) per forward, instrumented minus
-the same sum plain (the wrappers' own cost); blocks of 10 forwards alternate plain / instrumented,
-medians; it also reports the plain arm's whole forward, so the share of it (the bar's measure) comes
-from the same run. It uses only `moescope.instrument()` and `moescope.hf.discover`, so it measures
-an older tree too: `cd OLD_TREE && /path/to/.venv/bin/python -m benchmarks.hf_instrument_cost
---own-us` (the working directory comes first on the import path, ahead of the editable install; the
-JSON's `moescope_file` says which tree ran).
+`--own-us`: moescope's own time per forward (the tiny shape; `--own-shape realistic` the other),
+measured directly (less noisy than the ratio on a loaded machine): timing wrappers go *below*
+moescope's on the model, each router and each experts module (instance `forward` attributes that
+moescope then wraps) and *above* it on the model and on each MoE block; moescope's own time is the
+sum of (outer - inner) per forward, instrumented minus the same sum plain (the wrappers' own cost);
+blocks of 10 forwards alternate plain / instrumented, medians; it also reports the plain arm's whole
+forward, so the share of it (the bar's measure) comes from the same run. It uses only
+`moescope.instrument()` and `moescope.hf.discover`, so it measures an older tree too: `cd OLD_TREE
+&& /path/to/.venv/bin/python -m benchmarks.hf_instrument_cost --own-us` (the working directory comes
+first on the import path, ahead of the editable install; the JSON's `moescope_file` says which tree
+ran).
 CPU only: the CUDA path (device-side counts, one copy per step) is not measured here; its
 correctness and sync count are checked by tests/gpu/check_device_routing.py on a GPU machine.
 Writes bench-results/hf_instrument_cost.json.
@@ -109,16 +110,16 @@ def measure_shape(name: str, *, pairs: int, forwards: int, progress: Callable[[s
     }
 
 
-def measure_own_us(*, rounds: int, forwards: int = 10) -> dict[str, Any]:
-    """moescope's own µs per tiny forward (module docstring, --own-us)."""
+def measure_own_us(*, rounds: int, forwards: int = 10, shape_name: str = "tiny") -> dict[str, Any]:
+    """moescope's own µs per forward of one shape (module docstring, --own-us)."""
     import torch
 
     import moescope
     from moescope.hf.discover import discover
     from moescope.hf.tiny import tiny_model
 
-    shape = SHAPES["tiny"]
-    model = tiny_model("qwen3_moe", **shape["config"])
+    shape = SHAPES[shape_name]
+    model = tiny_model("qwen3_moe", max_positions=max(512, shape["tokens"]), **shape["config"])
     ids = torch.randint(0, 128, (shape["batch"], shape["tokens"]), generator=torch.Generator().manual_seed(0))
     clock = time.perf_counter_ns
     inside = [0]  # per forward: sum over timed calls of (outer - inner), ns
@@ -187,11 +188,11 @@ def measure_own_us(*, rounds: int, forwards: int = 10) -> dict[str, Any]:
     own_us = statistics.median(instrumented) - statistics.median(plain)
     # the bar's denominator from the same run: the plain arm's whole forward (wall, timing wrappers in)
     plain_forward_us = statistics.median(plain_forward)
-    return {"shape": "tiny", "moescope_file": moescope.__file__, "rounds": rounds, "forwards_per_block": forwards,
+    return {"shape": shape_name, "moescope_file": moescope.__file__, "rounds": rounds, "forwards_per_block": forwards,
             "timing_wrappers_us_median": statistics.median(plain),
             "timing_wrappers_and_moescope_us_median": statistics.median(instrumented), "own_us_per_forward": own_us,
             "plain_forward_us_median": plain_forward_us, "own_fraction_of_plain_forward": own_us / plain_forward_us,
-            "bar_fraction": SHAPES["tiny"]["bar_ratio"] - 1.0}
+            "bar_fraction": shape["bar_ratio"] - 1.0}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: less noise)")
     parser.add_argument("--quick", action="store_true", help="3 pairs, fewer forwards (a smoke run)")
     parser.add_argument("--own-us", action="store_true",
-                        help="only moescope's own µs per tiny forward, measured directly (see above)")
+                        help="only moescope's own µs per forward, measured directly (see above)")
+    parser.add_argument("--own-shape", choices=tuple(SHAPES), default="tiny",
+                        help="--own-us: the shape (default tiny; realistic: 4 forwards per block)")
     parser.add_argument("--rounds", type=int, default=30, help="--own-us: alternating rounds (default 30)")
     args = parser.parse_args(argv)
     import torch
@@ -212,9 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     command = "python -m benchmarks.hf_instrument_cost " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.own_us:
-        own = measure_own_us(rounds=args.rounds)
-        path = write_result("hf_instrument_own", {"command": command, "threads": args.threads, **own})
-        print(f"tiny: moescope's own time {own['own_us_per_forward']:.1f} us per forward = "
+        own = measure_own_us(rounds=args.rounds, shape_name=args.own_shape,
+                             forwards=10 if args.own_shape == "tiny" else 4)
+        name = "hf_instrument_own" if args.own_shape == "tiny" else f"hf_instrument_own_{args.own_shape}"
+        path = write_result(name, {"command": command, "threads": args.threads, **own})
+        print(f"{args.own_shape}: moescope's own time {own['own_us_per_forward']:.1f} us per forward = "
               f"{100 * own['own_fraction_of_plain_forward']:.2f} % of the plain forward "
               f"({own['plain_forward_us_median']:.0f} us; bar {100 * own['bar_fraction']:.0f} %; "
               f"timing wrappers alone {own['timing_wrappers_us_median']:.1f} us) -> {path}")

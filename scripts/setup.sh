@@ -117,7 +117,7 @@ SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pur
 echo "$VENV/debian-bcc" > "$SITE/moescope-debian-bcc.pth"
 
 # --- project --------------------------------------------------------------------------------
-stamp_src=$(cat pyproject.toml setup.py 2>/dev/null; find agent collectors probes -name '*.c' -o -name '*.h' 2>/dev/null | sort | xargs -r cat)
+stamp_src=$(cat pyproject.toml setup.py 2>/dev/null; find agent collectors probes moescope -name '*.c' -o -name '*.h' 2>/dev/null | sort | xargs -r cat)
 stamp=$(printf '%s' "$stamp_src" | sha256sum | cut -d' ' -f1)
 PIP=("$VENV/bin/python" -m pip -q --disable-pip-version-check install)
 # Machines of this kind keep the pinned CPU torch wheel here; elsewhere pip uses its index.
@@ -127,7 +127,8 @@ if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(torch.__version__.split(
     "${PIP[@]}" "torch==2.13.0"
 fi
 if [ "$(cat "$VENV/.moescope-stamp" 2>/dev/null)" != "$stamp" ] || ! "$VENV/bin/python" -c 'import moescope.agent' 2>/dev/null \
-        || [ ! -f agent/native/libmoescope_health.so ] || [ ! -f collectors/nvtx_inject/libmoescope_nvtx.so ]; then
+        || [ ! -f agent/native/libmoescope_health.so ] || [ ! -f collectors/nvtx_inject/libmoescope_nvtx.so ] \
+        || [ ! -f moescope/hf/libmoescope_hf.so ]; then
     say "installing moescope (editable) and pinned dependencies"
     "${PIP[@]}" -e ".[test,hf]"
     echo "$stamp" > "$VENV/.moescope-stamp"

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from moescope import moe_nvtx
+from moescope.hf import native
 from moescope.hf.discover import Discovery, MoeBlock, discover
 from moescope.hf.scoring import Scoring, classify, entropy_bits_numpy, sum_entropy_nats_layers
 
@@ -254,7 +255,7 @@ class _CompactFast:
     bin offsets of the out-of-range fallback."""
 
     __slots__ = ("layers", "experts", "expert_ids", "step", "matrix", "tokens", "tokens_t", "entropy_t", "kind",
-                 "scorings", "_weights", "_pack", "_ones", "_zeros", "_scatter")
+                 "scorings", "_weights", "_pack", "_ones", "_zeros", "_scatter", "_native", "_native_kind")
 
     def __init__(self, step: moe_nvtx.CompactStep, experts: int) -> None:
         layers = len(step.layer_experts)
@@ -277,6 +278,10 @@ class _CompactFast:
         # counts by one scatter_add into the held vector until a step has indices outside 0..E-1
         # (scatter_add refuses them): from then on by the loop or bincount, which leave them out
         self._scatter = True
+        # one native call for the whole step (moescope/hf/step_fill.c) when the library is built and
+        # the kind is one it computes (learn_kind); the torch ops below otherwise
+        self._native = native.StepFill(matrix, step.entropy) if native.available() else None
+        self._native_kind = -1
 
     @classmethod
     def make(cls, ins: Instrumentation) -> _CompactFast | None:
@@ -296,6 +301,9 @@ class _CompactFast:
         if len({s.kind for s in known}) != 1:
             return False
         self.kind, self.scorings = known[0].kind, known
+        self._native_kind = native.KIND_CODES.get(self.kind, -1)
+        if self._native_kind < 0:
+            self._native = None  # sigmoid routers (a bias per layer): the torch ops
         return True
 
     def fill(self, scores: tuple[torch.Tensor, ...], indices: tuple[torch.Tensor, ...], *,
@@ -309,7 +317,13 @@ class _CompactFast:
         ops measured slower than fresh tensors). `score_elements`: the scores' elements summed over
         the layers (the router wrapper's running count), else counted here. Raises RuntimeError
         when the layers' shapes differ (cat refuses other sizes but the first's; a sum of elements
-        unlike L × the first layer's catches that; the caller takes the general path)."""
+        unlike L × the first layer's catches that, and the same for the indices; the caller takes
+        the general path). The native pass (moescope/hf/step_fill.c) does all of it in one call
+        when the library is built and the tensors are ones it reads."""
+        if self._native is not None:  # one C pass over the tensors' memory (None: not tensors it takes)
+            outside = self._native.fill(scores, indices, self._native_kind)
+            if outside is not None:
+                return outside
         layers, experts = self.layers, self.experts
         if score_elements is None:
             score_elements = sum(s.numel() for s in scores)
@@ -329,6 +343,8 @@ class _CompactFast:
             bias = _stack_biases(biases, experts, per_layer, torch.float64)
             nats = sum_entropy_nats_layers(self.kind or "", per_layer, bias, dtype=torch.float64)
             torch.mul(nats, 1.0 / (max(per_layer.shape[1], 1) * _LN2), out=self.entropy_t)
+        if sum(i.numel() for i in indices) != layers * indices[0].numel():
+            raise RuntimeError("the layers' indices differ in shape")
         flat = torch.cat(indices).view(layers, -1)
         if flat.dtype != torch.int64:  # scatter_add's index type
             flat = flat.long()

@@ -614,14 +614,33 @@ def test_compact_general_path_carries_the_full_forms_numbers(case: str, monkeypa
         assert np.allclose(entropy, [e[3] for e in full_step if e[1] == "moe.router"], rtol=0, atol=1e-9)
 
 
-@pytest.mark.parametrize("kind", ["softmax", "probabilities", "sigmoid"])
-@pytest.mark.parametrize("counting", ["loop", "bincount"])
-def test_compact_fast_fill_equals_the_definitions(kind: str, counting: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The compact fast path's batched reduction into the held vectors equals a token-by-token
-    count and entropy, with indices outside 0..E-1 (near: -1 and E; far: -5 and E + 3) left out."""
+def _compact_fast(kind: str, layers: int, num_experts: int, path: str,
+                  biases: list[torch.Tensor | None] | None = None) -> Any:
+    """A whole-model compact step end of `layers` x E, its kind learned as at a model's first
+    step; path "torch" takes the native pass away (the torch ops, what runs without the library)."""
     from moescope import moe_nvtx
     from moescope.hf import emit
     from moescope.hf.scoring import Scoring
+
+    fast = emit._CompactFast(moe_nvtx.CompactStep([num_experts] * layers, domain=None), num_experts)
+    assert fast.learn_kind([Scoring(kind=kind, evidence="", bias=b) for b in (biases or [None] * layers)])
+    if path == "torch":
+        fast._native = None
+    else:
+        from moescope.hf import native
+
+        assert native.available(), "libmoescope_hf.so not built (pip install -e .)"
+    return fast
+
+
+@pytest.mark.parametrize("kind", ["softmax", "probabilities", "sigmoid"])
+@pytest.mark.parametrize("counting", ["loop", "bincount", "native"])
+def test_compact_fast_fill_equals_the_definitions(kind: str, counting: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compact fast path's batched reduction into the held vectors (the native pass, or the
+    torch ops counting by a loop or bincount) equals a token-by-token count and entropy, with
+    indices outside 0..E-1 (near: -1 and E; far: -5 and E + 3) left out. Sigmoid routers (a bias
+    per layer) always take the torch ops."""
+    from moescope.hf import emit
 
     if counting == "bincount":
         monkeypatch.setattr(emit, "_LOOP_COUNT_ASSIGNMENTS", 0)
@@ -637,8 +656,8 @@ def test_compact_fast_fill_equals_the_definitions(kind: str, counting: str, monk
             indices.append(torch.randint(0, num_experts, (tokens, k), generator=generator))
             indices[-1][0, 0], indices[-1][1, 1] = (-5, num_experts + 3) if far else (-1, num_experts)
             expected.append(_truth(kind, scores[-1], indices[-1], biases[-1], num_experts))
-        fast = emit._CompactFast(moe_nvtx.CompactStep([num_experts] * layers, domain=None), num_experts)
-        fast.kind, fast.scorings = kind, [Scoring(kind=kind, evidence="", bias=b) for b in biases]
+        fast = _compact_fast(kind, layers, num_experts, "native" if counting == "native" else "torch", biases)
+        assert (fast._native is not None) is (counting == "native" and kind != "sigmoid")
         for row in fast.step.rows:
             row[:num_experts] = 7  # a previous step's counts are overwritten (over capacity is never written)
         out_of_range = fast.fill(tuple(scores), tuple(indices))
@@ -650,17 +669,12 @@ def test_compact_fast_fill_equals_the_definitions(kind: str, counting: str, monk
 
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 def test_compact_fast_fill_scatters_in_range_counts_then_falls_back_for_good(index_dtype: torch.dtype) -> None:
-    """In-range indices are counted by one scatter_add into the held vector (int32 indices too);
-    a step with an index outside 0..E-1 (which scatter_add refuses) is counted by the fallback,
-    and so is every later step, each equal to a token-by-token count."""
-    from moescope import moe_nvtx
-    from moescope.hf import emit
-    from moescope.hf.scoring import Scoring
-
+    """Without the native pass, in-range indices are counted by one scatter_add into the held
+    vector (int32 indices too); a step with an index outside 0..E-1 (which scatter_add refuses) is
+    counted by the fallback, and so is every later step, each equal to a token-by-token count."""
     generator = torch.Generator().manual_seed(29)
     num_experts, tokens, k, layers = 5, 7, 2, 4
-    fast = emit._CompactFast(moe_nvtx.CompactStep([num_experts] * layers, domain=None), num_experts)
-    fast.kind, fast.scorings = "softmax", [Scoring(kind="softmax", evidence="", bias=None)] * layers
+    fast = _compact_fast("softmax", layers, num_experts, "torch")
     for step, planted in enumerate((False, False, True, False)):
         scores = [torch.randn(tokens, num_experts, generator=generator) for _ in range(layers)]
         indices = [torch.randint(0, num_experts, (tokens, k), generator=generator).to(index_dtype)
@@ -675,3 +689,65 @@ def test_compact_fast_fill_scatters_in_range_counts_then_falls_back_for_good(ind
             want_counts, want_entropy, _ = _truth("softmax", scores[layer], indices[layer].long(), None, num_experts)
             assert fast.step.rows[layer].tolist() == want_counts + [0] * num_experts, (step, layer)
             assert math.isclose(float(fast.step.entropy[layer]), want_entropy, abs_tol=1e-6)
+
+
+@pytest.mark.parametrize("score_dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_compact_fast_native_pass_takes_what_it_can_and_hands_the_rest_to_torch(
+        score_dtype: torch.dtype, index_dtype: torch.dtype) -> None:
+    """The native pass reads float32, float64 and bfloat16 scores and int64 or int32 indices where
+    torch keeps them; float16 scores, a non-contiguous layer or a layer of another size go to the
+    torch ops (it writes nothing then). Either way the held vectors equal the definitions computed
+    in float64 from the same scores; extreme logits (-inf, +-1e4) stay finite."""
+    from moescope.hf import native
+
+    generator = torch.Generator().manual_seed(31)
+    num_experts, tokens, k, layers = 7, 5, 3, 3
+    fast = _compact_fast("softmax", layers, num_experts, "native")
+    for case in ("plain", "extreme", "strided", "ragged"):
+        scores = [torch.randn(tokens, num_experts, generator=generator).to(score_dtype) for _ in range(layers)]
+        indices = [torch.randint(0, num_experts, (tokens, k), generator=generator).to(index_dtype)
+                   for _ in range(layers)]
+        if case == "extreme":
+            scores[0][0, :3] = torch.tensor([float("-inf"), 1e4, -1e4]).to(score_dtype)
+        elif case == "strided":
+            scores[1] = torch.randn(num_experts, tokens, generator=generator).to(score_dtype).t()
+        elif case == "ragged":
+            indices[2] = indices[2][:-1]
+        native_takes = score_dtype != torch.float16 and case in ("plain", "extreme")
+        assert (fast._native.fill(scores, indices, native.KIND_CODES["softmax"]) is not None) is native_takes, case
+        if case == "ragged":  # not one shape per layer: the general path takes such a step
+            with pytest.raises(RuntimeError):
+                fast.fill(tuple(scores), tuple(indices))
+            continue
+        for row in fast.step.rows:
+            row[:num_experts] = 3
+        assert fast.fill(tuple(scores), tuple(indices)) == 0
+        for layer in range(layers):
+            want_counts, want_entropy, _ = _truth("softmax", scores[layer].double(), indices[layer].long(), None,
+                                                  num_experts)
+            assert fast.step.rows[layer].tolist() == want_counts + [0] * num_experts, (case, layer)
+            assert math.isfinite(float(fast.step.entropy[layer]))
+            assert math.isclose(float(fast.step.entropy[layer]), want_entropy, abs_tol=1e-9), (case, layer)
+
+
+def test_native_step_fill_refuses_arguments_it_does_not_take() -> None:
+    """The C entry point answers -1 (nothing written) for arguments out of its contract, never
+    reading through a null address."""
+    from moescope.hf import native
+
+    fill = native._FILL
+    assert fill is not None, "libmoescope_hf.so not built (pip install -e .)"
+    routing = np.full((2, 8), 5, dtype=np.int32)
+    entropy = np.zeros(2)
+    ptrs = np.zeros(4, dtype=np.uint64)
+    addr = native._address
+    good = (addr(ptrs), 2, 3, 4, 6, 0, 0, 8, addr(routing), 8, addr(entropy))
+    for at, bad in ((5, 2), (6, 3), (7, 2), (9, 3), (3, 0), (1, -1)):
+        args = list(good)
+        args[at] = bad
+        assert fill(*args) == -1, (at, bad)
+    assert fill(*good) == -1  # null tensor addresses with tokens to read
+    assert fill(addr(ptrs), 2, 0, 4, 0, 0, 0, 8, addr(routing), 8, addr(entropy)) == 0  # an empty step
+    assert routing[:, :4].tolist() == [[0] * 4] * 2 and routing[:, 4:].tolist() == [[5] * 4] * 2
+    assert entropy.tolist() == [0.0, 0.0]
