@@ -31,6 +31,8 @@ from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan
 
+from moescope.agent.export.spans import SharedAttributes
+
 log = logging.getLogger(__name__)
 
 _ID_FIELDS = ("traceId", "spanId", "parentSpanId")
@@ -94,6 +96,10 @@ _CACHE_MAX = 4096
 _key_prefixes: dict[str, str] = {}  # attribute key -> '{"key":"...","value":'
 # Encoded resources and scopes by object (they live as long as the provider): id -> (object, text).
 _object_cache: dict[int, tuple[Any, str]] = {}
+# Encoded shared attribute sets (a step's stubs share one): id -> (object, text), the object kept
+# with its text so that its id cannot be reused while cached; the export thread is the only writer.
+_shared_texts: dict[int, tuple[Any, str]] = {}
+_SHARED_MAX = 1024
 
 
 class _Unencodable(ValueError):
@@ -259,9 +265,23 @@ def _templated(attributes: Mapping[str, Any]) -> str | None:
 
 
 def _attributes(attributes: Mapping[str, Any] | None) -> str:
-    """``[...]`` of the encodable attributes, or "" when there are none (the field is left out)."""
+    """``[...]`` of the encodable attributes, or "" when there are none (the field is left out).
+    A ``SharedAttributes`` (never mutated; carried by many spans) is written once per object."""
     if not attributes:
         return ""
+    if type(attributes) is SharedAttributes:
+        entry = _shared_texts.get(id(attributes))
+        if entry is not None and entry[0] is attributes:
+            return entry[1]
+        text = _encode_attributes(attributes)
+        if len(_shared_texts) >= _SHARED_MAX:
+            _shared_texts.clear()
+        _shared_texts[id(attributes)] = (attributes, text)
+        return text
+    return _encode_attributes(attributes)
+
+
+def _encode_attributes(attributes: Mapping[str, Any]) -> str:
     text = _templated(attributes)
     if text is not None:
         return text
@@ -324,7 +344,8 @@ def _span(span: ReadableSpan) -> str:
         parts.append(f',"startTimeUnixNano":"{span.start_time}"')
     if span.end_time:
         parts.append(f',"endTimeUnixNano":"{span.end_time}"')
-    attrs = _attributes(span.attributes)
+    own = getattr(span, "_attributes", None)  # the SDK's read gives a fresh proxy: the shared object is behind it
+    attrs = _attributes(own if type(own) is SharedAttributes else span.attributes)
     if attrs:
         parts.append(',"attributes":' + attrs)
     if span.dropped_attributes:

@@ -75,6 +75,21 @@ def _clean(attributes: Mapping[str, Any], *, tuples: bool) -> dict[str, Any]:
     return out
 
 
+class SharedAttributes(dict[str, Any]):
+    """Attributes cleaned once (as the SDK stores them) and carried by many spans or links as the
+    same object: the step stubs of one batch (agent/outputs/traces.py) share one. The factory
+    passes it through uncleaned and uncopied, and the OTLP-JSON encoder writes its text once per
+    object (agent/export/otlp_json.py). Never mutated after ``shared_attributes`` made it (a span
+    given late attributes copies it first)."""
+
+    __slots__ = ()
+
+
+def shared_attributes(attributes: Mapping[str, Any]) -> SharedAttributes:
+    """``attributes`` cleaned as a span stores them, in one object to share between spans."""
+    return SharedAttributes(_span_attributes(attributes))
+
+
 def clean_attributes(attributes: Mapping[str, Any] | None) -> dict[str, AttributeValue]:
     """OTLP-representable attributes: numpy to Python, homogeneous sequences, no None/NaN."""
     if not attributes:
@@ -86,6 +101,8 @@ def _span_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
     """``clean_attributes`` as the SDK stores them: sequences as tuples, only non-empty str keys."""
     if not attributes:
         return {}
+    if type(attributes) is SharedAttributes:
+        return attributes  # cleaned when it was made, shared as it is
     out = _clean(attributes, tuples=True)
     if "" in out or not set(map(type, out)) <= {str}:
         log.warning("span attributes with an empty or non-string key are left out")
@@ -133,6 +150,7 @@ class SpanLink:
 
 
 _EMPTY_CONTEXT = Context()
+_SHARED_LINK_CACHE = 64  # shared link attribute sets kept with their BoundedAttributes (a few constants)
 
 
 def _context_for(parent: SpanContext | None) -> Context:
@@ -269,6 +287,8 @@ class SpanFactory:
             self._info = tracer.instrumentation_info
             self._root_flags = _SAMPLED_RANDOM if self._ids.is_trace_id_random() else _SAMPLED
         self._last: tuple[SpanContext | None, Context] = (None, _EMPTY_CONTEXT)  # one tuple: swapped atomically
+        # id -> (a shared link attribute set, its immutable BoundedAttributes), the object kept with it
+        self._link_attributes: dict[int, tuple[SharedAttributes, BoundedAttributes]] = {}
 
     @staticmethod
     def _direct_possible(tracer: trace.Tracer) -> bool:
@@ -345,10 +365,13 @@ class SpanFactory:
         if links:
             valid = []
             for link in links:
-                link_attrs = clean_attributes(link.attributes)
-                if link.context and (link.context.is_valid or link_attrs or link.context.trace_state):
-                    valid.append(Link(link.context, BoundedAttributes(
-                        self._limits.max_link_attributes, link_attrs, max_value_len=None, immutable=True)))
+                if type(link.attributes) is SharedAttributes:  # one immutable copy per shared object
+                    bounded = self._shared_link_attributes(link.attributes)
+                else:
+                    bounded = BoundedAttributes(self._limits.max_link_attributes, clean_attributes(link.attributes),
+                                                max_value_len=None, immutable=True)
+                if link.context and (link.context.is_valid or bounded or link.context.trace_state):
+                    valid.append(Link(link.context, bounded))
             max_links = self._limits.max_links
             span_links = (
                 BoundedList.from_seq(max_links, valid)
@@ -357,11 +380,25 @@ class SpanFactory:
             )
         return _DirectSpan(self, name, context, parent, kind, attrs, span_links, start_ns)
 
+    def _shared_link_attributes(self, shared: SharedAttributes) -> BoundedAttributes:
+        """The immutable BoundedAttributes of a shared link attribute set, made once per object."""
+        entry = self._link_attributes.get(id(shared))
+        if entry is not None and entry[0] is shared:
+            return entry[1]
+        bounded = BoundedAttributes(self._limits.max_link_attributes, dict(shared), max_value_len=None,
+                                    immutable=True)
+        if len(self._link_attributes) >= _SHARED_LINK_CACHE:
+            self._link_attributes.clear()
+        self._link_attributes[id(shared)] = (shared, bounded)
+        return bounded
+
     def _merge(
         self, attrs: dict[str, Any] | BoundedAttributes, late: dict[str, Any]
     ) -> dict[str, Any] | BoundedAttributes:
         """Late attributes as BoundedAttributes.__setitem__ adds them: a re-set key moves to the end."""
         limit = self._limits.max_span_attributes
+        if type(attrs) is SharedAttributes:
+            attrs = dict(attrs)  # other spans carry this object: this span's own copy takes the change
         for key, value in late.items():
             if isinstance(attrs, dict):
                 if key in attrs:

@@ -32,7 +32,7 @@ import numpy as np
 from opentelemetry.trace import SpanContext, SpanKind
 from opentelemetry.util.types import AttributeValue
 
-from moescope.agent.export.spans import SpanEvent, SpanFactory, SpanLink
+from moescope.agent.export.spans import SharedAttributes, SpanEvent, SpanFactory, SpanLink, shared_attributes
 from moescope.agent.join import (
     BufferedStep,
     JoinEvent,
@@ -69,6 +69,7 @@ DEFAULT_LAYER_SPANS_PER_S = 200.0
 SLOW_STEP_QUANTILE = 0.99  # a step at or above the window's p99 duration is "slow": always kept
 SLOW_STEP_MIN_SAMPLES = 100  # ... once the window holds this many steps (before: the budget alone)
 SLOW_STEP_WINDOW_NS = 10_000_000_000
+_STUB_LINK_ATTRIBUTES = shared_attributes({"moe.link": "step.owner"})  # a stub's link to its owner's step
 
 
 class LayerSampler:
@@ -167,6 +168,9 @@ class TraceOutput:
         # Sources stamp CLOCK_MONOTONIC; OTLP wants ns since the Unix epoch: span times are shifted by this.
         self.epoch_offset_ns = epoch_offset_ns
         self._owners: dict[int, SpanContext] = {}  # step seq -> the owner's step span
+        # step seq -> its stubs' attributes and link to the owner, made at the first stub and shared
+        # by the batch's others (one object: cleaned once, encoded once; agent/export/spans.py)
+        self._stubs: dict[int, tuple[SharedAttributes, tuple[SpanLink, ...]]] = {}
         self._memory: MemorySignal | None = None
         self._layer_precision: dict[int, str] = {}
         self._net_events = NetEventIndex()  # retransmits/resets by connection, for the server spans
@@ -188,6 +192,7 @@ class TraceOutput:
                     self._request_trace(event)
                 case StepRetired(step=b, evicted=evicted):
                     owner = self._owners.pop(b.seq, None)
+                    self._stubs.pop(b.seq, None)
                     if owner is None and not b.claims and not evicted:
                         self._step_tree(b, parent=None, extra={"moe.step.unjoined": True})
                     self._keep_layers.pop(b.seq, None)
@@ -206,6 +211,7 @@ class TraceOutput:
 
     def shutdown(self, deadline_ns: int) -> None:
         self._owners.clear()
+        self._stubs.clear()
         self._keep_layers.clear()
         self._sampled_health.clear()
 
@@ -260,18 +266,25 @@ class TraceOutput:
                 self._owners[b.seq] = self._step_tree(b, parent=parent, extra={})
                 self._counts["owner_subtrees"] += 1
             elif owner is not None:
+                stub = self._stubs.get(b.seq)
+                if stub is None:  # the batch's first stub: its attributes and link, shared by the rest
+                    stub = self._stubs[b.seq] = (
+                        shared_attributes({**self._step_attributes(b), "moe.step.shared": True}),
+                        (SpanLink(owner, _STUB_LINK_ATTRIBUTES),),
+                    )
                 spans.record(
                     "moe.step",
                     start_ns=b.step.start_ns + off,
                     end_ns=b.step.end_ns + off,
                     parent=parent,
-                    attributes={**self._step_attributes(b), "moe.step.shared": True},
-                    links=[SpanLink(owner, {"moe.link": "step.owner"})],
+                    attributes=stub[0],
+                    links=stub[1],
                 )
                 self._counts["stub_spans"] += 1
                 n += 1
             if b.claims >= b.batch_size:
                 self._owners.pop(b.seq, None)  # every request of the batch has its span now
+                self._stubs.pop(b.seq, None)
         error = None if record.answered else "connection closed before a response was written"
         net_events = []
         for net in self._net_events.for_request(peer_addr=record.peer_addr, peer_port=record.peer_port,

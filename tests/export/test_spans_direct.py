@@ -22,6 +22,9 @@ from sample_trace import emit_sample
 
 from moescope.agent.export import SpanEvent, SpanFactory, SpanLink
 from moescope.agent.export.otlp_json import request_to_line, spans_to_line
+from moescope.agent.export.spans import shared_attributes
+
+SHARED_LINK = shared_attributes({"moe.link": "step.owner"})
 
 
 class CountingIds(IdGenerator):
@@ -67,6 +70,13 @@ def _workload(factory: SpanFactory) -> None:
     ok.end(end_time=50)  # ignored: already ended
     ok.set_attribute("after", 1)  # ignored: already ended
     factory.record("skewed", start_ns=100, end_ns=90, attributes={"n": None, "nan": float("nan"), "e": []})
+    # shared attribute sets (a step's stubs): one object on several spans and links, copied for a late change
+    shared = shared_attributes({"moe.step.tokens": 8, "moe.step.requests": [3, 1], "nan": float("nan")})
+    link = (SpanLink(remote, SHARED_LINK),)
+    for i in range(2):
+        factory.record(f"stub{i}", start_ns=200 + i, end_ns=210, attributes=shared, links=link)
+    late = factory.start("stub-late", start_ns=220, attributes=shared, links=link)
+    factory.end(late, end_ns=230, attributes={"moe.step.tokens": 9, "extra": 1.5})
 
 
 def _fields(span: ReadableSpan) -> dict[str, Any]:
@@ -92,11 +102,28 @@ def test_direct_spans_equal_sdk_spans() -> None:
         _workload(direct)
         _workload(sdk)
         a, b = list(direct_out.get_finished_spans()), list(sdk_out.get_finished_spans())
-        assert len(a) == len(b) == 9
+        assert len(a) == len(b) == 12
         assert [_fields(s) for s in a] == [_fields(s) for s in b]
         assert spans_to_line(a) == spans_to_line(b) == request_to_line(encode_spans(b))
     over = {s.name: s for s in a}["over-limits"]
     assert (over.dropped_attributes, over.dropped_events, over.dropped_links) == (4, 2, 2)  # the limits did bite
+
+
+def test_shared_attributes_are_carried_as_one_object_and_never_changed() -> None:
+    """A shared attribute set is the very object on every span given it (and its link attributes
+    one BoundedAttributes), encoded to the protobuf route's text each time; a span given late
+    attributes takes a copy, so the others and the shared set keep theirs."""
+    direct, out = _factory(direct=True, limits=SpanLimits())
+    _workload(direct)
+    spans = {s.name: s for s in out.get_finished_spans()}
+    stub0, stub1, late = spans["stub0"], spans["stub1"], spans["stub-late"]
+    assert stub0._attributes is stub1._attributes  # (the SDK's .attributes is a fresh read-only view)
+    assert dict(stub0.attributes or {}) == {"moe.step.tokens": 8, "moe.step.requests": (3, 1)}  # cleaned once: no NaN
+    assert stub0.links[0].attributes is stub1.links[0].attributes is late.links[0].attributes
+    assert dict(late.attributes or {}) == {"moe.step.requests": (3, 1), "moe.step.tokens": 9, "extra": 1.5}
+    assert late._attributes is not stub0._attributes and dict(stub1.attributes or {})["moe.step.tokens"] == 8
+    for _ in range(2):  # the second pass is the encoder's cached text
+        assert spans_to_line([stub0, stub1, late]) == request_to_line(encode_spans([stub0, stub1, late]))
 
 
 def test_random_trace_id_flag_and_remote_parent_as_sdk() -> None:
