@@ -52,11 +52,13 @@ def test_the_wheel_installs_only_the_moescope_namespace(wheel: Path) -> None:
         names = zf.namelist()
     top = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith((".dist-info", ".data"))}
     assert top == {"moescope"}, top
-    # every folder arrived, with the native injection library and the eBPF sources
+    # every folder arrived, with the three native libraries and the eBPF sources
     for path in (
         "moescope/agent/cli.py",
         "moescope/collectors/nvtx.py",
         "moescope/collectors/nvtx_inject/libmoescope_nvtx.so",
+        "moescope/agent/native/libmoescope_health.so",
+        "moescope/hf/libmoescope_hf.so",
         "moescope/probes/ingress/ingress.bpf.c",
         "moescope/probes/ingress/ingress.h",
         "moescope/examples/moe_runtime/runtime.py",
