@@ -38,6 +38,7 @@ class Benchmark:
     quick_args: tuple[str, ...]
     result: str  # file name under bench-results/
     read: Callable[[dict[str, Any]], tuple[bool, str]]  # JSON -> (bar met, one-line headline)
+    module: str = ""  # benchmarks.<module> (default: the name)
 
 
 def read_ingress(doc: dict[str, Any]) -> tuple[bool, str]:
@@ -107,6 +108,14 @@ def read_hf_instrument(doc: dict[str, Any]) -> tuple[bool, str]:
     )
 
 
+def read_hf_own(doc: dict[str, Any]) -> tuple[bool, str]:
+    return bool(doc["bar_met"]), (
+        f"{doc['shape']}: moescope's own {doc['own_us_per_forward']:.1f} us per forward = "
+        f"{100 * doc['own_fraction_of_plain_forward']:.2f} % of the plain forward "
+        f"(bar {100 * doc['bar_fraction']:.0f} %)"
+    )
+
+
 BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("ingress_overhead", (), ("--pairs", "2", "--requests", "20000"), "ingress_overhead_live.json",
               read_ingress),
@@ -117,6 +126,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("e2e_overhead", (), ("--quick",), "e2e_overhead.json", read_e2e),
     Benchmark("moe_scale", (), ("--quick",), "moe_scale.json", read_moe_scale),
     Benchmark("hf_instrument_cost", (), ("--quick",), "hf_instrument_cost.json", read_hf_instrument),
+    # the tiny bar judged where it can be resolved: moescope's own time inside the forward
+    Benchmark("hf_instrument_own", ("--own-us", "--rounds", "20"), ("--own-us", "--rounds", "4"),
+              "hf_instrument_own.json", read_hf_own, module="hf_instrument_cost"),
     Benchmark("ingress_load", (), ("--seconds", "2", "--connections", "1", "64"), "ingress_load.json",
               read_ingress_load),
 )
@@ -126,7 +138,8 @@ def run_one(bench: Benchmark, *, quick: bool) -> dict[str, Any]:
     """Run one benchmark process, echo its output, classify the outcome."""
     path = RESULTS_DIR / bench.result
     before_ns = path.stat().st_mtime_ns if path.exists() else -1
-    cmd = [sys.executable, "-m", f"benchmarks.{bench.name}", *(bench.quick_args if quick else bench.args)]
+    args = bench.quick_args if quick else bench.args
+    cmd = [sys.executable, "-m", f"benchmarks.{bench.module or bench.name}", *args]
     print(f"== {bench.name}: {' '.join(cmd[1:])}", flush=True)
     started = time.monotonic()
     tail: list[str] = []
