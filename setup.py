@@ -1,12 +1,14 @@
-"""Package build: the pure-Python agent plus three native pieces, plain C shared objects (no Python
-API) built here as Extensions so that `pip install -e .` (scripts/setup.sh) and wheel builds both
-produce them where the code finds them:
+"""Package build: the Python agent plus its native pieces, built here as Extensions so that
+`pip install -e .` (scripts/setup.sh) and wheel builds both produce them where the code finds them.
+Three are plain C shared objects (no Python API):
 - collectors/nvtx_inject/libmoescope_nvtx.so, the NVTX injection library NVTX dlopen()s inside the
   serving process (collectors/nvtx.py);
 - agent/native/libmoescope_health.so, the agent's per-row routing-health reductions, loaded with
   ctypes (agent/native/__init__.py);
 - moescope/hf/libmoescope_hf.so, the transformers instrumentation's host step reductions, loaded
   with ctypes in the instrumented process (moescope/hf/native.py).
+One is a CPython extension module: agent/export/_otlp_span, the export thread's OTLP/JSON span
+encoder (agent/export/otlp_json.py; Python where it is not built).
 Each top-level folder installs as a subpackage of `moescope` (see PACKAGE_DIR).
 """
 
@@ -71,9 +73,17 @@ hf_step_fill = Extension(
     libraries=["m"],
 )
 
+# A CPython extension (a module, unlike the three above): OTLP/JSON text of finished spans on the
+# agent's export thread (agent/export/otlp_json.py falls back to Python where it is not built).
+otlp_span = Extension(
+    "moescope.agent.export._otlp_span",
+    sources=["agent/export/otlp_span.c"],
+    extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra"],
+)
+
 setup(
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
-    ext_modules=[nvtx_injection, health_reductions, hf_step_fill],
+    ext_modules=[nvtx_injection, health_reductions, hf_step_fill, otlp_span],
     cmdclass={"build_ext": BuildNativeLibrary},
 )

@@ -25,13 +25,14 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan
 
-from moescope.agent.export.spans import SharedAttributes
+from moescope.agent.export.spans import SharedAttributes, SharedLink
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ _object_cache: dict[int, tuple[Any, str]] = {}
 # with its text so that its id cannot be reused while cached; the export thread is the only writer.
 _shared_texts: dict[int, tuple[Any, str]] = {}
 _SHARED_MAX = 1024
+_link_texts: dict[int, tuple[Any, str]] = {}  # SharedLinks' texts, the same way
 
 
 class _Unencodable(ValueError):
@@ -328,6 +330,53 @@ def _flags(context: Any) -> str:
     )
 
 
+def _link(link: Any) -> str:
+    """One span link's text (also the native encoder's callback for links). Links are immutable,
+    so a SharedLink that many spans carry (a batch's stubs, agent/export/spans.py) is written once."""
+    if type(link) is not SharedLink:
+        return _link_text(link)
+    entry = _link_texts.get(id(link))
+    if entry is not None and entry[0] is link:
+        return entry[1]
+    text = _link_text(link)
+    if len(_link_texts) >= _SHARED_MAX:
+        _link_texts.clear()
+    _link_texts[id(link)] = (link, text)
+    return text
+
+
+def _link_text(link: Any) -> str:
+    lc = link.context
+    item = f'{{"traceId":"{lc.trace_id:032x}","spanId":"{lc.span_id:016x}"'
+    link_attrs = _attributes(link.attributes)
+    if link_attrs:
+        item += ',"attributes":' + link_attrs
+    if link.dropped_attributes:
+        item += f',"droppedAttributesCount":{link.dropped_attributes}'
+    return item + ',"flags":' + _flags(lc) + "}"
+
+
+def _spans_python(spans: Sequence[ReadableSpan]) -> str:
+    return ",".join([_span(s) for s in spans])
+
+
+def _spans_native(spans: Sequence[ReadableSpan]) -> str:
+    # the native encoder writes what it takes and hands every other span to _span (agent/export/otlp_span.c)
+    assert _native is not None
+    text: str = _native.encode(spans, _span, _link, SharedAttributes)
+    return text
+
+
+_native: ModuleType | None
+try:
+    from moescope.agent.export import _otlp_span as _native
+except ImportError:  # a source checkout without `pip install -e .`: the Python encoder alone
+    _native = None
+# The spans of one scope as their comma-joined texts: native where built (the same text, ≈ 5x less
+# CPU), Python otherwise; tests/export checks both against the protobuf route.
+encode_spans_text = _spans_python if _native is None else _spans_native
+
+
 def _span(span: ReadableSpan) -> str:
     ctx = span.context
     parts = [f'{{"traceId":"{ctx.trace_id:032x}","spanId":"{ctx.span_id:016x}"']
@@ -370,17 +419,7 @@ def _span(span: ReadableSpan) -> str:
         parts.append(f',"droppedEventsCount":{span.dropped_events}')
     span_links = span.links
     if span_links:
-        links = []
-        for link in span_links:
-            lc = link.context
-            item = f'{{"traceId":"{lc.trace_id:032x}","spanId":"{lc.span_id:016x}"'
-            link_attrs = _attributes(link.attributes)
-            if link_attrs:
-                item += ',"attributes":' + link_attrs
-            if link.dropped_attributes:
-                item += f',"droppedAttributesCount":{link.dropped_attributes}'
-            links.append(item + ',"flags":' + _flags(lc) + "}")
-        parts.append(',"links":[' + ",".join(links) + "]")
+        parts.append(',"links":[' + ",".join([_link(link) for link in span_links]) + "]")
     if span.dropped_links:
         parts.append(f',"droppedLinksCount":{span.dropped_links}')
     status = span.status
@@ -399,6 +438,13 @@ def spans_to_line(spans: Sequence[ReadableSpan]) -> str:
     The same text as ``request_to_line(encode_spans(spans))`` (tests/export checks it, byte for
     byte) without building protobuf messages or dicts.
     """
+    if not spans:
+        return "{}"
+    first = spans[0]
+    resource, scope = first.resource, first.instrumentation_scope or None
+    if all(s.resource is resource and (s.instrumentation_scope or None) is scope for s in spans):
+        # the agent's batches: one tracer, so one resource and scope object for every span
+        return _request_text([(resource, [(scope, spans)])])
     # Group as the SDK's encoder does (by Resource, then scope; equality, not identity), comparing
     # each distinct object once: Resource.__hash__ serialises all its attributes.
     groups: list[tuple[Any, list[tuple[Any, list[ReadableSpan]]]]] = []
@@ -429,14 +475,16 @@ def spans_to_line(spans: Sequence[ReadableSpan]) -> str:
                 scopes.append((scope, members))
             by_scope[key] = members
         members.append(span)
-    if not groups:
-        return "{}"
+    return _request_text(groups)
+
+
+def _request_text(groups: Sequence[tuple[Any, Sequence[tuple[Any, Sequence[ReadableSpan]]]]]) -> str:
     resource_spans = []
     for resource, scopes in groups:
         scope_spans = []
         for scope, members in scopes:
             text = '{"scope":' + (_cached(scope, _scope) if scope is not None else "{}")
-            text += ',"spans":[' + ",".join([_span(s) for s in members]) + "]"
+            text += ',"spans":[' + encode_spans_text(members) + "]"
             if scope is not None and scope.schema_url:
                 text += ',"schemaUrl":' + _string(scope.schema_url)
             scope_spans.append(text + "}")

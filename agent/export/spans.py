@@ -85,6 +85,12 @@ class SharedAttributes(dict[str, Any]):
     __slots__ = ()
 
 
+class SharedLink(Link):
+    """An SDK Link the factory made once for a tuple of links whose attributes are all shared sets,
+    and hands to every span given that tuple (a batch's stubs): immutable, so the OTLP-JSON encoder
+    writes its text once."""
+
+
 def shared_attributes(attributes: Mapping[str, Any]) -> SharedAttributes:
     """``attributes`` cleaned as a span stores them, in one object to share between spans."""
     return SharedAttributes(_span_attributes(attributes))
@@ -289,6 +295,8 @@ class SpanFactory:
         self._last: tuple[SpanContext | None, Context] = (None, _EMPTY_CONTEXT)  # one tuple: swapped atomically
         # id -> (a shared link attribute set, its immutable BoundedAttributes), the object kept with it
         self._link_attributes: dict[int, tuple[SharedAttributes, BoundedAttributes]] = {}
+        # id -> (a tuple of SpanLinks with shared attributes, the SDK Links made for it), the key kept
+        self._shared_links: dict[int, tuple[tuple[SpanLink, ...], tuple[Link, ...]]] = {}
 
     @staticmethod
     def _direct_possible(tracer: trace.Tracer) -> bool:
@@ -363,22 +371,35 @@ class SpanFactory:
             attrs = BoundedAttributes(limit, attrs, immutable=False, max_value_len=None)  # drops the oldest, counted
         span_links: Sequence[Link] = ()
         if links:
-            valid = []
-            for link in links:
-                if type(link.attributes) is SharedAttributes:  # one immutable copy per shared object
-                    bounded = self._shared_link_attributes(link.attributes)
-                else:
-                    bounded = BoundedAttributes(self._limits.max_link_attributes, clean_attributes(link.attributes),
-                                                max_value_len=None, immutable=True)
-                if link.context and (link.context.is_valid or bounded or link.context.trace_state):
-                    valid.append(Link(link.context, bounded))
-            max_links = self._limits.max_links
-            span_links = (
-                BoundedList.from_seq(max_links, valid)
-                if max_links is not None and len(valid) > max_links
-                else tuple(valid)
-            )
+            span_links = self._links(links)
         return _DirectSpan(self, name, context, parent, kind, attrs, span_links, start_ns)
+
+    def _links(self, links: Iterable[SpanLink]) -> Sequence[Link]:
+        """The span's SDK links. A tuple of links whose attributes are all shared sets (a batch's
+        stubs) gets the same Link objects every time (immutable: their encoded text is kept too)."""
+        shareable = isinstance(links, tuple) and all(type(link.attributes) is SharedAttributes for link in links)
+        if shareable:
+            entry = self._shared_links.get(id(links))
+            if entry is not None and entry[0] is links:
+                return entry[1]
+        valid = []
+        for link in links:
+            if type(link.attributes) is SharedAttributes:  # one immutable copy per shared object
+                bounded = self._shared_link_attributes(link.attributes)
+            else:
+                bounded = BoundedAttributes(self._limits.max_link_attributes, clean_attributes(link.attributes),
+                                            max_value_len=None, immutable=True)
+            if link.context and (link.context.is_valid or bounded or link.context.trace_state):
+                valid.append(SharedLink(link.context, bounded) if shareable else Link(link.context, bounded))
+        max_links = self._limits.max_links
+        if max_links is not None and len(valid) > max_links:
+            return BoundedList.from_seq(max_links, valid)  # counts its drops per span: never shared
+        made = tuple(valid)
+        if shareable and isinstance(links, tuple):
+            if len(self._shared_links) >= _SHARED_LINK_CACHE:
+                self._shared_links.clear()
+            self._shared_links[id(links)] = (links, made)  # the key object kept: its id is not reused
+        return made
 
     def _shared_link_attributes(self, shared: SharedAttributes) -> BoundedAttributes:
         """The immutable BoundedAttributes of a shared link attribute set, made once per object."""

@@ -52,7 +52,7 @@ def test_the_wheel_installs_only_the_moescope_namespace(wheel: Path) -> None:
         names = zf.namelist()
     top = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith((".dist-info", ".data"))}
     assert top == {"moescope"}, top
-    # every folder arrived, with the three native libraries and the eBPF sources
+    # every folder arrived, with the native libraries, the span encoder module and the eBPF sources
     for path in (
         "moescope/agent/cli.py",
         "moescope/collectors/nvtx.py",
@@ -66,6 +66,7 @@ def test_the_wheel_installs_only_the_moescope_namespace(wheel: Path) -> None:
         "moescope/errors.py",
     ):
         assert path in names, path
+    assert any(n.startswith("moescope/agent/export/_otlp_span.") and n.endswith(".so") for n in names)
     with zipfile.ZipFile(wheel) as zf:
         entry_points = zf.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
     assert "agent = moescope.agent.cli:entry" in entry_points

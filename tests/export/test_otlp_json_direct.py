@@ -8,12 +8,15 @@ must parse back (``json_format``) into the very protobuf request the SDK encodes
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
+import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import (
     Link,
     NonRecordingSpan,
@@ -26,8 +29,22 @@ from opentelemetry.trace import (
     set_span_in_context,
 )
 
-from moescope.agent.export import SpanEvent, SpanFactory, SpanLink
+from moescope.agent.export import SpanEvent, SpanFactory, SpanLink, otlp_json
 from moescope.agent.export.otlp_json import line_to_request, request_to_line, spans_to_line
+from moescope.agent.export.spans import SharedAttributes, shared_attributes
+
+
+@pytest.fixture(params=["python", "native"], autouse=True)
+def encoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Every test here runs with the Python span encoder and with the native one (which hands
+    what it does not take back to Python, such as the SDK's own spans with BoundedAttributes):
+    both must give the protobuf route's text."""
+    if request.param == "native":
+        assert otlp_json._native is not None, "agent/export/_otlp_span not built (pip install -e .)"
+        monkeypatch.setattr(otlp_json, "encode_spans_text", otlp_json._spans_native)
+    else:
+        monkeypatch.setattr(otlp_json, "encode_spans_text", otlp_json._spans_python)
+    yield request.param
 
 ATTRS = {
     "s": "text", "empty_s": "", "utf8": "grüße ✓", "b": True, "f_b": False, "i": 42, "zero": 0, "neg": -(1 << 63),
@@ -164,3 +181,56 @@ def test_spans_of_one_shape_with_values_the_template_cannot_write() -> None:
     assert spans_to_line(spans) == request_to_line(encode_spans(spans))
     attrs = json.loads(spans_to_line(spans[:1]))["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["attributes"]
     assert [a["key"] for a in attrs] == list(shape[0])
+
+
+HOSTILE_ASCII = "".join(chr(c) for c in range(128))  # every control character, quote, backslash and DEL
+
+
+def test_the_native_encoder_takes_the_agents_spans_itself(encoder: str) -> None:
+    """What the agent's spans are made of — ASCII strings with every escape, ints at the int64
+    edges, floats of every kind, arrays, a shared attribute set, links, remote and local parents,
+    error statuses — is written by the native encoder itself (no span handed back) and equals the
+    protobuf route; a span it does not take (events, trace state, non-ASCII text, an int past
+    int64) goes to Python and still equals it."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"service.name": "svc"}), sampler=ALWAYS_ON)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    factory = SpanFactory(provider.get_tracer("moescope", "1"))
+    assert factory.direct  # the agent's own tracer: the factory builds the finished spans
+    remote = SpanContext(trace_id=(1 << 128) - 1, span_id=(1 << 64) - 1, is_remote=True, trace_flags=TraceFlags(1))
+    shared = shared_attributes({"moe.step.requests": [3, 1], "moe.step.shared": True})
+    link_attrs = shared_attributes({"moe.link": "step.owner"})
+    mine = {
+        "esc": HOSTILE_ASCII, HOSTILE_ASCII: 1, "": "empty key", "i": [-(1 << 63), (1 << 63) - 1, 0],
+        "f": [0.1, 1e16, 1e-5, 5e-324, 1.7976931348623157e308, -0.0, 2.0], "nan": float("nan"),
+        "inf": float("inf"), "ninf": float("-inf"), "b": [True, False], "mixed": [1, "a", 2.5, True],
+        "nested": [[1, 2], ["x"]], "none_in": [None, 1], "empty": [], "t": (1, 2),
+    }
+    root = factory.record("root " + HOSTILE_ASCII, start_ns=1, end_ns=2, kind=SpanKind.SERVER, attributes=mine)
+    factory.record("", start_ns=0, end_ns=0, parent=remote, kind=SpanKind.CLIENT)
+    factory.record("err", start_ns=3, end_ns=4, parent=root, error="bad \"thing\"\n")
+    for _ in range(2):
+        factory.record("stub", start_ns=5, end_ns=6, parent=root, attributes=shared,
+                       links=[SpanLink(root, link_attrs), SpanLink(remote, {"k": [1.5]})])
+    native_ok = list(exporter.get_finished_spans())
+    factory.record("events", start_ns=1, end_ns=2, events=[SpanEvent("e", 1, {"a": 1})])
+    factory.record("ü name", start_ns=1, end_ns=2)
+    factory.record("big", start_ns=1, end_ns=2, attributes={"x": 1 << 64, "y": "ok"})
+    factory.record("utf8 value", start_ns=1, end_ns=2, attributes={"x": "grüße"})
+    factory.record("state", start_ns=1, end_ns=2, parent=SpanContext(
+        trace_id=5, span_id=6, is_remote=True, trace_flags=TraceFlags(1), trace_state=TraceState([("k", "v")])))
+    spans = list(exporter.get_finished_spans())
+    assert spans_to_line(spans) == request_to_line(encode_spans(spans))
+    for span in spans:
+        assert spans_to_line([span]) == request_to_line(encode_spans([span])), span.name
+    if encoder == "native":
+        handed_back: list[str] = []
+
+        def fallback(span: ReadableSpan) -> str:
+            handed_back.append(span.name)
+            return otlp_json._span(span)
+
+        assert otlp_json._native is not None
+        text = otlp_json._native.encode(spans, fallback, otlp_json._link, SharedAttributes)
+        assert text == otlp_json._spans_python(spans)
+        assert handed_back == [s.name for s in spans[len(native_ok):]]

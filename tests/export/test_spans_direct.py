@@ -22,7 +22,7 @@ from sample_trace import emit_sample
 
 from moescope.agent.export import SpanEvent, SpanFactory, SpanLink
 from moescope.agent.export.otlp_json import request_to_line, spans_to_line
-from moescope.agent.export.spans import shared_attributes
+from moescope.agent.export.spans import SharedLink, shared_attributes
 
 SHARED_LINK = shared_attributes({"moe.link": "step.owner"})
 
@@ -110,8 +110,8 @@ def test_direct_spans_equal_sdk_spans() -> None:
 
 
 def test_shared_attributes_are_carried_as_one_object_and_never_changed() -> None:
-    """A shared attribute set is the very object on every span given it (and its link attributes
-    one BoundedAttributes), encoded to the protobuf route's text each time; a span given late
+    """A shared attribute set is the very object on every span given it (and a links tuple of shared
+    sets one SharedLink), encoded to the protobuf route's text each time; a span given late
     attributes takes a copy, so the others and the shared set keep theirs."""
     direct, out = _factory(direct=True, limits=SpanLimits())
     _workload(direct)
@@ -119,7 +119,8 @@ def test_shared_attributes_are_carried_as_one_object_and_never_changed() -> None
     stub0, stub1, late = spans["stub0"], spans["stub1"], spans["stub-late"]
     assert stub0._attributes is stub1._attributes  # (the SDK's .attributes is a fresh read-only view)
     assert dict(stub0.attributes or {}) == {"moe.step.tokens": 8, "moe.step.requests": (3, 1)}  # cleaned once: no NaN
-    assert stub0.links[0].attributes is stub1.links[0].attributes is late.links[0].attributes
+    assert stub0.links[0] is stub1.links[0] is late.links[0]  # one immutable SharedLink for the links tuple
+    assert type(stub0.links[0]) is SharedLink
     assert dict(late.attributes or {}) == {"moe.step.requests": (3, 1), "moe.step.tokens": 9, "extra": 1.5}
     assert late._attributes is not stub0._attributes and dict(stub1.attributes or {})["moe.step.tokens"] == 8
     for _ in range(2):  # the second pass is the encoder's cached text

@@ -1,0 +1,7 @@
+"""The native OTLP/JSON span encoder (agent/export/otlp_span.c)."""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+def encode(spans: Sequence[Any], fallback: Callable[[Any], str], link_text: Callable[[Any], str],
+           shared_type: type, /) -> str: ...
