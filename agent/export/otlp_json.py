@@ -363,7 +363,7 @@ def _spans_python(spans: Sequence[ReadableSpan]) -> str:
 def _spans_native(spans: Sequence[ReadableSpan]) -> str:
     # the native encoder writes what it takes and hands every other span to _span (agent/export/otlp_span.c)
     assert _native is not None
-    text: str = _native.encode(spans, _span, _link, SharedAttributes)
+    text: str = _native.encode(spans, _span, _link, SharedAttributes, ReadableSpan)
     return text
 
 

@@ -11,7 +11,8 @@
  * this can only ever be faster, never different: tests/export compares both with the protobuf
  * route.
  *
- * encode(spans, fallback, link_text, shared_type) -> str: the span texts joined by ",".
+ * encode(spans, fallback, link_text, shared_type, span_type) -> str: the span texts joined by ",";
+ * only spans of exactly span_type (the SDK's ReadableSpan) are taken.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -47,12 +48,6 @@ static int buf_add(Buf *b, const char *s, size_t n) {
 
 #define ADD_LIT(b, lit) buf_add((b), (lit), sizeof(lit) - 1)
 
-static int buf_fmt_u64(Buf *b, unsigned long long v) {
-    char tmp[24];
-    int n = snprintf(tmp, sizeof tmp, "%llu", v);
-    return buf_add(b, tmp, (size_t)n);
-}
-
 static int buf_fmt_i64(Buf *b, long long v) {
     char tmp[24];
     int n = snprintf(tmp, sizeof tmp, "%lld", v);
@@ -63,7 +58,19 @@ static int buf_fmt_i64(Buf *b, long long v) {
 enum { OK = 0, NOT_MINE = 1, ERROR = -1 };
 
 static PyObject *s_context, *s_parent, *s_name, *s_kind, *s_start, *s_end, *s_attributes, *s_events,
-    *s_links, *s_status, *s_status_code, *s_description, *s_value;
+    *s_links, *s_status, *s_status_code, *s_description, *s_value, *sixty_four;
+
+/* After a failed lookup or conversion: an AttributeError, TypeError, ValueError or OverflowError
+ * means "not a span this takes" (Python's encoder decides); anything else (MemoryError, an
+ * interrupt) is an error that propagates. */
+static int not_mine_or_error(void) {
+    if (PyErr_ExceptionMatches(PyExc_AttributeError) || PyErr_ExceptionMatches(PyExc_TypeError) ||
+        PyErr_ExceptionMatches(PyExc_ValueError) || PyErr_ExceptionMatches(PyExc_OverflowError)) {
+        PyErr_Clear();
+        return NOT_MINE;
+    }
+    return ERROR;
+}
 
 /* An ASCII str as json.encoder.encode_basestring_ascii writes it; NOT_MINE for a non-ASCII one. */
 static int add_string(Buf *b, PyObject *s) {
@@ -177,32 +184,29 @@ static int add_attributes(Buf *b, PyObject *attrs) {
     return ADD_LIT(b, "]") < 0 ? ERROR : OK;
 }
 
-/* A SpanContext's ids (a tuple: trace_id, span_id, is_remote, flags, trace_state, ...). */
-static int context_ids(PyObject *ctx, unsigned long long *hi, unsigned long long *lo, unsigned long long *span) {
+/* A SpanContext's span id (the tuple: trace_id, span_id, is_remote, flags, trace_state, ...). */
+static int context_span_id(PyObject *ctx, unsigned long long *span) {
     if (!PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) < 5) return NOT_MINE;
-    PyObject *trace_id = PyTuple_GET_ITEM(ctx, 0), *span_id = PyTuple_GET_ITEM(ctx, 1);
-    if (!PyLong_CheckExact(trace_id) || !PyLong_CheckExact(span_id)) return NOT_MINE;
-    *span = PyLong_AsUnsignedLongLong(span_id);
-    if (*span == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return NOT_MINE;
-    }
+    PyObject *span_id = PyTuple_GET_ITEM(ctx, 1);
+    if (!PyLong_CheckExact(span_id)) return NOT_MINE;
+    *span = PyLong_AsUnsignedLongLong(span_id); /* negative or past 64 bits: Python's then */
+    if (*span == (unsigned long long)-1 && PyErr_Occurred()) return not_mine_or_error();
+    return OK;
+}
+
+/* Its trace id as two 64-bit halves and its span id. */
+static int context_ids(PyObject *ctx, unsigned long long *hi, unsigned long long *lo, unsigned long long *span) {
+    int rc = context_span_id(ctx, span);
+    if (rc != OK) return rc;
+    PyObject *trace_id = PyTuple_GET_ITEM(ctx, 0);
+    if (!PyLong_CheckExact(trace_id)) return NOT_MINE;
     *lo = PyLong_AsUnsignedLongLongMask(trace_id);
-    if (*lo == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return NOT_MINE;
-    }
-    PyObject *sixty_four = PyLong_FromLong(64);
-    if (!sixty_four) return ERROR;
+    if (*lo == (unsigned long long)-1 && PyErr_Occurred()) return not_mine_or_error();
     PyObject *high = PyNumber_Rshift(trace_id, sixty_four);
-    Py_DECREF(sixty_four);
-    if (!high) return ERROR;
+    if (!high) return not_mine_or_error();
     *hi = PyLong_AsUnsignedLongLong(high); /* a negative or > 128-bit id fails here: Python's then */
     Py_DECREF(high);
-    if (*hi == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return NOT_MINE;
-    }
+    if (*hi == (unsigned long long)-1 && PyErr_Occurred()) return not_mine_or_error();
     return OK;
 }
 
@@ -229,24 +233,18 @@ static int add_time(Buf *b, const char *field, size_t field_len, PyObject *t) {
     return OK;
 }
 
-/* Small int attribute of an object (an enum's value). */
+/* Small int attribute of an object (an enum's value: an exact int in 0..1023). */
 static int int_attr(PyObject *obj, PyObject *name, long *out) {
     PyObject *v = PyObject_GetAttr(obj, name);
-    if (!v) {
-        PyErr_Clear();
-        return NOT_MINE;
-    }
-    if (!PyLong_Check(v)) {
+    if (!v) return not_mine_or_error();
+    if (!PyLong_CheckExact(v)) {
         Py_DECREF(v);
         return NOT_MINE;
     }
     *out = PyLong_AsLong(v);
     Py_DECREF(v);
-    if (*out == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return NOT_MINE;
-    }
-    return OK;
+    if (*out == -1 && PyErr_Occurred()) return not_mine_or_error();
+    return (*out >= 0 && *out < 1024) ? OK : NOT_MINE;
 }
 
 typedef struct {
@@ -274,17 +272,44 @@ static int fields_get(PyObject *span, Fields *f) {
                          s_status};
     for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++) {
         *slots[i] = PyObject_GetAttr(span, names[i]);
-        if (!*slots[i]) {
-            PyErr_Clear();
-            return NOT_MINE;
-        }
+        if (!*slots[i]) return not_mine_or_error();
     }
     return OK;
 }
 
-/* One span's text appended to b, or NOT_MINE with b as it was. */
-static int add_span(Buf *b, PyObject *span, PyObject *link_text, PyObject *shared_type) {
+/* The status's code and its message (a new reference: a str, or NULL for none). */
+static int status_fields(PyObject *status, long *code, PyObject **message) {
+    *message = NULL;
+    PyObject *code_obj = PyObject_GetAttr(status, s_status_code);
+    if (!code_obj) return not_mine_or_error();
+    int rc = int_attr(code_obj, s_value, code);
+    Py_DECREF(code_obj);
+    if (rc != OK) return rc;
+    PyObject *description = PyObject_GetAttr(status, s_description);
+    if (!description) return not_mine_or_error();
+    int truthy = PyObject_IsTrue(description); /* `if status.description:` */
+    if (truthy < 0) {
+        Py_DECREF(description);
+        return not_mine_or_error();
+    }
+    if (!truthy) {
+        Py_DECREF(description);
+        return OK;
+    }
+    if (!PyUnicode_CheckExact(description) || !PyUnicode_IS_ASCII(description)) {
+        Py_DECREF(description);
+        return NOT_MINE;
+    }
+    *message = description;
+    return OK;
+}
+
+/* One span's text appended to b, or NOT_MINE with b as it was. Everything that can still make
+ * the span Python's is decided before the first byte is written. */
+static int add_span(Buf *b, PyObject *span, PyObject *link_text, PyObject *shared_type, PyObject *span_type) {
+    if ((PyObject *)Py_TYPE(span) != span_type) return NOT_MINE; /* a subclass may override a property */
     Fields f;
+    PyObject *message = NULL, *links = NULL;
     size_t start_len = b->len;
     int rc = fields_get(span, &f);
     if (rc != OK) goto done;
@@ -294,22 +319,27 @@ static int add_span(Buf *b, PyObject *span, PyObject *link_text, PyObject *share
     if (!PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) < 5) goto done;
     Py_ssize_t trace_state = PyObject_Size(PyTuple_GET_ITEM(ctx, 4));
     if (trace_state != 0) {
-        if (trace_state < 0) PyErr_Clear();
+        if (trace_state < 0) rc = not_mine_or_error();
         goto done;
     }
     if (!((PyTuple_Check(f.events) || PyList_Check(f.events)) && PySequence_Fast_GET_SIZE(f.events) == 0)) goto done;
     if (!(PyTuple_CheckExact(f.links) || PyList_CheckExact(f.links))) goto done;
     PyObject *attrs = f.attributes;
-    if (!(attrs == Py_None || PyDict_CheckExact(attrs) || (PyObject *)Py_TYPE(attrs) == shared_type)) goto done;
-    if (!PyUnicode_CheckExact(f.name)) goto done;
+    if (!(attrs == Py_None || PyDict_CheckExact(attrs) ||
+          (PyDict_Check(attrs) && (PyObject *)Py_TYPE(attrs) == shared_type)))
+        goto done;
+    if (!PyUnicode_CheckExact(f.name) || !PyUnicode_IS_ASCII(f.name)) goto done;
     unsigned long long hi, lo, span_id, parent_id = 0;
     if ((rc = context_ids(ctx, &hi, &lo, &span_id)) != OK) goto done;
-    if (f.parent != Py_None) {
-        unsigned long long phi, plo;
-        if ((rc = context_ids(f.parent, &phi, &plo, &parent_id)) != OK) goto done;
-    }
-    long kind;
+    if (f.parent != Py_None && (rc = context_span_id(f.parent, &parent_id)) != OK) goto done;
+    long kind, code;
     if ((rc = int_attr(f.kind, s_value, &kind)) != OK) goto done;
+    if ((rc = status_fields(f.status, &code, &message)) != OK) goto done;
+    links = PySequence_Tuple(f.links); /* our own: callbacks may run other threads' code */
+    if (!links) {
+        rc = ERROR;
+        goto done;
+    }
     char head[96];
     int n = snprintf(head, sizeof head, "{\"traceId\":\"%016llx%016llx\",\"spanId\":\"%016llx\"", hi, lo, span_id);
     rc = ERROR;
@@ -325,19 +355,21 @@ static int add_span(Buf *b, PyObject *span, PyObject *link_text, PyObject *share
     }
     n = snprintf(head, sizeof head, ",\"kind\":%ld", kind + 1);
     if (buf_add(b, head, (size_t)n) < 0) goto done;
-    if ((rc = add_time(b, ",\"startTimeUnixNano\":\"", 22, f.start)) != OK) goto done;
-    if ((rc = add_time(b, ",\"endTimeUnixNano\":\"", 20, f.end)) != OK) goto done;
+#define TIME_FIELD(lit, t)                                                        \
+    if ((rc = add_time(b, lit, sizeof(lit) - 1, (t))) != OK) goto done;
+    TIME_FIELD(",\"startTimeUnixNano\":\"", f.start)
+    TIME_FIELD(",\"endTimeUnixNano\":\"", f.end)
+#undef TIME_FIELD
     if (attrs != Py_None && PyDict_GET_SIZE(attrs) > 0) {
         if ((rc = add_attributes(b, attrs)) != OK) goto done;
     }
     rc = ERROR;
-    Py_ssize_t links = PySequence_Fast_GET_SIZE(f.links);
-    if (links > 0) {
+    Py_ssize_t count = PyTuple_GET_SIZE(links);
+    if (count > 0) {
         if (ADD_LIT(b, ",\"links\":[") < 0) goto done;
-        PyObject **items = PySequence_Fast_ITEMS(f.links);
-        for (Py_ssize_t i = 0; i < links; i++) {
+        for (Py_ssize_t i = 0; i < count; i++) {
             if (i && ADD_LIT(b, ",") < 0) goto done;
-            PyObject *text = PyObject_CallOneArg(link_text, items[i]);
+            PyObject *text = PyObject_CallOneArg(link_text, PyTuple_GET_ITEM(links, i));
             if (!text) goto done;
             Py_ssize_t len;
             const char *s = PyUnicode_AsUTF8AndSize(text, &len);
@@ -347,47 +379,22 @@ static int add_span(Buf *b, PyObject *span, PyObject *link_text, PyObject *share
         }
         if (ADD_LIT(b, "]") < 0) goto done;
     }
-    /* status: message (an ASCII str) and code */
-    PyObject *code_obj = PyObject_GetAttr(f.status, s_status_code);
-    if (!code_obj) {
-        PyErr_Clear();
-        rc = NOT_MINE;
-        goto done;
-    }
-    long code;
-    rc = int_attr(code_obj, s_value, &code);
-    Py_DECREF(code_obj);
-    if (rc != OK) goto done;
-    PyObject *description = PyObject_GetAttr(f.status, s_description);
-    if (!description) {
-        PyErr_Clear();
-        rc = NOT_MINE;
-        goto done;
-    }
-    rc = ERROR;
-    if (ADD_LIT(b, ",\"status\":{") < 0) {
-        Py_DECREF(description);
-        goto done;
-    }
-    int truthy = PyObject_IsTrue(description);
-    if (truthy > 0) {
-        if (ADD_LIT(b, "\"message\":") < 0 || (rc = add_string(b, description)) != OK) {
-            Py_DECREF(description);
-            if (rc == OK) rc = ERROR;
-            goto done;
-        }
+    if (ADD_LIT(b, ",\"status\":{") < 0) goto done;
+    if (message != NULL) {
+        if (ADD_LIT(b, "\"message\":") < 0) goto done;
+        if ((rc = add_string(b, message)) != OK) goto done;
         rc = ERROR;
     }
-    Py_DECREF(description);
-    if (truthy < 0) goto done;
     if (code) {
-        n = snprintf(head, sizeof head, "%s\"code\":%ld", truthy > 0 ? "," : "", code);
+        n = snprintf(head, sizeof head, "%s\"code\":%ld", message != NULL ? "," : "", code);
         if (buf_add(b, head, (size_t)n) < 0) goto done;
     }
     if (ADD_LIT(b, "},\"flags\":") < 0) goto done;
     if ((rc = add_flags(b, f.parent)) != OK) goto done;
     rc = ADD_LIT(b, "}") < 0 ? ERROR : OK;
 done:
+    Py_XDECREF(message);
+    Py_XDECREF(links);
     fields_clear(&f);
     if (rc != OK) b->len = start_len;
     return rc;
@@ -395,19 +402,20 @@ done:
 
 static PyObject *encode(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *spans, *fallback, *link_text, *shared_type;
-    if (!PyArg_ParseTuple(args, "OOOO:encode", &spans, &fallback, &link_text, &shared_type)) return NULL;
-    PyObject *seq = PySequence_Fast(spans, "encode: spans must be a sequence");
+    PyObject *spans, *fallback, *link_text, *shared_type, *span_type;
+    if (!PyArg_ParseTuple(args, "OOOOO:encode", &spans, &fallback, &link_text, &shared_type, &span_type)) return NULL;
+    /* a tuple of our own: the callbacks run Python code, and another thread could change a list */
+    PyObject *seq = PySequence_Tuple(spans);
     if (!seq) return NULL;
     Buf b = {0};
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *span = PyTuple_GET_ITEM(seq, i);
         if (i && ADD_LIT(&b, ",") < 0) goto fail;
-        int rc = add_span(&b, items[i], link_text, shared_type);
+        int rc = add_span(&b, span, link_text, shared_type, span_type);
         if (rc == ERROR) goto fail;
         if (rc == NOT_MINE) {
-            PyObject *text = PyObject_CallOneArg(fallback, items[i]);
+            PyObject *text = PyObject_CallOneArg(fallback, span);
             if (!text) goto fail;
             Py_ssize_t len;
             const char *s = PyUnicode_AsUTF8AndSize(text, &len);
@@ -428,7 +436,7 @@ fail:
 
 static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS,
-     "encode(spans, fallback, link_text, shared_type) -> the spans' OTLP/JSON texts joined by ','"},
+     "encode(spans, fallback, link_text, shared_type, span_type) -> the spans' OTLP/JSON texts joined by ','"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -447,5 +455,7 @@ PyMODINIT_FUNC PyInit__otlp_span(void) {
         *names[i].slot = PyUnicode_InternFromString(names[i].name);
         if (!*names[i].slot) return NULL;
     }
+    sixty_four = PyLong_FromLong(64);
+    if (!sixty_four) return NULL;
     return PyModule_Create(&module);
 }

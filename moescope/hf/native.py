@@ -52,7 +52,8 @@ def _address(a: np.ndarray) -> int:
 
 class StepFill:
     """One compact step's native fill: `routing` [L, 2E] int32 (tokens halves written) and
-    `entropy` [L] float64 (bits), both held vectors that outlive this object's user."""
+    `entropy` [L] float64 (bits), both held vectors that outlive this object's user. Called from
+    the model thread only (the hooks run there; its address array is not shared between threads)."""
 
     __slots__ = ("layers", "experts", "_ptrs", "_ptrs_address", "_routing", "_routing_address", "_row_stride",
                  "_entropy", "_entropy_address")
@@ -81,19 +82,22 @@ class StepFill:
         first, first_indices = scores[0], indices[0]
         score_type = _SCORE_TYPES.get(first.dtype)
         index_bytes = _INDEX_BYTES.get(first_indices.dtype)
-        if score_type is None or index_bytes is None or first.shape[-1] != self.experts:
+        if score_type is None or index_bytes is None or first.dim() < 1 or first.shape[-1] != self.experts:
             return None
-        score_elements, index_elements = first.numel(), first_indices.numel()
+        score_shape, index_shape = first.shape, first_indices.shape
         score_dtype, index_dtype = first.dtype, first_indices.dtype
         ptrs = self._ptrs
+        # host memory of the tensors' own values: CPU, dense, not a lazily negated view
         for i, s in enumerate(scores):
-            if s.dtype != score_dtype or s.numel() != score_elements or not s.is_contiguous() or s.is_cuda:
+            if (s.dtype != score_dtype or s.shape != score_shape or not s.is_cpu or not s.is_contiguous()
+                    or s.is_neg()):
                 return None
             ptrs[i] = s.data_ptr()
         for i, x in enumerate(indices, layers):
-            if x.dtype != index_dtype or x.numel() != index_elements or not x.is_contiguous() or x.is_cuda:
+            if x.dtype != index_dtype or x.shape != index_shape or not x.is_cpu or not x.is_contiguous():
                 return None
             ptrs[i] = x.data_ptr()
+        score_elements, index_elements = first.numel(), first_indices.numel()
         outside: int = fn(self._ptrs_address, layers, score_elements // self.experts, self.experts, index_elements,
                           kind, score_type, index_bytes, self._routing_address, self._row_stride,
                           self._entropy_address)

@@ -191,7 +191,7 @@ def test_the_native_encoder_takes_the_agents_spans_itself(encoder: str) -> None:
     edges, floats of every kind, arrays, a shared attribute set, links, remote and local parents,
     error statuses — is written by the native encoder itself (no span handed back) and equals the
     protobuf route; a span it does not take (events, trace state, non-ASCII text, an int past
-    int64) goes to Python and still equals it."""
+    int64, a ReadableSpan subclass) goes to Python and still equals it."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider(resource=Resource.create({"service.name": "svc"}), sampler=ALWAYS_ON)
     provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -220,6 +220,14 @@ def test_the_native_encoder_takes_the_agents_spans_itself(encoder: str) -> None:
     factory.record("state", start_ns=1, end_ns=2, parent=SpanContext(
         trace_id=5, span_id=6, is_remote=True, trace_flags=TraceFlags(1), trace_state=TraceState([("k", "v")])))
     spans = list(exporter.get_finished_spans())
+
+    class Renamed(ReadableSpan):  # a subclass may override what the native encoder reads directly
+        @property
+        def name(self) -> str:
+            return "renamed"
+
+    spans.append(Renamed(name="sub", context=native_ok[0].context, resource=native_ok[0].resource,
+                         start_time=1, end_time=2, instrumentation_scope=native_ok[0].instrumentation_scope))
     assert spans_to_line(spans) == request_to_line(encode_spans(spans))
     for span in spans:
         assert spans_to_line([span]) == request_to_line(encode_spans([span])), span.name
@@ -231,6 +239,6 @@ def test_the_native_encoder_takes_the_agents_spans_itself(encoder: str) -> None:
             return otlp_json._span(span)
 
         assert otlp_json._native is not None
-        text = otlp_json._native.encode(spans, fallback, otlp_json._link, SharedAttributes)
+        text = otlp_json._native.encode(spans, fallback, otlp_json._link, SharedAttributes, ReadableSpan)
         assert text == otlp_json._spans_python(spans)
         assert handed_back == [s.name for s in spans[len(native_ok):]]

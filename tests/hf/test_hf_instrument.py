@@ -696,15 +696,16 @@ def test_compact_fast_fill_scatters_in_range_counts_then_falls_back_for_good(ind
 def test_compact_fast_native_pass_takes_what_it_can_and_hands_the_rest_to_torch(
         score_dtype: torch.dtype, index_dtype: torch.dtype) -> None:
     """The native pass reads float32, float64 and bfloat16 scores and int64 or int32 indices where
-    torch keeps them; float16 scores, a non-contiguous layer or a layer of another size go to the
-    torch ops (it writes nothing then). Either way the held vectors equal the definitions computed
-    in float64 from the same scores; extreme logits (-inf, +-1e4) stay finite."""
+    torch keeps them; float16 scores, a non-contiguous layer, a lazily negated view or a layer of
+    another shape go to the torch ops (it writes nothing then). Either way the held vectors equal
+    the definitions computed in float64 from the same scores; extreme logits (-inf, +-1e4) stay
+    finite."""
     from moescope.hf import native
 
     generator = torch.Generator().manual_seed(31)
     num_experts, tokens, k, layers = 7, 5, 3, 3
     fast = _compact_fast("softmax", layers, num_experts, "native")
-    for case in ("plain", "extreme", "strided", "ragged"):
+    for case in ("plain", "extreme", "strided", "negated", "ragged"):
         scores = [torch.randn(tokens, num_experts, generator=generator).to(score_dtype) for _ in range(layers)]
         indices = [torch.randint(0, num_experts, (tokens, k), generator=generator).to(index_dtype)
                    for _ in range(layers)]
@@ -712,9 +713,13 @@ def test_compact_fast_native_pass_takes_what_it_can_and_hands_the_rest_to_torch(
             scores[0][0, :3] = torch.tensor([float("-inf"), 1e4, -1e4]).to(score_dtype)
         elif case == "strided":
             scores[1] = torch.randn(num_experts, tokens, generator=generator).to(score_dtype).t()
+        elif case == "negated":  # a lazily negated view: its memory holds the values un-negated
+            scores[2] = torch._neg_view(scores[2])
         elif case == "ragged":
             indices[2] = indices[2][:-1]
         native_takes = score_dtype != torch.float16 and case in ("plain", "extreme")
+        if case == "negated":
+            assert scores[2].is_neg()
         assert (fast._native.fill(scores, indices, native.KIND_CODES["softmax"]) is not None) is native_takes, case
         if case == "ragged":  # not one shape per layer: the general path takes such a step
             with pytest.raises(RuntimeError):
