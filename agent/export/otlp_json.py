@@ -272,14 +272,7 @@ def _attributes(attributes: Mapping[str, Any] | None) -> str:
     if not attributes:
         return ""
     if type(attributes) is SharedAttributes:
-        entry = _shared_texts.get(id(attributes))
-        if entry is not None and entry[0] is attributes:
-            return entry[1]
-        text = _encode_attributes(attributes)
-        if len(_shared_texts) >= _SHARED_MAX:
-            _shared_texts.clear()
-        _shared_texts[id(attributes)] = (attributes, text)
-        return text
+        return _cached(attributes, _encode_attributes, cache=_shared_texts, limit=_SHARED_MAX)
     return _encode_attributes(attributes)
 
 
@@ -296,14 +289,16 @@ def _encode_attributes(attributes: Mapping[str, Any]) -> str:
     return "[" + ",".join(out) + "]" if out else ""
 
 
-def _cached(obj: Any, encode: Any) -> str:
-    entry = _object_cache.get(id(obj))
+def _cached(obj: Any, encode: Any, *, cache: dict[int, tuple[Any, str]] = _object_cache, limit: int = 64) -> str:
+    """encode(obj), kept by the object's identity (the object is kept with its text, so its id is
+    not reused while cached): for objects that never change once made."""
+    entry = cache.get(id(obj))
     if entry is not None and entry[0] is obj:
         return entry[1]
-    text = encode(obj)
-    if len(_object_cache) >= 64:
-        _object_cache.clear()
-    _object_cache[id(obj)] = (obj, text)
+    text: str = encode(obj)
+    if len(cache) >= limit:
+        cache.clear()
+    cache[id(obj)] = (obj, text)
     return text
 
 
@@ -335,14 +330,7 @@ def _link(link: Any) -> str:
     so a SharedLink that many spans carry (a batch's stubs, agent/export/spans.py) is written once."""
     if type(link) is not SharedLink:
         return _link_text(link)
-    entry = _link_texts.get(id(link))
-    if entry is not None and entry[0] is link:
-        return entry[1]
-    text = _link_text(link)
-    if len(_link_texts) >= _SHARED_MAX:
-        _link_texts.clear()
-    _link_texts[id(link)] = (link, text)
-    return text
+    return _cached(link, _link_text, cache=_link_texts, limit=_SHARED_MAX)
 
 
 def _link_text(link: Any) -> str:
