@@ -92,8 +92,9 @@ def stream_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StreamRun]:
                 # coreutils nice (no preexec_fn: this process runs gRPC threads); not root: it says
                 # it cannot and runs the client at the default priority
                 ["nice", "-n", str(CLIENT_NICE), PYTHON, "-m", "moescope.examples.moe_runtime.loadgen",
-                 "--url", f"http://127.0.0.1:{port}", "--requests", str(REQUESTS), "--concurrency", "1", "--scenario", "long", "--max-tokens",
-                 str(MAX_TOKENS), "--seed", "3", "--stream", "--json-out", str(out)],
+                 "--url", f"http://127.0.0.1:{port}", "--requests", str(REQUESTS), "--concurrency", "1",
+                 "--scenario", "long", "--max-tokens", str(MAX_TOKENS), "--seed", "3", "--stream",
+                 "--json-out", str(out)],
                 cwd=REPO, capture_output=True, text=True, timeout=WAIT_S * 2, check=False,
             )
             assert done.returncode == 0, done.stderr
