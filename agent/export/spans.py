@@ -377,10 +377,12 @@ class SpanFactory:
     def _links(self, links: Iterable[SpanLink]) -> Sequence[Link]:
         """The span's SDK links. A tuple of links whose attributes are all shared sets (a batch's
         stubs) gets the same Link objects every time (immutable: their encoded text is kept too)."""
-        shareable = isinstance(links, tuple) and all(type(link.attributes) is SharedAttributes for link in links)
-        if shareable:
-            entry = self._shared_links.get(id(links))
-            if entry is not None and entry[0] is links:
+        key: tuple[SpanLink, ...] | None = None
+        if isinstance(links, tuple) and all(type(link.attributes) is SharedAttributes for link in links):
+            key = links
+        if key is not None:
+            entry = self._shared_links.get(id(key))
+            if entry is not None and entry[0] is key:
                 return entry[1]
         valid = []
         for link in links:
@@ -390,15 +392,15 @@ class SpanFactory:
                 bounded = BoundedAttributes(self._limits.max_link_attributes, clean_attributes(link.attributes),
                                             max_value_len=None, immutable=True)
             if link.context and (link.context.is_valid or bounded or link.context.trace_state):
-                valid.append(SharedLink(link.context, bounded) if shareable else Link(link.context, bounded))
+                valid.append(SharedLink(link.context, bounded) if key is not None else Link(link.context, bounded))
         max_links = self._limits.max_links
         if max_links is not None and len(valid) > max_links:
             return BoundedList.from_seq(max_links, valid)  # counts its drops per span: never shared
         made = tuple(valid)
-        if shareable and isinstance(links, tuple):
+        if key is not None:
             if len(self._shared_links) >= _SHARED_LINK_CACHE:
                 self._shared_links.clear()
-            self._shared_links[id(links)] = (links, made)  # the key object kept: its id is not reused
+            self._shared_links[id(key)] = (key, made)  # the key object kept: its id is not reused
         return made
 
     def _shared_link_attributes(self, shared: SharedAttributes) -> BoundedAttributes:

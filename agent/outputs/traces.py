@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import reduce
 from operator import add, mul
 
@@ -70,6 +71,16 @@ SLOW_STEP_QUANTILE = 0.99  # a step at or above the window's p99 duration is "sl
 SLOW_STEP_MIN_SAMPLES = 100  # ... once the window holds this many steps (before: the budget alone)
 SLOW_STEP_WINDOW_NS = 10_000_000_000
 _STUB_LINK_ATTRIBUTES = shared_attributes({"moe.link": "step.owner"})  # a stub's link to its owner's step
+
+
+@dataclass(slots=True)
+class _Owner:
+    """A step's owner span, and the attributes and link its batch-mates' stubs share (made at the
+    first stub: one object each, cleaned and encoded once; agent/export/spans.py)."""
+
+    context: SpanContext
+    stub_attributes: SharedAttributes | None = None
+    stub_links: tuple[SpanLink, ...] = ()
 
 
 class LayerSampler:
@@ -167,10 +178,7 @@ class TraceOutput:
         self._sampled_health: dict[int, Attributes] = {}
         # Sources stamp CLOCK_MONOTONIC; OTLP wants ns since the Unix epoch: span times are shifted by this.
         self.epoch_offset_ns = epoch_offset_ns
-        self._owners: dict[int, SpanContext] = {}  # step seq -> the owner's step span
-        # step seq -> its stubs' attributes and link to the owner, made at the first stub and shared
-        # by the batch's others (one object: cleaned once, encoded once; agent/export/spans.py)
-        self._stubs: dict[int, tuple[SharedAttributes, tuple[SpanLink, ...]]] = {}
+        self._owners: dict[int, _Owner] = {}  # step seq -> the owner's step span (and its stubs' parts)
         self._memory: MemorySignal | None = None
         self._layer_precision: dict[int, str] = {}
         self._net_events = NetEventIndex()  # retransmits/resets by connection, for the server spans
@@ -192,7 +200,6 @@ class TraceOutput:
                     self._request_trace(event)
                 case StepRetired(step=b, evicted=evicted):
                     owner = self._owners.pop(b.seq, None)
-                    self._stubs.pop(b.seq, None)
                     if owner is None and not b.claims and not evicted:
                         self._step_tree(b, parent=None, extra={"moe.step.unjoined": True})
                     self._keep_layers.pop(b.seq, None)
@@ -211,7 +218,6 @@ class TraceOutput:
 
     def shutdown(self, deadline_ns: int) -> None:
         self._owners.clear()
-        self._stubs.clear()
         self._keep_layers.clear()
         self._sampled_health.clear()
 
@@ -263,28 +269,24 @@ class TraceOutput:
         for b, first in zip(event.steps, event.first_claims, strict=True):
             owner = self._owners.get(b.seq)
             if owner is None and first:
-                self._owners[b.seq] = self._step_tree(b, parent=parent, extra={})
+                self._owners[b.seq] = _Owner(self._step_tree(b, parent=parent, extra={}))
                 self._counts["owner_subtrees"] += 1
             elif owner is not None:
-                stub = self._stubs.get(b.seq)
-                if stub is None:  # the batch's first stub: its attributes and link, shared by the rest
-                    stub = self._stubs[b.seq] = (
-                        shared_attributes({**self._step_attributes(b), "moe.step.shared": True}),
-                        (SpanLink(owner, _STUB_LINK_ATTRIBUTES),),
-                    )
+                if owner.stub_attributes is None:  # the batch's first stub: made once, shared by the rest
+                    owner.stub_attributes = shared_attributes({**self._step_attributes(b), "moe.step.shared": True})
+                    owner.stub_links = (SpanLink(owner.context, _STUB_LINK_ATTRIBUTES),)
                 spans.record(
                     "moe.step",
                     start_ns=b.step.start_ns + off,
                     end_ns=b.step.end_ns + off,
                     parent=parent,
-                    attributes=stub[0],
-                    links=stub[1],
+                    attributes=owner.stub_attributes,
+                    links=owner.stub_links,
                 )
                 self._counts["stub_spans"] += 1
                 n += 1
             if b.claims >= b.batch_size:
                 self._owners.pop(b.seq, None)  # every request of the batch has its span now
-                self._stubs.pop(b.seq, None)
         error = None if record.answered else "connection closed before a response was written"
         net_events = []
         for net in self._net_events.for_request(peer_addr=record.peer_addr, peer_port=record.peer_port,
