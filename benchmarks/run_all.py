@@ -116,6 +116,22 @@ def read_hf_own(doc: dict[str, Any]) -> tuple[bool, str]:
     )
 
 
+def read_stats_poll(doc: dict[str, Any]) -> tuple[bool, str]:
+    return bool(doc["bar_met"]), "; ".join(
+        f"{r['shape']} narrowed agent {r['narrowed_agent_ms_per_poll']:.2f} (loaded "
+        f"{r['narrowed_busy_agent_ms_per_poll']:.2f}) / runtime {r['narrowed_runtime_ms_per_poll']:.2f} ms a poll, "
+        f"whole {r['whole_agent_ms_per_poll']:.1f} / {r['whole_runtime_ms_per_poll']:.1f}"
+        for r in doc["shapes"]
+    ) + f" (bar {doc['bar_ms_per_poll']} ms)"
+
+
+def read_host_ab(doc: dict[str, Any]) -> tuple[bool, str]:
+    return bool(doc["bar_met"]), (
+        f"runtime CPU/request with/without the agent, same runtime: median pair ratio "
+        f"{doc['median_pair_ratio_runtime_cpu_ms_per_request']:.3f} (bar {doc['bar_runtime_cpu_ratio']})"
+    )
+
+
 BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("ingress_overhead", (), ("--pairs", "2", "--requests", "20000"), "ingress_overhead_live.json",
               read_ingress),
@@ -131,6 +147,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               "hf_instrument_own.json", read_hf_own, module="hf_instrument_cost"),
     Benchmark("ingress_load", (), ("--seconds", "2", "--connections", "1", "64"), "ingress_load.json",
               read_ingress_load),
+    Benchmark("stats_poll", (), ("--pairs", "1", "--polls", "10"), "stats_poll.json", read_stats_poll),
+    Benchmark("host_ab", (), ("--pairs", "2", "--duration-s", "5", "--warmup-s", "2"), "host_ab.json", read_host_ab),
 )
 
 

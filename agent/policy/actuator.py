@@ -7,6 +7,8 @@ blocking and runs on the engine's worker threads, never on the evaluation thread
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import math
 import os
@@ -174,6 +176,21 @@ class ControlConnection:
             raise exc3 from None
 
 
+# The per-layer `stats` fields that say where each expert is and at which precision: they change
+# only when placement does, which `placement_version` tells (docs/control-protocol.md).
+PLACEMENT_FIELDS = ("device", "tier", "dtype", "precision", "offloaded")
+_PER_EXPERT = ("tokens", "last_step_tokens", "queue_depth", "penalty", "device", "tier", "dtype", "precision")
+# Per-layer fields a narrowed reply may send instead: the non-zero entries as [expert, value] pairs
+# (an expert left out is 0)
+_SPARSE = {"queue_depth_sparse": "queue_depth", "penalty_sparse": "penalty"}
+
+
+@functools.lru_cache(maxsize=4096)
+def _expert_keys(layer: int, count: int) -> tuple[Expert, ...]:
+    """The (layer, expert) keys of one layer's per-expert list: the same tuples every poll."""
+    return tuple((layer, expert) for expert in range(count))
+
+
 @dataclass(slots=True)
 class RuntimeState:
     """The part of `stats` the policy reads: precision, residency, penalties, memory, token counts."""
@@ -196,58 +213,100 @@ class RuntimeState:
     expert_bytes_fp32: int
     offloaded: dict[Expert, bool] | None = None  # optional per-layer "offloaded" list in stats
     model: str | None = None  # optional stats "model" (or config "model"): gen_ai.request.model
+    # the runtime's placement_version these placement fields are from (None: it reports none, or
+    # they are not held: the next narrowed poll asks for them)
+    placement_version: int | None = None
 
     @classmethod
-    def from_stats(cls, result: Mapping[str, Any]) -> RuntimeState:
+    def from_stats(cls, result: Mapping[str, Any], *, previous: RuntimeState | None = None) -> RuntimeState:
+        """A state from a `stats` result. A narrowed reply (`fields`) leaves per-layer fields out:
+        the placement fields are then taken from `previous` when it holds them for the same shape
+        (the runtime sends them again whenever they change), the others are empty; a sparse field
+        (`queue_depth_sparse`, `penalty_sparse`) fills its dense one with the experts that are not 0."""
         try:
             if result.get("protocol") != PROTOCOL:
                 got = result.get("protocol")
                 raise CommandFailed(f"stats: protocol {got!r}, want {PROTOCOL}", outcome="protocol-error")
             config = result["config"]
-            keys = ("tokens", "last_step_tokens", "queue_depth", "penalty", "device", "tier", "dtype", "precision")
-            per: dict[str, dict[Expert, Any]] = {k: {} for k in keys}
+            layers, experts = int(config["layers"]), int(config["experts"])
+            per: dict[str, dict[Expert, Any]] = {k: {} for k in _PER_EXPERT}
+            sent: set[str] = set()
             entropy_bits: dict[int, float] = {}
-            for layer in result["layers"]:
+            offloaded: dict[Expert, bool] | None = {}
+            rows = result["layers"]
+            for layer in rows:
                 index = int(layer["layer"])
-                entropy_bits[index] = float(layer["entropy_bits"])
-                experts_of: dict[int, list[Expert]] = {}  # the (layer, expert) keys, built once per length
+                if "entropy_bits" in layer:
+                    entropy_bits[index] = float(layer["entropy_bits"])
                 for key, table in per.items():
-                    values = layer[key]
-                    count = len(values)
-                    layer_experts = experts_of.get(count)
-                    if layer_experts is None:
-                        layer_experts = experts_of[count] = [(index, expert) for expert in range(count)]
-                    table.update(zip(layer_experts, values))  # one C-level pass: this runs every policy period
+                    values = layer.get(key)
+                    if values is None:
+                        continue
+                    sent.add(key)
+                    # one C-level pass each: this runs every policy period, L x E values a field
+                    keys = _expert_keys(index, len(values))
+                    table.update(zip(keys, map(float, values) if key == "penalty" else values))
+                for key, dense in _SPARSE.items():  # [expert, value] pairs: the entries that are not 0
+                    pairs = layer.get(key)
+                    if pairs is None:
+                        continue
+                    sent.add(dense)
+                    ids = [pair[0] for pair in pairs]
+                    if ids and (not all(type(e) is int for e in ids) or min(ids) < 0 or max(ids) >= experts):
+                        raise ValueError(f"layer {index} {key}: an expert id not in 0..{experts - 1}")
+                    values = map(float if dense == "penalty" else int, [pair[1] for pair in pairs])
+                    per[dense].update(zip(zip(itertools.repeat(index), ids), values))
+                flags = layer.get("offloaded")
+                if flags is None:
+                    offloaded = None  # optional: only when every layer reports it
+                elif offloaded is not None:
+                    offloaded.update(((index, e), bool(v)) for e, v in enumerate(flags))
+            if not rows:
+                offloaded = None
+            version = result.get("placement_version")
+            version = version if isinstance(version, int) and not isinstance(version, bool) else None
+            if sent.isdisjoint(PLACEMENT_FIELDS):
+                if (previous is not None and previous.placement_version is not None
+                        and previous.layers == layers and previous.experts == experts):
+                    for key in ("device", "tier", "dtype", "precision"):
+                        per[key] = getattr(previous, key)  # never mutated: shared with the held state
+                    offloaded = previous.offloaded
+                else:
+                    version = None  # none held: not up to date with any version
             return cls(
                 precision_default=str(result["precision"]["default"]),
                 devices=[str(d) for d in config["devices"]],
                 primary_device=str(config["primary_device"]),
-                layers=int(config["layers"]),
-                experts=int(config["experts"]),
+                layers=layers,
+                experts=experts,
                 tokens=per["tokens"],
                 last_step_tokens=per["last_step_tokens"],
                 queue_depth=per["queue_depth"],
                 entropy_bits=entropy_bits,
-                penalty={k: float(v) for k, v in per["penalty"].items()},
+                penalty=per["penalty"],
                 device=per["device"],
                 tier=per["tier"],
                 dtype=per["dtype"],
                 precision=per["precision"],
                 memory={str(d): dict(v) for d, v in result["memory"]["devices"].items()},
                 expert_bytes_fp32=int(result["memory"]["expert_bytes_fp32"]),
-                offloaded=(
-                    {
-                        (int(layer["layer"]), e): bool(v)
-                        for layer in result["layers"]
-                        for e, v in enumerate(layer["offloaded"])
-                    }
-                    if result["layers"] and all("offloaded" in layer for layer in result["layers"])
-                    else None
-                ),
+                offloaded=offloaded,
                 model=_model_name(result.get("model", config.get("model"))),
+                placement_version=version,
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise CommandFailed(f"stats reply missing or malformed field: {exc}", outcome="protocol-error") from None
+
+    def same_view(self, other: RuntimeState) -> bool:
+        """Whether what the agent's spans and live view show from a state (precision and residency
+        per expert, the device pools, the model) is the same in both: by placement_version where
+        both carry one, else by every field."""
+        if self.placement_version is None or other.placement_version is None:
+            return self == other
+        return (self.placement_version == other.placement_version
+                and self.precision_default == other.precision_default and self.memory == other.memory
+                and self.model == other.model and self.layers == other.layers and self.experts == other.experts
+                and self.devices == other.devices and self.primary_device == other.primary_device)
 
     def offloaded_by_policy(self) -> list[Expert]:
         """Experts put on host by offload_expert: the runtime's per-expert `offloaded` flag when it

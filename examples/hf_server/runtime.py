@@ -14,7 +14,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from torch import nn
@@ -25,7 +25,13 @@ from moescope.examples.hf_server.backend import PRECISIONS, HfBackend
 from moescope.examples.moe_runtime.batcher import BatchEngine
 from moescope.examples.moe_runtime.residency import CommandError
 from moescope.examples.moe_runtime.server import Tokenizer
-from moescope.examples.moe_runtime.stats import RuntimeStats
+from moescope.examples.moe_runtime.stats import (
+    LAYER_FIELDS,
+    SPARSE_FIELDS,
+    RuntimeStats,
+    selected_layer_fields,
+    sparse_pairs,
+)
 from moescope.moe_nvtx import Instrumentation as NoOpInstrumentation
 
 PROTOCOL = "moescope-control/1"
@@ -146,7 +152,10 @@ class HfRuntime:
             "expert_bytes_fp32": elements * 4,
         }
 
-    def stats_dict(self) -> dict[str, Any]:
+    def stats_dict(self, *, fields: list[object] | None = None, placement_since: int | None = None) -> dict[str, Any]:
+        # placement here is each layer's precision (the experts never move): it changes with set_precision
+        version = self._precision_changes
+        wanted = selected_layer_fields(fields, placement_since, version)
         snap = self.stats.snapshot()
         penalties = self.backend.penalties()
         precisions = self.backend.precisions()
@@ -165,6 +174,12 @@ class HfRuntime:
                 "precision": [precisions[i]] * e, "offloaded": [False] * e, "loads": snap["loads"][i],
                 "entropy_bits": snap["entropy_bits"][i], "capacity": snap["capacity"][i],
             })
+        if wanted != frozenset(LAYER_FIELDS):  # a poller's narrowed reply: the descriptive keys always stay
+            left_out = set(LAYER_FIELDS) - wanted
+            sparse = [(name, dense) for name, dense in SPARSE_FIELDS.items() if name in wanted]
+            layers = [{**{k: v for k, v in row.items() if k not in left_out},
+                       **{name: sparse_pairs(cast(list[float], row[dense])) for name, dense in sparse}}
+                      for row in layers]
         counts = {name: 0 for name in PRECISIONS}
         for i, block in enumerate(self.ins.blocks):
             counts[precisions[i]] += block.num_experts
@@ -184,6 +199,7 @@ class HfRuntime:
                 "nvtx_convention": "v2", "capabilities": list(CAPABILITIES),
             },
             "layers": layers,
+            "placement_version": version,
             "precision": {"default": precisions[0], "counts": counts},
             "memory": self._memory(),
             "counters": {**snap["counters"], "migrations": 0, "precision_changes": self._precision_changes},
@@ -195,8 +211,8 @@ class HfRuntime:
     def cmd_ping(self) -> dict[str, Any]:
         return {"protocol": PROTOCOL, "pid": os.getpid(), "uid": os.getuid(), "capabilities": list(CAPABILITIES)}
 
-    def cmd_stats(self) -> dict[str, Any]:
-        return self.stats_dict()
+    def cmd_stats(self, *, fields: list[object] | None = None, placement_since: int | None = None) -> dict[str, Any]:
+        return self.stats_dict(fields=fields, placement_since=placement_since)
 
     def cmd_set_router_penalty(self, *, expert: int, penalty: float, layer: int | None = None) -> dict[str, Any]:
         if not 0 <= expert < self.experts:

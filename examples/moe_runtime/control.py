@@ -63,7 +63,7 @@ def _kind(value: object) -> str:
 ArgSpec = dict[str, tuple[tuple[str, ...], bool]]
 COMMAND_ARGS: dict[str, ArgSpec] = {
     "ping": {},
-    "stats": {},
+    "stats": {"fields": (("list", "null"), False), "placement_since": (("int", "null"), False)},
     "migrate_expert": {"layer": (("int",), True), "expert": (("int",), True), "device": (("str",), True),
                        "dtype": (("str", "null"), False)},
     "offload_expert": {"layer": (("int",), True), "expert": (("int",), True), "dtype": (("str",), False)},

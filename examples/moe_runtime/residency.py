@@ -10,6 +10,7 @@ and precision reverts are exact.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from typing import Any, TypedDict
 
@@ -60,8 +61,8 @@ class ExpertHandle:
     w2: torch.Tensor  # [d_ff, d_model]
     is_master: bool  # True when the tensors are the fp32 master copy itself (host, no extra bytes)
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # the tensors never change: once per handle (`stats` sums it over all of them)
         return sum(t.numel() * t.element_size() for t in (self.w1, self.w3, self.w2))
 
     def describe(self) -> dict[str, str]:
@@ -106,6 +107,12 @@ class MemoryReport(TypedDict):
     expert_bytes_fp32: int
 
 
+def _copy_report(report: MemoryReport) -> MemoryReport:
+    """A caller's own copy of a (cached) memory report: its dicts are the caller's to change."""
+    return {"devices": {name: DeviceMemory(**pool) for name, pool in report["devices"].items()},
+            "host": HostMemory(**report["host"]), "expert_bytes_fp32": report["expert_bytes_fp32"]}
+
+
 class ExpertStore:
     """The expert table plus per-device resident pools (capacity in experts) and accounting."""
 
@@ -132,6 +139,10 @@ class ExpertStore:
         self.non_expert_bytes = non_expert_bytes
         self.cache_on_load = cache_on_load
         self.default_precision = precision
+        # the fp32 masters never change: their sizes are taken once (every `stats` call reports them)
+        w1, w3, w2 = masters[0][0]
+        self._master_sizes = (sum(t.numel() * t.element_size() for row in masters for ws in row for t in ws),
+                              sum(t.numel() * 4 for t in (w1, w3, w2)))
         self._pin = torch.cuda.is_available() and any(d.startswith("cuda") for d in devices)
         self.precision = [[precision] * self.experts for _ in range(self.layers)]
         # Explicitly offloaded experts stay on host until restored (on-demand loads never cache them).
@@ -139,6 +150,11 @@ class ExpertStore:
         self.prev_device = [[self.primary] * self.experts for _ in range(self.layers)]
         self.migrations = 0
         self.precision_changes = 0
+        # Bumped (under the lock) whenever an expert's device, tier, dtype, configured precision or
+        # offloaded flag may have changed: `stats` clients re-read the placement only after it moves.
+        self.placement_version = 0
+        self._memory_cache: tuple[tuple[object, ...], MemoryReport] | None = None
+        self._counts_cache: tuple[int, dict[str, int]] | None = None
         handles: list[list[ExpertHandle]] = []
         placed = 0
         # Fill pools layer-major, device by device, up to each pool's initial share.
@@ -185,6 +201,7 @@ class ExpertStore:
                 if current is handle and not self.offloaded[handle.layer][handle.expert] \
                         and self._resident_count(self.primary) < self.capacity[self.primary]:
                     self._handles[handle.layer][handle.expert] = loaded
+                    self.placement_version += 1
         return loaded, loaded.nbytes
 
     # ----- reads -----
@@ -202,11 +219,27 @@ class ExpertStore:
             return self._handles[layer][expert]
 
     def memory(self) -> MemoryReport:
+        # The report moves only with the placement (and a pool's capacity): a poller asks for it five
+        # times a second, and at 48 x 128 experts the pass over every handle was most of a narrowed `stats`.
         with self._lock:
+            key = (self.placement_version, tuple(self.capacity.items()))
+            cached = self._memory_cache
+            if cached is not None and cached[0] == key:
+                return _copy_report(cached[1])
             handles = [h for row in self._handles for h in row]
+        resident = {device: [0, 0] for device in self.devices}  # experts, bytes
+        offload_bytes = 0
+        for h in handles:  # one pass (at 48 layers x 128 experts this runs on every `stats` call)
+            if h.tier == TIER_DEVICE:
+                pool = resident.get(h.device)
+                if pool is not None:
+                    pool[0] += 1
+                    pool[1] += h.nbytes
+            elif not h.is_master:
+                offload_bytes += h.nbytes
         devices: dict[str, DeviceMemory] = {}
         for device in self.devices:
-            expert_bytes = sum(h.nbytes for h in handles if h.tier == TIER_DEVICE and h.device == device)
+            count, expert_bytes = resident[device]
             non_expert = self.non_expert_bytes if device == self.primary else 0
             used = expert_bytes + non_expert
             devices[device] = {
@@ -215,18 +248,18 @@ class ExpertStore:
                 "used_bytes": used,
                 "budget_bytes": self.budget_bytes,
                 "used_ratio": round(used / self.budget_bytes, 6),
-                "resident_experts": sum(1 for h in handles if h.tier == TIER_DEVICE and h.device == device),
+                "resident_experts": count,
                 "capacity_experts": self.capacity[device],
             }
-        master_bytes = sum(t.numel() * t.element_size() for row in self._masters for ws in row for t in ws)
-        offload_bytes = sum(h.nbytes for h in handles if h.tier == TIER_HOST and not h.is_master)
-        w1, w3, w2 = self._masters[0][0]
-        return {
+        master_bytes, expert_bytes_fp32 = self._master_sizes
+        report: MemoryReport = {
             "devices": devices,
             "host": {"master_bytes": master_bytes, "offload_bytes": offload_bytes,
                      "total_bytes": master_bytes + offload_bytes},
-            "expert_bytes_fp32": sum(t.numel() * 4 for t in (w1, w3, w2)),
+            "expert_bytes_fp32": expert_bytes_fp32,
         }
+        self._memory_cache = (key, report)  # (a change meanwhile bumped the version: the key is behind, safe)
+        return _copy_report(report)
 
     def table(self) -> dict[str, list[list[Any]]]:
         with self._lock:
@@ -240,11 +273,15 @@ class ExpertStore:
 
     def precision_counts(self) -> dict[str, int]:
         with self._lock:
+            cached = self._counts_cache
+            if cached is not None and cached[0] == self.placement_version:
+                return dict(cached[1])
             counts = {p: 0 for p in PRECISIONS}
             for row in self.precision:
                 for p in row:
                     counts[p] += 1
-            return counts
+            self._counts_cache = (self.placement_version, counts)
+            return dict(counts)
 
     # ----- commands (all-or-nothing; copies made before the swap) -----
 
@@ -273,7 +310,10 @@ class ExpertStore:
         with self._lock:
             current = self._handles[layer][expert]
             if current.device == device and current.dtype == dtype:
-                self.offloaded[layer][expert] = offloaded if device == HOST else False
+                flag = offloaded if device == HOST else False
+                if self.offloaded[layer][expert] != flag:
+                    self.offloaded[layer][expert] = flag
+                    self.placement_version += 1
                 return {"layer": layer, "expert": expert, "from": current.describe(),
                         "to": current.describe(), "bytes_moved": 0, "noop": True}
             self._check_room(device, current)
@@ -290,6 +330,7 @@ class ExpertStore:
             if device != HOST:
                 self.precision[layer][expert] = dtype
             self.migrations += 1
+            self.placement_version += 1
         return {"layer": layer, "expert": expert, "from": current.describe(), "to": new.describe(),
                 "bytes_moved": 0 if new.is_master else new.nbytes, "noop": False}
 
@@ -341,6 +382,7 @@ class ExpertStore:
             if experts is None:
                 self.default_precision = precision
             self.precision_changes += 1
+            self.placement_version += 1
         return {"changed": changed, "precision": precision, "counts": self.precision_counts()}
 
     def set_capacity(self, device: str, experts: int) -> dict[str, object]:

@@ -14,7 +14,14 @@ from moescope.examples.moe_runtime.batcher import BatchEngine
 from moescope.examples.moe_runtime.config import PRECISIONS, ModelConfig
 from moescope.examples.moe_runtime.model import MoEModel, make_expert_masters
 from moescope.examples.moe_runtime.residency import CommandError, ExpertStore, MoveResult, validate_device_name
-from moescope.examples.moe_runtime.stats import RuntimeStats
+from moescope.examples.moe_runtime.stats import (
+    LAYER_FIELDS,
+    PLACEMENT_FIELDS,
+    SPARSE_FIELDS,
+    RuntimeStats,
+    selected_layer_fields,
+    sparse_pairs,
+)
 from moescope.examples.moe_runtime.tokenizer import ByteTokenizer
 from moescope.moe_nvtx import DEFAULT_CONVENTION, Instrumentation, make_instrumentation
 
@@ -109,30 +116,35 @@ class Runtime:
 
     # ----- stats -----
 
-    def stats_dict(self) -> dict[str, Any]:
+    def stats_dict(self, *, fields: list[object] | None = None, placement_since: int | None = None) -> dict[str, Any]:
+        """The `stats` result (docs/control-protocol.md); `fields` / `placement_since` narrow its
+        per-layer part to what a poller needs (at 48 layers x 128 experts the whole reply is ~400 KB)."""
         cfg = self.cfg
+        version = self.store.placement_version
+        wanted = selected_layer_fields(fields, placement_since, version)
         snap = self.stats.snapshot()
-        table = self.store.table()
-        penalties = self.model.penalties()
+        table = self.store.table() if not wanted.isdisjoint(PLACEMENT_FIELDS) else None
+        penalties = self.model.penalties() if not wanted.isdisjoint(("penalty", "penalty_sparse")) else None
+        per_layer: dict[str, Any] = dict(snap)
+        sources: dict[str, Any] = {name: per_layer[name] for name in ("tokens", "dropped", "rerouted_in", "queue_depth",
+                                                      "last_step_tokens", "loads", "entropy_bits", "capacity")
+                   if name in wanted}
+        if penalties is not None:
+            per_layer["penalty"] = penalties
+            if "penalty" in wanted:
+                sources["penalty"] = penalties
+        if table is not None:
+            sources.update({name: table[name] for name in PLACEMENT_FIELDS if name in wanted})
+        for name, dense in SPARSE_FIELDS.items():
+            if name in wanted:
+                sources[name] = [sparse_pairs(row) for row in per_layer[dense]]
+        order = [name for name in (*LAYER_FIELDS, *SPARSE_FIELDS) if name in sources]
         layers = []
         for layer in range(cfg.layers):
-            layers.append({
-                "layer": layer,
-                "tokens": snap["tokens"][layer],
-                "dropped": snap["dropped"][layer],
-                "rerouted_in": snap["rerouted_in"][layer],
-                "queue_depth": snap["queue_depth"][layer],
-                "last_step_tokens": snap["last_step_tokens"][layer],
-                "penalty": penalties[layer],
-                "device": table["device"][layer],
-                "tier": table["tier"][layer],
-                "dtype": table["dtype"][layer],
-                "precision": table["precision"][layer],
-                "offloaded": table["offloaded"][layer],
-                "loads": snap["loads"][layer],
-                "entropy_bits": snap["entropy_bits"][layer],
-                "capacity": snap["capacity"][layer],
-            })
+            row: dict[str, Any] = {"layer": layer}
+            for name in order:
+                row[name] = sources[name][layer]
+            layers.append(row)
         counters = dict(snap["counters"])
         counters["migrations"] = self.store.migrations
         counters["precision_changes"] = self.store.precision_changes
@@ -149,6 +161,7 @@ class Runtime:
                 "nvtx_convention": self.ins.convention,
             },
             "layers": layers,
+            "placement_version": version,
             "precision": {"default": self.store.default_precision, "counts": self.store.precision_counts()},
             "memory": self.store.memory(),
             "counters": counters,
@@ -198,8 +211,8 @@ class Runtime:
     def cmd_set_resident_capacity(self, *, device: str, experts: int) -> dict[str, Any]:
         return self.store.set_capacity(device, experts)
 
-    def cmd_stats(self) -> dict[str, Any]:
-        return self.stats_dict()
+    def cmd_stats(self, *, fields: list[object] | None = None, placement_since: int | None = None) -> dict[str, Any]:
+        return self.stats_dict(fields=fields, placement_since=placement_since)
 
 
 def _is_int(value: object) -> bool:

@@ -7,8 +7,44 @@ from typing import TypedDict
 
 import numpy as np
 
+from moescope.errors import UsageError
+
 # Hotness (for prefetch) halves every this many steps of a layer.
 HOTNESS_HALF_LIFE_STEPS = 32
+
+
+# The per-layer fields of a `stats` reply (docs/control-protocol.md) that `fields` selects among; a
+# runtime's descriptive layer keys (the transformers server's module, experts, top_k, shared) are
+# always sent. The placement fields come too while `placement_since` is not the runtime's
+# placement_version: a poller reads the large, rarely changing part only after it changed.
+LAYER_FIELDS = ("tokens", "dropped", "rerouted_in", "queue_depth", "last_step_tokens", "penalty", "device",
+                "tier", "dtype", "precision", "offloaded", "loads", "entropy_bits", "capacity")
+PLACEMENT_FIELDS = ("device", "tier", "dtype", "precision", "offloaded")
+# Sent only when named: a per-expert field's entries that are not 0, as [expert, value] pairs (a
+# poller at 58 x 256 experts reads the few busy queues instead of 14848 zeros)
+SPARSE_FIELDS = {"queue_depth_sparse": "queue_depth", "penalty_sparse": "penalty"}
+
+
+def sparse_pairs(values: list[int] | list[float]) -> list[list[int | float]]:
+    """A per-expert list's non-zero entries as [expert, value] pairs, in expert order."""
+    return [[expert, value] for expert, value in enumerate(values) if value]
+
+
+def selected_layer_fields(fields: list[object] | None, placement_since: int | None,
+                          placement_version: int) -> frozenset[str]:
+    """The per-layer fields one `stats` call sends: every one without `fields`, else those named,
+    plus the placement fields when `placement_since` is given and differs from placement_version.
+    A name that is not a per-layer field is a usage error (one line, the known names)."""
+    if fields is None:
+        return frozenset(LAYER_FIELDS)
+    unknown = [f for f in fields if not isinstance(f, str) or (f not in LAYER_FIELDS and f not in SPARSE_FIELDS)]
+    if unknown:
+        raise UsageError(f"stats: unknown field(s) {unknown!r}; per-layer fields: "
+                         f"{[*LAYER_FIELDS, *SPARSE_FIELDS]}")
+    wanted = frozenset(str(f) for f in fields)
+    if placement_since is not None and placement_since != placement_version:
+        wanted |= frozenset(PLACEMENT_FIELDS)
+    return wanted
 
 
 class StatsSnapshot(TypedDict):

@@ -24,7 +24,7 @@ from moescope.agent.metrics import (
 )
 from moescope.agent.outputs.metrics import MetricsOutput, bucket_counts
 from moescope.agent.pipeline import Pipeline
-from moescope.agent.policy.actuator import PROTOCOL, RuntimeState
+from moescope.agent.policy.actuator import PROTOCOL, CommandFailed, RuntimeState
 from moescope.collectors.moe_convention import StepEvent
 from moescope.probes.ingress.loader import F_NO_RESPONSE, IngressRecord
 
@@ -283,6 +283,40 @@ def stats_reply(**extra: Any) -> dict[str, Any]:
     config.update(extra.pop("config", {}))
     return {"protocol": PROTOCOL, "config": config, "layers": [], "precision": {"default": "fp32"},
             "memory": {"devices": {}, "expert_bytes_fp32": 0}, **extra}
+
+
+def test_a_narrowed_state_carries_the_placement_only_for_the_same_shape() -> None:
+    def reply(*, layers: int, version: int | bool | None, placement: bool, queued: int = 0) -> dict[str, Any]:
+        rows = [{"layer": i, "queue_depth": [i, queued], **({"precision": ["fp16", "fp32"], "tier": ["device"] * 2,
+                                                           "device": ["cpu"] * 2, "dtype": ["fp16", "fp32"],
+                                                           "offloaded": [False, True]} if placement else {})}
+                for i in range(layers)]
+        return stats_reply(config={"layers": layers, "experts": 2}, layers=rows, placement_version=version)
+
+    whole = RuntimeState.from_stats(reply(layers=2, version=4, placement=True))
+    assert whole.placement_version == 4 and whole.precision[(1, 0)] == "fp16" and whole.offloaded == {
+        (0, 0): False, (0, 1): True, (1, 0): False, (1, 1): True}
+    narrow = RuntimeState.from_stats(reply(layers=2, version=4, placement=False, queued=7), previous=whole)
+    assert narrow.precision is whole.precision and narrow.offloaded is whole.offloaded
+    assert narrow.queue_depth == {(0, 0): 0, (0, 1): 7, (1, 0): 1, (1, 1): 7} and narrow.tokens == {}
+    assert narrow.placement_version == 4 and narrow.same_view(whole) and narrow != whole
+    # another shape, or nothing held: no placement, and no version (the next poll asks for it)
+    for previous in (None, RuntimeState.from_stats(reply(layers=3, version=4, placement=True))):
+        bare = RuntimeState.from_stats(reply(layers=2, version=4, placement=False), previous=previous)
+        assert bare.placement_version is None and bare.precision == {} and bare.offloaded is None
+    # sparse fields fill their dense ones (an expert left out is 0); a bad pair is a protocol error
+    rows = [{"layer": 0, "queue_depth_sparse": [[1, 60]], "penalty_sparse": [[0, 0.3]]}, {"layer": 1}]
+    sparse = RuntimeState.from_stats(stats_reply(config={"layers": 2, "experts": 2}, layers=rows))
+    assert sparse.queue_depth == {(0, 1): 60} and sparse.penalty == {(0, 0): 0.3}
+    for bad in ([[2, 1]], [[-1, 1]], [[True, 1]], [["0", 1]], [[0]], [3], [[0, "x"]]):
+        rows = [{"layer": 0, "queue_depth_sparse": bad}]
+        with pytest.raises(CommandFailed) as failed:
+            RuntimeState.from_stats(stats_reply(config={"layers": 1, "experts": 2}, layers=rows))
+        assert failed.value.outcome == "protocol-error", bad
+    # a version that is not an int (a bool, absent) is no version: whole-state equality decides
+    for odd in (True, None):
+        state = RuntimeState.from_stats(reply(layers=2, version=odd, placement=True))
+        assert state.placement_version is None and not state.same_view(narrow)
 
 
 def test_runtime_state_model_from_stats() -> None:

@@ -23,6 +23,7 @@ from moescope.examples.moe_runtime.config import ModelConfig
 from moescope.examples.moe_runtime.control import ControlClient
 from moescope.examples.moe_runtime.model import SequenceState
 from moescope.examples.moe_runtime.runtime import Runtime, RuntimeOptions
+from moescope.examples.moe_runtime.stats import LAYER_FIELDS, PLACEMENT_FIELDS
 from tests.runtime.conftest import RunningServer
 
 
@@ -120,6 +121,71 @@ def test_every_command_and_malformed_input(start_server: Callable[..., RunningSe
     # Still serving after all of that.
     assert server.post({"prompt": "still alive", "max_tokens": 2})[0] == 200
     assert ControlClient(server.socket_path).call("ping")["pid"] == server.proc.pid
+
+
+def test_narrowed_stats_and_the_placement_version(start_server: Callable[..., RunningServer]) -> None:
+    # `fields` narrows the per-layer part; the placement comes again exactly when its version moved.
+    server = start_server("--devices", "cpu,cpu:1", "--resident-capacity-experts", "16",
+                          "--initial-resident-experts", "6", "--cache-on-load")
+    with ControlClient(server.socket_path) as c:
+        whole = c.call("stats")
+        assert list(whole["layers"][0]) == ["layer", *LAYER_FIELDS]  # the whole reply as before
+        version = whole["placement_version"]
+        narrow = c.call("stats", {"fields": ["queue_depth", "penalty"], "placement_since": version})
+        assert [list(layer) for layer in narrow["layers"]] == [["layer", "queue_depth", "penalty"]] * 2
+        assert {k: v for k, v in narrow.items() if k not in ("layers", "counters")} == \
+            {k: v for k, v in whole.items() if k not in ("layers", "counters")}  # the rest is whole
+        assert [list(layer) for layer in c.call("stats", {"fields": []})["layers"]] == [["layer"]] * 2
+
+        def placement_sent(since: int) -> bool:
+            layers = c.call("stats", {"fields": ["tokens"], "placement_since": since})["layers"]
+            sent = {key for layer in layers for key in layer} & set(PLACEMENT_FIELDS)
+            assert sent in (set(), set(PLACEMENT_FIELDS))
+            return bool(sent)
+
+        assert not placement_sent(version) and placement_sent(version + 1)
+        moves: list[tuple[str, dict[str, Any]]] = [("migrate_expert", {"layer": 0, "expert": 0, "device": "cpu:1"}),
+                 ("offload_expert", {"layer": 0, "expert": 1}),
+                 ("restore_expert", {"layer": 0, "expert": 1}),
+                 ("set_precision", {"precision": "fp16", "experts": [[1, 3]]})]
+        for cmd, args in moves:
+            before = c.call("stats", {"fields": []})["placement_version"]
+            c.call(cmd, args)
+            after = c.call("stats", {"fields": [], "placement_since": before})
+            assert after["placement_version"] > before, cmd
+            assert placement_sent(before) and not placement_sent(after["placement_version"]), cmd
+            # the pools' report follows the move at once (it is kept between changes)
+            fresh = c.call("stats")
+            assert fresh["memory"] == after["memory"], cmd
+        assert fresh["layers"][1]["precision"][3] == "fp16" and fresh["layers"][0]["device"][0] == "cpu:1"
+        # a penalty is not placement: the version stays, the narrowed reply shows the penalty
+        before = c.call("stats", {"fields": []})["placement_version"]
+        c.call("set_router_penalty", {"expert": 5, "penalty": 0.3})
+        narrow = c.call("stats", {"fields": ["penalty"], "placement_since": before})
+        assert narrow["placement_version"] == before and narrow["layers"][0]["penalty"][5] == 0.3
+        # the sparse fields: the dense field's non-zero entries as [expert, value] pairs, nothing else
+        both = c.call("stats", {"fields": ["queue_depth", "queue_depth_sparse", "penalty", "penalty_sparse"]})
+        for layer in both["layers"]:
+            assert list(layer) == ["layer", "queue_depth", "penalty", "queue_depth_sparse", "penalty_sparse"]
+            for dense in ("queue_depth", "penalty"):
+                assert layer[f"{dense}_sparse"] == [[e, v] for e, v in enumerate(layer[dense]) if v]
+        assert both["layers"][1]["penalty_sparse"] == [[5, 0.3]]
+        assert "queue_depth_sparse" not in c.call("stats")["layers"][0]  # only when named
+        # an on-demand load cached into a pool (--cache-on-load) is a placement change too
+        hosted = sum(tier == "host" for layer in fresh["layers"] for tier in layer["tier"])
+        assert hosted == 4  # layer 1's last four (12 placed on the two pools, layer-major)
+        assert server.post({"prompt": "route to the experts on host", "max_tokens": 4})[0] == 200
+        after = c.call("stats")
+        assert sum(tier == "host" for layer in after["layers"] for tier in layer["tier"]) < hosted
+        assert after["placement_version"] > before
+        for args, message in (({"fields": ["tokens", "bogus"]}, "unknown field(s) ['bogus']"),
+                              ({"fields": [3]}, "unknown field(s) [3]"),
+                              ({"fields": "tokens"}, "must be list|null"),
+                              ({"placement_since": "1"}, "must be int|null"),
+                              ({"since": 1}, "unknown argument")):
+            reply = c.request("stats", args)
+            assert reply["ok"] is False and message in reply["error"], (args, reply)
+            assert "\n" not in reply["error"]
 
 
 def test_other_uid_is_refused(start_server: Callable[..., RunningServer]) -> None:
