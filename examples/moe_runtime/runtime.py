@@ -125,25 +125,20 @@ class Runtime:
         snap = self.stats.snapshot()
         table = self.store.table() if not wanted.isdisjoint(PLACEMENT_FIELDS) else None
         penalties = self.model.penalties() if not wanted.isdisjoint(("penalty", "penalty_sparse")) else None
-        per_layer: dict[str, Any] = dict(snap)
-        sources: dict[str, Any] = {name: per_layer[name] for name in ("tokens", "dropped", "rerouted_in", "queue_depth",
-                                                      "last_step_tokens", "loads", "entropy_bits", "capacity")
-                   if name in wanted}
+        columns: dict[str, Any] = dict(snap)  # field -> one value (or list) per layer
         if penalties is not None:
-            per_layer["penalty"] = penalties
-            if "penalty" in wanted:
-                sources["penalty"] = penalties
+            columns["penalty"] = penalties
         if table is not None:
-            sources.update({name: table[name] for name in PLACEMENT_FIELDS if name in wanted})
+            columns.update(table)
         for name, dense in SPARSE_FIELDS.items():
             if name in wanted:
-                sources[name] = [sparse_pairs(row) for row in per_layer[dense]]
-        order = [name for name in (*LAYER_FIELDS, *SPARSE_FIELDS) if name in sources]
+                columns[name] = [sparse_pairs(row) for row in columns[dense]]
+        order = [name for name in (*LAYER_FIELDS, *SPARSE_FIELDS) if name in wanted]
         layers = []
         for layer in range(cfg.layers):
             row: dict[str, Any] = {"layer": layer}
             for name in order:
-                row[name] = sources[name][layer]
+                row[name] = columns[name][layer]
             layers.append(row)
         counters = dict(snap["counters"])
         counters["migrations"] = self.store.migrations
