@@ -38,6 +38,7 @@ from moescope.agent.policy.stats_source import RuntimeStatsSource
 from moescope.agent.source_metrics import publish_source_health
 from moescope.collectors.moe_convention import MoeConventionParser, StepBatch
 from moescope.collectors.registry import (
+    DEFAULT_PERIOD_S,
     CollectorConfig,
     SampledSources,
     build_sampled_sources,
@@ -53,6 +54,11 @@ if TYPE_CHECKING:  # imported where an NVTX ring is attached: a start without NV
 log = logging.getLogger(__name__)
 
 POLICY_RETRY_S = 1.0
+# The host-memory sampler runs at the policy's period (200 ms) only while it is the policy's memory
+# signal; where NVML or the runtime's own device-pool accounting is, or no policy runs, it feeds the
+# live view and /metrics alone and samples once a second (it was 0.25 % of a core at 5 Hz: a sixth
+# of an idle agent). The policy loop switches it back at its next evaluation when that changes.
+HOST_VIEW_PERIOD_S = 1.0
 EXPORT_STATS_PERIOD_NS = 250_000_000
 
 
@@ -302,6 +308,8 @@ class Observers:
                 self.notes.append(f"telemetry: {name} off: {why}")
         self.telemetry = built
         self._telemetry_pid = pid
+        if self.args.no_policy:
+            self._pace_host(policy_signal=False)
         for source in built.sources:
             self.daemon.add_source(source)  # daemon.close() closes them under their one deadline
         if "telemetry" not in self.probes:
@@ -377,6 +385,7 @@ class Observers:
         """The pipeline's windows, plus the runtime's queue depths (and its view where NVTX is off)."""
         mine = self.pipeline.signals()
         if self.stats_signals is None:
+            self._pace_host(policy_signal=self.pipeline.memory_source() != "nvml")
             return mine
         # The runtime's own routing view is only the fallback where NVTX is off: skip computing it.
         self.stats_signals.with_routing = not self.nvtx
@@ -390,9 +399,23 @@ class Observers:
             )
         # Without a GPU the runtime's own device-pool accounting is the device memory signal; host
         # RSS / cgroup stays in the TUI and metrics. NVML or an explicit --memory-budget-bytes win.
-        if self.pipeline.memory_source() not in ("nvml", "budget") and not math.isnan(theirs.device_memory_used_ratio):
+        source = self.pipeline.memory_source()
+        runtime_memory = source not in ("nvml", "budget") and not math.isnan(theirs.device_memory_used_ratio)
+        if runtime_memory:
             merged = replace(merged, device_memory_used_ratio=theirs.device_memory_used_ratio)
+        self._pace_host(policy_signal=not runtime_memory and source != "nvml")
         return merged
+
+    def _pace_host(self, *, policy_signal: bool) -> None:
+        """The host sampler at the policy's period while it carries the policy's memory signal,
+        else once a second (HOST_VIEW_PERIOD_S)."""
+        telemetry = self.telemetry  # read once: the daemon thread may detach it meanwhile
+        if telemetry is None:
+            return
+        period_s = DEFAULT_PERIOD_S if policy_signal else HOST_VIEW_PERIOD_S
+        for source in telemetry.sources:
+            if source.name == "host":
+                source.set_period(period_s)
 
     # ------------------------------------------------------------------ run
     def start(self) -> None:

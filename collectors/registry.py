@@ -51,6 +51,7 @@ Emit = Callable[[object], None]
 
 DEFAULT_MAX_PENDING = 1024  # samples queued per sampled source between two daemon polls
 DEFAULT_STOP_TIMEOUT_S = 2.0
+DEFAULT_PERIOD_S = 0.2  # the policy's sample period (DESIGN: per-expert monitoring every 200 ms)
 STALL_PERIODS = 10.0  # a collection running this many periods is reported as failing
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
 
@@ -129,7 +130,7 @@ class CollectorConfig:
     """Everything a sampled collector's factory may need; each factory takes what it uses."""
 
     target_pid: int | None = None
-    period_s: float = 0.2
+    period_s: float = DEFAULT_PERIOD_S
     budget_bytes: int | None = None
     nvml_library: str | None = None
     proc_root: Path = Path("/proc")
@@ -366,12 +367,22 @@ class SampledSource:
         self._error_logged = None
         return sample
 
+    def set_period(self, period_s: float) -> None:
+        """Sample every `period_s` from the next collection on (any thread: one attribute write
+        the loop reads each round). The agent slows a source that feeds only the live view."""
+        if not period_s > 0:
+            raise ValueError(f"period_s must be positive, got {period_s}")
+        if period_s != self.period_s:
+            with self._lock:
+                self.period_s = period_s
+                self._stats.period_s = period_s
+
     def _loop(self) -> None:
         stop = self._group.stop_event
-        period_ns = max(int(self.period_s * 1e9), 1)
         next_due = time.monotonic_ns()
         while not stop.is_set():
             self.collect_once()
+            period_ns = max(int(self.period_s * 1e9), 1)
             next_due += period_ns
             now = time.monotonic_ns()
             if now > next_due:

@@ -351,3 +351,22 @@ def test_no_nvtx_and_no_telemetry_are_aliases_with_one_meaning() -> None:
     assert _enabled("--no-telemetry", "--collector.host") == {"ingress", "nvtx", "host", "netsig"}
     assert start.child_env(parser.parse_args(["--no-collector.nvtx"])) == {}
     assert start.child_env(parser.parse_args([])) != {}
+
+
+def test_a_new_period_reaches_the_running_loop_and_a_bad_one_is_refused() -> None:
+    ok = Counting("ok", period_s=0.01)
+    source = SampledSource(ok, emit=lambda _r: None)
+    with pytest.raises(ValueError, match="positive"):
+        source.set_period(0.0)
+    source.start()
+    try:
+        _wait_until(lambda: ok.calls >= 3, "three collections at 10 ms")
+        source.set_period(600.0)
+        # the wait already under way was computed with 10 ms: at most two more collections, then none
+        _wait_until(lambda: source.stats()["collections"] == ok.calls, "the stats caught up")
+        time.sleep(0.05)
+        settled = ok.calls
+        time.sleep(0.5)  # 50 periods of the old pace
+        assert ok.calls == settled and source.period_s == 600.0
+    finally:
+        stop_all([source], timeout_s=STOP_DEADLINE_S)
