@@ -54,7 +54,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -827,6 +827,11 @@ class RoutingHealthWindow:
         self._seen = np.zeros(0, dtype=bool)
         self._last_ns: int | None = None
         self._bucket_valid: deque[CountVector] = deque()  # closed buckets' valid-entropy counts per layer
+        # bumped by every add, bucket close and eviction: table() between two changes is one
+        # computation (the policy reads it 5 times a second, the metrics and the live view once a
+        # second, and at the reference load the NVTX drain brings steps every 500 ms)
+        self._version = 0
+        self._cached_table: tuple[int, LayerTable] | None = None
 
     def _grow(self, rows: int) -> None:
         have = self._tokens.shape[0]
@@ -857,6 +862,7 @@ class RoutingHealthWindow:
         t = t_ns if self._last_ns is None else max(t_ns, self._last_ns)
         self._last_ns = t
         if len(table):
+            self._version += 1
             rows = table.layers
             if rows.min() < 0:
                 raise ValueError("layer indices must be >= 0")
@@ -893,6 +899,7 @@ class RoutingHealthWindow:
         rows = table.layers
         if rows.min() < 0:
             raise ValueError("layer indices must be >= 0")
+        self._version += 1
         self._grow(int(rows.max()) + 1)
         self._seen[rows] = True
         part = slice(first, first + count)
@@ -961,6 +968,7 @@ class RoutingHealthWindow:
         if b is None:
             return
         self._open = None
+        self._version += 1
         n, e = len(b.counts), self.num_experts
         self._tokens[:n] += b.counts[:, :e]
         self._dropped[:n] += b.counts[:, e:]
@@ -1010,6 +1018,7 @@ class RoutingHealthWindow:
             add_rows(self._entropy_n, rows, counts, sign=-1)
             emptied = True
         if emptied:
+            self._version += 1
             empty = self._entropy_n == 0  # reset float drift wherever a layer's entropy window emptied
             self._entropy_num[empty] = 0.0
             self._entropy_den[empty] = 0.0
@@ -1033,13 +1042,23 @@ class RoutingHealthWindow:
 
     def table(self, now_ns: int) -> LayerTable:
         """The window's summed counts of every seen layer as one ``LayerTable`` (router entropy:
-        the window's token-weighted mean per layer)."""
+        the window's token-weighted mean per layer). Read-only arrays: the same table answers
+        every call until the window changes."""
         self.evict(now_ns)
+        cached = self._cached_table
+        if cached is not None and cached[0] == self._version:
+            return cached[1]
         tokens, dropped, num, den, valid = self._sums()
         rows = np.flatnonzero(self._seen)
         with np.errstate(invalid="ignore", divide="ignore"):
             entropy = np.where(valid[rows] > 0, num[rows] / den[rows], NAN)
-        return layer_table(layers=rows, tokens=tokens[rows], dropped=dropped[rows], router_entropy_bits=entropy)
+        table = layer_table(layers=rows, tokens=tokens[rows], dropped=dropped[rows], router_entropy_bits=entropy)
+        for field in fields(table):
+            column = getattr(table, field.name)
+            if isinstance(column, np.ndarray):
+                column.flags.writeable = False  # shared by every reader until the next change
+        self._cached_table = (self._version, table)
+        return table
 
     def max_gini(self, now_ns: int) -> tuple[int, float]:
         """The layer with the highest windowed Gini and that Gini; ``(-1, NaN)`` with no data."""

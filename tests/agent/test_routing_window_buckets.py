@@ -71,3 +71,25 @@ def test_a_window_that_empties_reads_as_empty() -> None:
 def test_bucket_must_be_shorter_than_the_window() -> None:
     with pytest.raises(ValueError, match="bucket_ns"):
         rh.RoutingHealthWindow(duration_ns=WINDOW_NS, num_experts=E, bucket_ns=WINDOW_NS)
+
+
+@pytest.mark.parametrize("bucket_ns", [0, BUCKET_NS])
+def test_a_table_read_twice_between_changes_is_one_and_moves_with_every_change(bucket_ns: int) -> None:
+    rng = np.random.default_rng(9)
+    window = rh.RoutingHealthWindow(duration_ns=WINDOW_NS, num_experts=E, bucket_ns=bucket_ns)
+    window.add_table(1_000_000_000, _table(rng, [0, 1]))
+    first = window.table(1_100_000_000)
+    assert window.table(1_200_000_000) is first  # nothing changed: the held table
+    with pytest.raises(ValueError):
+        first.tokens[0, 0] = 7  # shared by every reader: read-only
+    added = _table(rng, [1, 2])
+    window.add_table(1_300_000_000, added)  # a step: a new table with it
+    second = window.table(1_300_000_000)
+    assert second is not first
+    np.testing.assert_array_equal(second.layers, [0, 1, 2])
+    assert int(second.tokens_total.sum()) == int(first.tokens_total.sum()) + int(added.tokens_total.sum())
+    # time alone moves it: past the window the first step leaves, then the second
+    later = window.table(1_000_000_000 + WINDOW_NS + bucket_ns + 1)
+    assert int(later.tokens_total.sum()) == (0 if bucket_ns else int(added.tokens_total.sum()))
+    gone = window.table(1_300_000_000 + WINDOW_NS + bucket_ns + 1)
+    assert int(gone.tokens_total.sum()) == 0
