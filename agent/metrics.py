@@ -38,6 +38,7 @@ from prometheus_client.registry import Collector
 
 from moescope import __version__, errors
 from moescope.agent.routing_health import CountVector, LayerHealth, LayerTable, StepHealth
+from moescope.procfs import name_thread
 
 log = logging.getLogger(__name__)
 
@@ -726,6 +727,8 @@ class MetricsServer:
         except OSError as exc:
             where = f"{self.addr}:{self.requested_port}"
             raise errors.UsageError(f"cannot serve /metrics on {where}: {exc.strerror}") from exc
+        if self._thread.native_id is not None:  # prometheus_client's thread: named from here
+            name_thread("ms-metrics-http", tid=self._thread.native_id)
         return self.port
 
     @property

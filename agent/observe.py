@@ -46,7 +46,7 @@ from moescope.collectors.registry import (
     sampled_names,
 )
 from moescope.probes.ingress.loader import DROP_NAMES
-from moescope.procfs import read_comm
+from moescope.procfs import name_thread, read_comm
 
 if TYPE_CHECKING:  # imported where an NVTX ring is attached: a start without NVTX never loads it
     from moescope.collectors.nvtx import NvtxCollector
@@ -438,6 +438,7 @@ class Observers:
         done = threading.Event()
 
         def loop() -> None:
+            name_thread("ms-daemon")
             try:
                 result["reason"] = daemon.run(duration_ns=duration_ns)
             finally:

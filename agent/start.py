@@ -42,7 +42,7 @@ from dataclasses import replace
 from types import FrameType
 from typing import IO, Any
 
-from moescope import errors
+from moescope import errors, procfs
 from moescope.agent import privileges
 from moescope.agent import state as st
 from moescope.agent.allocator import Allocator
@@ -168,6 +168,14 @@ class KernelObservers(Observers):
         signals = super().policy_signals()
         window = self.requests_window
         return signals if window is None else replace(signals, request_p99_ms=window.p99_ms())
+
+
+def cpu_by_thread_line(threads: dict[int, tuple[str, float]], *, main_tid: int) -> str:
+    """`main 0.62 s, ms-policy 0.25 s, ...`: CPU since start per thread, largest first (the
+    agent's threads carry OS names: moescope.procfs.name_thread)."""
+    named = sorted(((("main" if tid == main_tid else comm), cpu_s) for tid, (comm, cpu_s) in threads.items()),
+                   key=lambda item: (-item[1], item[0]))
+    return ", ".join(f"{name} {cpu_s:.2f} s" for name, cpu_s in named)
 
 
 class JsonLinesSink:
@@ -464,6 +472,7 @@ def _observe(
         else:
             reason = daemon.run(duration_ns=duration_ns)
         observed_s = (time.monotonic_ns() - started_ns) / 1e9
+        by_thread = cpu_by_thread_line(procfs.task_cpu(os.getpid()), main_tid=os.getpid())
     finally:
         daemon.close()
         observers.close()
@@ -478,6 +487,8 @@ def _observe(
         print(f"agent: {line}", flush=True)
     if daemon.cpu_ns:
         print(f"agent: main loop CPU: {daemon.cpu_line() or 'under 5 ms per part'}", flush=True)
+    if by_thread:
+        print(f"agent: CPU by thread: {by_thread}", flush=True)
     if follower.reattached or follower.waiting:
         waiting = ", ".join(str(port) for port in sorted(follower.waiting)) or "none"
         print(f"agent: targets: re-attached {follower.reattached} times; still waiting on ports: {waiting}", flush=True)

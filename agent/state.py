@@ -47,7 +47,7 @@ import numpy as np
 
 from moescope import errors
 from moescope.agent.phase_table import Phases
-from moescope.procfs import pid_exists
+from moescope.procfs import name_thread, pid_exists
 
 log = logging.getLogger(__name__)
 
@@ -666,6 +666,7 @@ class PeriodicPublisher:
         self._thread.start()
 
     def _run(self) -> None:
+        name_thread("ms-state")
         while not self._stop.is_set():
             try:
                 snapshot = self.get_snapshot()

@@ -132,6 +132,16 @@ def read_host_ab(doc: dict[str, Any]) -> tuple[bool, str]:
     )
 
 
+def read_agent_threads(doc: dict[str, Any]) -> tuple[bool, str]:
+    loaded = doc["loaded_pct_of_core"]
+    top = ", ".join(f"{name} {loaded[name]:.2f}" for name in sorted(loaded, key=lambda n: -loaded[n])[:4])
+    return bool(doc["bar_met"]), (
+        f"agent {doc['agent_loaded_pct_of_core']:.2f} % of a core loaded ({top}), "
+        f"{doc['agent_idle_pct_of_core']:.2f} % idle; {doc['agent_loaded_ms_per_request']:.2f} ms per request "
+        f"(bar {doc['bar_ms_per_request']})"
+    )
+
+
 BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("ingress_overhead", (), ("--pairs", "2", "--requests", "20000"), "ingress_overhead_live.json",
               read_ingress),
@@ -149,6 +159,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               read_ingress_load),
     Benchmark("stats_poll", (), ("--pairs", "1", "--polls", "10"), "stats_poll.json", read_stats_poll),
     Benchmark("host_ab", (), ("--pairs", "2", "--duration-s", "5", "--warmup-s", "2"), "host_ab.json", read_host_ab),
+    Benchmark("agent_threads", (), ("--runs", "1", "--idle-s", "3", "--duration-s", "5"), "agent_threads.json",
+              read_agent_threads),
 )
 
 

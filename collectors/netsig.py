@@ -36,6 +36,7 @@ from moescope.collectors.registry import Emit, SourceHealth, register_stream
 from moescope.probes import bpf
 from moescope.probes.ingress import procnet
 from moescope.probes.netsig.loader import KIND_NAMES, NetEvent, NetSignalProbe, NetsigOptions
+from moescope.procfs import name_thread
 
 log = logging.getLogger(__name__)
 
@@ -373,6 +374,7 @@ class PendingNetsig:
         self._thread.start()
 
     def _run(self, open_source: Callable[[], NetSignalSource]) -> None:
+        name_thread("ms-netsig-load")
         try:
             self._source = open_source()
         except errors.SourceUnavailable as exc:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from moescope.errors import SourceUnavailable, UsageError
+from moescope.procfs import name_thread
 
 if TYPE_CHECKING:
     from moescope.collectors.host import MemorySignal
@@ -378,6 +379,7 @@ class SampledSource:
                 self._stats.period_s = period_s
 
     def _loop(self) -> None:
+        name_thread(f"ms-{self.name}")
         stop = self._group.stop_event
         next_due = time.monotonic_ns()
         while not stop.is_set():

@@ -21,6 +21,7 @@ Neutral module: imports nothing of moescope's agent, collectors, probes or examp
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,12 +29,14 @@ __all__ = [
     "PROC",
     "ProcStat",
     "ProcessIdentity",
+    "name_thread",
     "parse_stat",
     "pid_exists",
     "read_cmdline",
     "read_comm",
     "read_start_ticks",
     "read_stat",
+    "task_cpu",
     "task_exists",
 ]
 
@@ -55,6 +58,7 @@ class ProcStat:
     state: str
     ppid: int
     start_ticks: int
+    cpu_ticks: int = 0  # user + system time (fields 14 and 15), clock ticks
 
     @property
     def exited(self) -> bool:
@@ -78,6 +82,7 @@ def parse_stat(line: str | bytes) -> ProcStat:
             state=fields[0],
             ppid=int(fields[1]),
             start_ticks=int(fields[19]),
+            cpu_ticks=int(fields[11]) + int(fields[12]),
         )
     except ValueError:
         raise ValueError(f"/proc stat line has a non-numeric field: {text[:80]!r}") from None
@@ -196,3 +201,39 @@ class ProcessIdentity:
         """False once the process is gone, a zombie, or its pid belongs to another process."""
         stat = read_stat(self.pid, proc_root=proc_root)
         return stat is not None and not stat.exited and stat.start_ticks == self.start_ticks
+
+
+def task_cpu(pid: int, *, proc_root: Path = PROC) -> dict[int, tuple[str, float]]:
+    """Every thread of ``pid`` now: {tid: (its name, CPU seconds used, user + system)}. Threads
+    that exit while being read are left out; {} when the process is gone or unreadable."""
+    if pid <= 0:
+        return {}
+    try:
+        tids = os.listdir(proc_root / str(pid) / "task")
+    except OSError:
+        return {}
+    ticks_per_s = os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[str, float]] = {}
+    for name in tids:
+        if not name.isdigit():
+            continue
+        stat = read_stat(pid, tid=int(name), proc_root=proc_root)
+        if stat is not None:
+            out[int(name)] = (stat.comm, stat.cpu_ticks / ticks_per_s)
+    return out
+
+
+def name_thread(name: str, *, tid: int | None = None) -> bool:
+    """Give a thread of this process ``name`` as its OS name (/proc/self/task/TID/comm: what
+    ``top -H``, ``ps -L`` and ``task_cpu`` show; the kernel keeps 15 bytes): the calling thread, or
+    ``tid`` (any thread of this process). Never the main thread: its name is the process's. False
+    where it cannot (a read-only /proc, a thread gone); never raises."""
+    path = PROC / "thread-self" / "comm" if tid is None else PROC / "self" / "task" / str(tid) / "comm"
+    if (threading.get_native_id() if tid is None else tid) == os.getpid():
+        return False
+    try:
+        with open(path, "wb") as f:
+            f.write(name.encode("utf-8", "replace")[:15])
+    except OSError:
+        return False
+    return True

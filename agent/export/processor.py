@@ -25,6 +25,8 @@ from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, Context, attach
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from moescope.procfs import name_thread
+
 log = logging.getLogger(__name__)
 
 _ERROR_LOG_INTERVAL_NS = 10_000_000_000  # at most one export-error line per 10 s per processor
@@ -176,6 +178,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         return batch
 
     def _run(self) -> None:
+        name_thread(f"ms-export-{self.name}")
         token = attach(set_value(_SUPPRESS_INSTRUMENTATION_KEY, True))  # the agent never traces itself
         try:
             while True:

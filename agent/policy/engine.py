@@ -41,6 +41,7 @@ from moescope.agent.policy.rules import (
     TargetKind,
 )
 from moescope.errors import UsageError
+from moescope.procfs import name_thread
 
 __all__ = ["PolicyEngine", "PolicyLoop", "Signals"]
 
@@ -422,6 +423,7 @@ class PolicyLoop:
         self._thread.start()
 
     def _run(self) -> None:
+        name_thread("ms-policy")  # what `top -H` and the agent's CPU-by-thread line show
         next_s = time.monotonic()
         while not self._stop.is_set():
             try:

@@ -297,6 +297,7 @@ class AgentSummary:
     pipeline_spans: int
     nvtx_drops: list[str]
     export: dict[str, int]
+    threads: dict[str, float]  # CPU seconds by thread name ("agent: CPU by thread:")
 
 
 def parse_summary(stdout_lines: list[str]) -> AgentSummary:
@@ -306,13 +307,16 @@ def parse_summary(stdout_lines: list[str]) -> AgentSummary:
         r"agent: pipeline: (\d+) requests \((\d+) joined to steps\), (\d+) steps \((\d+) unjoined\), (\d+) spans", text
     )
     e = re.search(r"agent: export: (.*)$", text, re.M)
-    assert m and p and e, f"summary lines missing:\n{text}"
+    t = re.search(r"agent: CPU by thread: (.*)$", text, re.M)
+    assert m and p and e and t, f"summary lines missing:\n{text}"
+    threads = {name: float(cpu) for name, cpu in re.findall(r"(\S+) (\d+\.\d+) s", t.group(1))}
     export = {k: int(v) for k, v in re.findall(r"(\w+) (\d+)", e.group(1))}
     nvtx = re.findall(r"agent: nvtx pid \d+: \d+ records, drops (\S+?),", text)
     return AgentSummary(
         requests=int(m.group(1)), unanswered=int(m.group(2)), drops=int(m.group(3)),
         pipeline_requests=int(p.group(1)), pipeline_joined=int(p.group(2)), pipeline_steps=int(p.group(3)),
         pipeline_unjoined=int(p.group(4)), pipeline_spans=int(p.group(5)), nvtx_drops=nvtx, export=export,
+        threads=threads,
     )
 
 

@@ -13,12 +13,14 @@ import pytest
 
 from moescope.procfs import (
     ProcessIdentity,
+    name_thread,
     parse_stat,
     pid_exists,
     read_cmdline,
     read_comm,
     read_start_ticks,
     read_stat,
+    task_cpu,
     task_exists,
 )
 
@@ -211,3 +213,57 @@ def test_parse_stat_undecodable_comm_bytes() -> None:
 def test_parse_stat_rejects_malformed_lines(line: str) -> None:
     with pytest.raises(ValueError):
         parse_stat(line)
+
+
+# utime 250 and stime 50 ticks (fields 14 and 15)
+BUSY_TAIL = "S 1 77 77 0 -1 4194560 0 0 0 0 250 50 0 0 20 0 1 0 987654 0 0 18446744073709551615"
+
+
+def test_task_cpu_reads_every_thread_and_skips_what_is_gone_or_torn(tmp_path: Path) -> None:
+    tasks = tmp_path / "40" / "task"
+    for tid, line in ((40, f"40 (main one) {BUSY_TAIL}"), (41, f"41 (ms-policy) {STAT_TAIL}"), (42, "42 (torn")):
+        (tasks / str(tid)).mkdir(parents=True)
+        (tasks / str(tid) / "stat").write_text(line + "\n")
+    (tasks / "43").mkdir()  # a thread that exited between the listing and the read
+    ticks = os.sysconf("SC_CLK_TCK")
+    assert parse_stat(f"40 (x) {BUSY_TAIL}").cpu_ticks == 300
+    assert task_cpu(40, proc_root=tmp_path) == {40: ("main one", 300 / ticks), 41: ("ms-policy", 0.0)}
+    assert task_cpu(41, proc_root=tmp_path) == {}  # no such process in the tree
+    assert task_cpu(0, proc_root=tmp_path) == {}
+
+
+def test_a_thread_is_named_by_itself_or_by_tid_and_the_main_thread_never() -> None:
+    import threading
+
+    named: list[bool] = []
+    go, hold = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        named.append(name_thread("ms-test-worker-and-more"))  # over 15 bytes: the kernel keeps 15
+        go.set()
+        x = 0
+        while not hold.is_set():  # some CPU to be seen
+            x += 1
+
+    other = threading.Thread(target=worker)
+    idle = threading.Thread(target=hold.wait)
+    process_name = read_comm(os.getpid())
+    other.start()
+    idle.start()
+    try:
+        assert go.wait(10.0)
+        assert idle.native_id is not None and other.native_id is not None
+        assert name_thread("ms-idle", tid=idle.native_id)
+        assert not name_thread("ms-main")  # the main thread's name is the process's
+        assert not name_thread("x", tid=os.getpid())
+        threads = task_cpu(os.getpid())
+        assert named == [True]
+        assert threads[other.native_id][0] == "ms-test-worker-"
+        assert threads[idle.native_id][0] == "ms-idle"
+        assert threads[os.getpid()][0] == process_name == read_comm(os.getpid())
+        assert all(cpu >= 0 for _, cpu in threads.values())
+    finally:
+        hold.set()
+        other.join(10.0)
+        idle.join(10.0)
+    assert not name_thread("gone", tid=idle.native_id)  # the thread has ended
