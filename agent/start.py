@@ -170,11 +170,10 @@ class KernelObservers(Observers):
         return signals if window is None else replace(signals, request_p99_ms=window.p99_ms())
 
 
-def cpu_by_thread_line(threads: dict[int, tuple[str, float]], *, main_tid: int) -> str:
-    """`main 0.62 s, ms-policy 0.25 s, ...`: CPU since start per thread, largest first (the
-    agent's threads carry OS names: moescope.procfs.name_thread)."""
-    named = sorted(((("main" if tid == main_tid else comm), cpu_s) for tid, (comm, cpu_s) in threads.items()),
-                   key=lambda item: (-item[1], item[0]))
+def cpu_by_thread_line(threads: dict[str, float]) -> str:
+    """`main 0.62 s, ms-policy 0.25 s, ...`: CPU since start per thread name
+    (moescope.procfs.task_cpu_by_name; the agent's threads carry OS names), largest first."""
+    named = sorted(threads.items(), key=lambda item: (-item[1], item[0]))
     return ", ".join(f"{name} {cpu_s:.2f} s" for name, cpu_s in named)
 
 
@@ -472,7 +471,7 @@ def _observe(
         else:
             reason = daemon.run(duration_ns=duration_ns)
         observed_s = (time.monotonic_ns() - started_ns) / 1e9
-        by_thread = cpu_by_thread_line(procfs.task_cpu(os.getpid()), main_tid=os.getpid())
+        by_thread = cpu_by_thread_line(procfs.task_cpu_by_name(os.getpid()))
     finally:
         daemon.close()
         observers.close()

@@ -25,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ from benchmarks.common import REPO, Metrics, alternate_ab, write_result
 from benchmarks.e2e_overhead import (
     START_TIMEOUT_S,
     BenchError,
+    Runtime,
     agent_start_args,
     cpu_s,
     free_port,
@@ -54,12 +57,16 @@ def agent_argv(tree: Path, *args: str) -> list[str]:
     return [sys.executable, "-c", code, *args]
 
 
-def one_run(tree: Path, *, idle_s: float, duration_s: float) -> Metrics:
-    with tempfile.TemporaryDirectory(prefix="moescope-agent-ab-") as work, \
-            tempfile.TemporaryDirectory(prefix="moescope-agent-ab-rings-", dir="/dev/shm") as rings:
+@contextmanager
+def agent_beside_runtime(tree: Path, *, name: str) -> Iterator[tuple[Runtime, subprocess.Popen[str]]]:
+    """A fresh reference runtime (NVTX injection on, rings on tmpfs) and `agent start --pid` from
+    `tree` beside it with e2e_overhead's arguments, settled after its last start-up note; both
+    stopped on the way out."""
+    with tempfile.TemporaryDirectory(prefix=f"moescope-{name}-") as work, \
+            tempfile.TemporaryDirectory(prefix=f"moescope-{name}-rings-", dir="/dev/shm") as rings:
         workdir = Path(work)
         (workdir / "rings").symlink_to(rings)
-        runtime = start_runtime(workdir, inject=True, name="ab")
+        runtime = start_runtime(workdir, inject=True, name=name)
         state = workdir / "state"
         state.mkdir()
         proc = subprocess.Popen(
@@ -74,19 +81,24 @@ def one_run(tree: Path, *, idle_s: float, duration_s: float) -> Metrics:
             except LaunchError as exc:
                 raise BenchError(f"agent from {tree}: {exc}") from None
             time.sleep(SETTLE_S)
-            cpu0, t0 = cpu_s(proc.pid), time.monotonic()
-            time.sleep(idle_s)
-            idle = (cpu_s(proc.pid) - cpu0) / (time.monotonic() - t0)
-            run_loadgen(runtime.port, duration_s=WARMUP_S, concurrency=CONCURRENCY, out=None)
-            cpu0, runtime0, t0 = cpu_s(proc.pid), cpu_s(runtime.proc.pid), time.monotonic()
-            load = run_loadgen(runtime.port, duration_s=duration_s, concurrency=CONCURRENCY, out=None)
-            window_s = time.monotonic() - t0
-            agent_s, runtime_s = cpu_s(proc.pid) - cpu0, cpu_s(runtime.proc.pid) - runtime0
+            yield runtime, proc
         finally:
             stop_group(proc, sig=signal.SIGINT, timeout_s=60.0)
             err.join(10.0)
             out.join(10.0)
             stop_group(runtime.proc)
+
+
+def one_run(tree: Path, *, idle_s: float, duration_s: float) -> Metrics:
+    with agent_beside_runtime(tree, name="agent-ab") as (runtime, proc):
+        cpu0, t0 = cpu_s(proc.pid), time.monotonic()
+        time.sleep(idle_s)
+        idle = (cpu_s(proc.pid) - cpu0) / (time.monotonic() - t0)
+        run_loadgen(runtime.port, duration_s=WARMUP_S, concurrency=CONCURRENCY, out=None)
+        cpu0, runtime0, t0 = cpu_s(proc.pid), cpu_s(runtime.proc.pid), time.monotonic()
+        load = run_loadgen(runtime.port, duration_s=duration_s, concurrency=CONCURRENCY, out=None)
+        window_s = time.monotonic() - t0
+        agent_s, runtime_s = cpu_s(proc.pid) - cpu0, cpu_s(runtime.proc.pid) - runtime0
     if int(load["failures"]):
         raise BenchError(f"the load generator saw {load['failures']} failed requests")
     ok = max(1, int(load["requests"]))

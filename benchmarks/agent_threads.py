@@ -17,40 +17,18 @@ carried out (the runtime or the agent did not come up, or a request failed).
 from __future__ import annotations
 
 import argparse
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from benchmarks.agent_ab import CONCURRENCY, SETTLE_S, WARMUP_S
+from benchmarks.agent_ab import CONCURRENCY, WARMUP_S, agent_beside_runtime
 from benchmarks.common import REPO, write_result
-from benchmarks.e2e_overhead import (
-    START_TIMEOUT_S,
-    BenchError,
-    agent_start_args,
-    free_port,
-    run_loadgen,
-    start_runtime,
-    stop_group,
-)
-from moescope.examples.moe_runtime.launch import LaunchError, LineReader
-from moescope.procfs import task_cpu
+from benchmarks.e2e_overhead import BenchError, run_loadgen
+from moescope.procfs import task_cpu_by_name
 
 ByThread = dict[str, float]
 BAR_MS_PER_REQUEST = 0.5  # the agent's CPU per request at the reference load (issue 15; e2e_overhead's bar)
-
-
-def _by_name(pid: int) -> ByThread:
-    """CPU seconds per thread name now (threads of one name summed; the main thread is `main`)."""
-    out: ByThread = {}
-    for tid, (comm, cpu_s) in task_cpu(pid).items():
-        name = "main" if tid == pid else comm
-        out[name] = out.get(name, 0.0) + cpu_s
-    return out
 
 
 def _pct(before: ByThread, after: ByThread, seconds: float) -> ByThread:
@@ -58,37 +36,14 @@ def _pct(before: ByThread, after: ByThread, seconds: float) -> ByThread:
 
 
 def one_run(*, idle_s: float, duration_s: float) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="moescope-agent-threads-") as work, \
-            tempfile.TemporaryDirectory(prefix="moescope-agent-threads-rings-", dir="/dev/shm") as rings:
-        workdir = Path(work)
-        (workdir / "rings").symlink_to(rings)
-        runtime = start_runtime(workdir, inject=True, name="threads")
-        state = workdir / "state"
-        state.mkdir()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "moescope.agent", *agent_start_args(runtime, state, free_port())],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        )
-        assert proc.stdout is not None and proc.stderr is not None
-        err, out = LineReader(proc.stderr, keep_lines=None), LineReader(proc.stdout, keep_lines=None)
-        try:
-            try:
-                err.wait_for("agent: policy", timeout_s=START_TIMEOUT_S)  # the last note: all attached
-            except LaunchError as exc:
-                raise BenchError(f"agent: {exc}") from None
-            time.sleep(SETTLE_S)
-            before, t0 = _by_name(proc.pid), time.monotonic()
-            time.sleep(idle_s)
-            idle = _pct(before, _by_name(proc.pid), time.monotonic() - t0)
-            run_loadgen(runtime.port, duration_s=WARMUP_S, concurrency=CONCURRENCY, out=None)
-            before, t0 = _by_name(proc.pid), time.monotonic()
-            load = run_loadgen(runtime.port, duration_s=duration_s, concurrency=CONCURRENCY, out=None)
-            loaded = _pct(before, _by_name(proc.pid), time.monotonic() - t0)
-        finally:
-            stop_group(proc, sig=signal.SIGINT, timeout_s=60.0)
-            err.join(10.0)
-            out.join(10.0)
-            stop_group(runtime.proc)
+    with agent_beside_runtime(REPO, name="agent-threads") as (runtime, proc):
+        before, t0 = task_cpu_by_name(proc.pid), time.monotonic()
+        time.sleep(idle_s)
+        idle = _pct(before, task_cpu_by_name(proc.pid), time.monotonic() - t0)
+        run_loadgen(runtime.port, duration_s=WARMUP_S, concurrency=CONCURRENCY, out=None)
+        before, t0 = task_cpu_by_name(proc.pid), time.monotonic()
+        load = run_loadgen(runtime.port, duration_s=duration_s, concurrency=CONCURRENCY, out=None)
+        loaded = _pct(before, task_cpu_by_name(proc.pid), time.monotonic() - t0)
     if int(load["failures"]):
         raise BenchError(f"the load generator saw {load['failures']} failed requests")
     return {"idle_pct_of_core": idle, "loaded_pct_of_core": loaded, "throughput_rps": float(load["throughput_rps"])}

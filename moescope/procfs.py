@@ -37,6 +37,7 @@ __all__ = [
     "read_start_ticks",
     "read_stat",
     "task_cpu",
+    "task_cpu_by_name",
     "task_exists",
 ]
 
@@ -220,6 +221,16 @@ def task_cpu(pid: int, *, proc_root: Path = PROC) -> dict[int, tuple[str, float]
         stat = read_stat(pid, tid=int(name), proc_root=proc_root)
         if stat is not None:
             out[int(name)] = (stat.comm, stat.cpu_ticks / ticks_per_s)
+    return out
+
+
+def task_cpu_by_name(pid: int, *, proc_root: Path = PROC) -> dict[str, float]:
+    """``task_cpu`` by thread name: {name: CPU seconds}, threads of one name summed, the main
+    thread (tid = pid) as ``main`` (its own name is the process's)."""
+    out: dict[str, float] = {}
+    for tid, (comm, cpu_s) in task_cpu(pid, proc_root=proc_root).items():
+        name = "main" if tid == pid else comm
+        out[name] = out.get(name, 0.0) + cpu_s
     return out
 
 

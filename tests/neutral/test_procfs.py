@@ -21,6 +21,7 @@ from moescope.procfs import (
     read_start_ticks,
     read_stat,
     task_cpu,
+    task_cpu_by_name,
     task_exists,
 )
 
@@ -228,6 +229,7 @@ def test_task_cpu_reads_every_thread_and_skips_what_is_gone_or_torn(tmp_path: Pa
     ticks = os.sysconf("SC_CLK_TCK")
     assert parse_stat(f"40 (x) {BUSY_TAIL}").cpu_ticks == 300
     assert task_cpu(40, proc_root=tmp_path) == {40: ("main one", 300 / ticks), 41: ("ms-policy", 0.0)}
+    assert task_cpu_by_name(40, proc_root=tmp_path) == {"main": 300 / ticks, "ms-policy": 0.0}
     assert task_cpu(41, proc_root=tmp_path) == {}  # no such process in the tree
     assert task_cpu(0, proc_root=tmp_path) == {}
 
