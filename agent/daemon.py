@@ -19,18 +19,22 @@ from moescope.collectors.registry import Source
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PERIOD_NS = 50_000_000  # drain period: bounds ring occupancy and report delay
-# A quiet loop ticks less often: after a round that handled at most QUIET_EVENTS events the period
-# doubles, up to IDLE_PERIOD_FACTOR x the base (50 -> 100 -> 150 ms); a busier round brings it back
-# to the base at once. A round costs ~1 ms however little it finds (every source's poll, the hooks),
-# which at 20 Hz was most of an idle agent's CPU (3.3 % of a core beside an idle runtime). The cap
-# is what the rings absorb while the first busy round comes: the ingress ring holds 200 ms at its
-# rate hint (100k requests/s); a 65536-record NVTX ring holds 180 ms of moe/v1 at Qwen3-30B-A3B
-# depth and 20 steps/s (~360k records/s), the heaviest producer measured, so 150 ms and not 200.
-# 1024 events a round is ~7k/s at 150 ms: the reference load (~14 steps/s, ~500 NVTX records/s)
-# stays slow, nginx at 40k requests/s or a production-shape producer does not.
-QUIET_EVENTS = 1024
-IDLE_PERIOD_FACTOR = 3
+DEFAULT_PERIOD_NS = 50_000_000  # drain period while busy: bounds ring occupancy and report delay
+# A quiet loop ticks less often: after a round whose sources handled at most QUIET_EVENTS_PER_S
+# events per second of its period, the period doubles, up to the idle period (50 -> 100 -> ... ->
+# 1000 ms); a busier round brings it back to the base at once. A round costs ~0.8 ms however little
+# it finds (every source's poll, every hook), which at the old 150 ms cap was 0.5 % of a core beside
+# an idle runtime and a fifth of the agent's CPU at the reference load.
+# What the rings absorb while a quiet loop sleeps is kept bounded by a peek every PEEK_PERIOD_NS
+# (the old cap, on which the rings are sized): each source that can tell says whether its buffer is
+# past BACKLOG_FILL (Source.backlogged, a few reads of shared memory), and one that is gets a round
+# at once. The ingress ring holds 200 ms at its rate hint; a 65536-record NVTX ring holds 180 ms of
+# moe/v1 at Qwen3-30B-A3B depth and 20 steps/s (~360k records/s), the heaviest producer measured.
+# ~6.8k events/s is 1024 a round at 150 ms: the reference load (~14 steps/s, ~500 NVTX records/s)
+# stays quiet, nginx at 40k requests/s or a production-shape producer does not.
+QUIET_EVENTS_PER_S = 6_800
+DEFAULT_IDLE_PERIOD_NS = 1_000_000_000
+PEEK_PERIOD_NS = 150_000_000
 
 STOP_SIGNAL = "signal"
 STOP_DURATION = "duration"
@@ -46,20 +50,24 @@ class Daemon:
         self,
         *,
         period_ns: int = DEFAULT_PERIOD_NS,
-        idle_period_ns: int | None = None,
+        idle_period_ns: int = DEFAULT_IDLE_PERIOD_NS,
+        peek_period_ns: int = PEEK_PERIOD_NS,
         clock: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         if period_ns <= 0:
             raise ValueError(f"period_ns must be positive, got {period_ns}")
-        idle_ns = period_ns * IDLE_PERIOD_FACTOR if idle_period_ns is None else idle_period_ns
-        if idle_ns < period_ns:
-            raise ValueError(f"idle_period_ns must be >= period_ns ({period_ns}), got {idle_ns}")
+        if idle_period_ns < period_ns:
+            raise ValueError(f"idle_period_ns must be >= period_ns ({period_ns}), got {idle_period_ns}")
+        if peek_period_ns <= 0:
+            raise ValueError(f"peek_period_ns must be positive, got {peek_period_ns}")
         self.period_ns = period_ns
-        self.idle_period_ns = idle_ns
+        self.idle_period_ns = idle_period_ns
+        self.peek_period_ns = peek_period_ns
         self.current_period_ns = period_ns  # the period the loop runs at now (base when busy)
         self.last_handled = 0  # events the sources handled in the last round (their poll results)
         self._clock = clock
         self.sources: list[Source] = []
+        self._backlogs: list[Callable[[], bool]] = []  # the sources' backlogged(), where they have one
         self.sinks: list[RecordSink] = []
         self.tick_hooks: list[TickHook] = []
         self._stop = threading.Event()
@@ -68,6 +76,8 @@ class Daemon:
         self.records = 0
         self.sink_errors = 0
         self.poll_errors = 0
+        self.peeks = 0  # looks at the sources' backlogs between two rounds
+        self.early_rounds = 0  # rounds brought forward by a backlogged source
         # Main-loop CPU (thread time) per source poll and per tick hook, in ns: where the agent's
         # own cost goes, for its summary (a source's poll includes the sinks it feeds).
         self.cpu_ns: dict[str, int] = {}
@@ -75,6 +85,9 @@ class Daemon:
 
     def add_source(self, source: Source) -> None:
         self.sources.append(source)
+        backlogged = getattr(source, "backlogged", None)
+        if callable(backlogged):
+            self._backlogs.append(backlogged)
 
     def add_sink(self, sink: RecordSink) -> None:
         self.sinks.append(sink)
@@ -133,12 +146,26 @@ class Daemon:
         return ", ".join(f"{name} {ns / 1e9:.2f} s" for name, ns in parts if ns >= 5_000_000)
 
     def next_period_ns(self) -> int:
-        """The period after the round just run: the base when it was busy, else longer (QUIET_EVENTS)."""
-        if self.last_handled > QUIET_EVENTS:
+        """The period after the round just run: the base when it was busy (more than
+        QUIET_EVENTS_PER_S over the period it ran at), else twice as long, up to the idle period."""
+        if self.last_handled * 1_000_000_000 > QUIET_EVENTS_PER_S * self.current_period_ns:
             self.current_period_ns = self.period_ns
         else:
             self.current_period_ns = min(self.idle_period_ns, self.current_period_ns * 2)
         return self.current_period_ns
+
+    def backlogged(self) -> bool:
+        """Whether a source's buffer is past its mark now (a peek: no source is polled). A failing
+        check is counted as a poll error and read as not backlogged."""
+        self.peeks += 1
+        for check in self._backlogs:
+            try:
+                if check():
+                    return True
+            except Exception:
+                self.poll_errors += 1
+                log.debug("a source's backlog check failed", exc_info=True)
+        return False
 
     def run(self, *, duration_ns: int | None = None) -> str:
         """Tick every period (longer while quiet) until stopped, past the duration, or a hook
@@ -157,8 +184,22 @@ class Daemon:
             next_tick_ns += self.next_period_ns()
             if next_tick_ns < now_ns:
                 next_tick_ns = now_ns  # fell behind: no burst of catch-up ticks
-            wake_ns = next_tick_ns if deadline_ns is None else min(next_tick_ns, deadline_ns)
-            self._stop.wait(max(0, wake_ns - now_ns) / 1e9)
+            next_tick_ns = self._sleep_until(next_tick_ns, deadline_ns, now_ns)
+
+    def _sleep_until(self, tick_ns: int, deadline_ns: int | None, now_ns: int) -> int:
+        """Wait for the next round, peeking at the sources' backlogs every peek period on the way;
+        returns when the round is due (brought forward to now by a backlogged source), or stopped."""
+        due_ns = tick_ns if deadline_ns is None else min(tick_ns, deadline_ns)
+        while now_ns < due_ns:
+            peek_ns = now_ns + self.peek_period_ns
+            if self._stop.wait((min(due_ns, peek_ns) - now_ns) / 1e9):
+                break
+            now_ns = self._clock()
+            if now_ns < due_ns and self._backlogs and self.backlogged():
+                self.early_rounds += 1
+                self.current_period_ns = self.period_ns  # busy again: the base until quiet
+                return now_ns
+        return tick_ns
 
     def close(self) -> None:
         """Close every source (each flushes into the sinks). Errors are logged, never raised."""
@@ -175,6 +216,8 @@ class Daemon:
                 "records": self.records,
                 "sink_errors": self.sink_errors,
                 "poll_errors": self.poll_errors,
+                "peeks": self.peeks,
+                "early_rounds": self.early_rounds,
             }
         }
         for source in self.sources:

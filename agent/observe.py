@@ -118,7 +118,7 @@ class Observers:
 
         def drain_requests(now_ns: int) -> None:
             # Join only requests that ended before every attached NVTX ring's last full drain
-            # (rings are drained every 200 ms, or sooner when filling): their steps are in.
+            # (rings are drained every 500 ms at most, or sooner when filling): their steps are in.
             watermark = min([now_ns] + [c.drained_through_ns for c in obs.nvtx if c.attached and not c.finished])
             pipeline.drain_requests(watermark)
 
@@ -407,12 +407,14 @@ class Observers:
         return merged
 
     def _pace_host(self, *, policy_signal: bool) -> None:
-        """The host sampler at the policy's period while it carries the policy's memory signal,
-        else once a second (HOST_VIEW_PERIOD_S)."""
+        """The host sampler at the policy's period (its configured sample_period_ms) while it
+        carries the policy's memory signal, else once a second (HOST_VIEW_PERIOD_S)."""
         telemetry = self.telemetry  # read once: the daemon thread may detach it meanwhile
         if telemetry is None:
             return
-        period_s = DEFAULT_PERIOD_S if policy_signal else HOST_VIEW_PERIOD_S
+        engine = self.policy
+        policy_period_s = engine.config.sample_period_s if engine is not None else DEFAULT_PERIOD_S
+        period_s = policy_period_s if policy_signal else HOST_VIEW_PERIOD_S
         for source in telemetry.sources:
             if source.name == "host":
                 source.set_period(period_s)

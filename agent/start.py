@@ -46,7 +46,7 @@ from moescope import errors, procfs
 from moescope.agent import privileges
 from moescope.agent import state as st
 from moescope.agent.allocator import Allocator
-from moescope.agent.daemon import STOP_SIGNAL, Daemon
+from moescope.agent.daemon import DEFAULT_IDLE_PERIOD_NS, DEFAULT_PERIOD_NS, STOP_SIGNAL, Daemon
 from moescope.agent.export.config import ExportConfig, add_export_arguments, flags_from_args, resolve_export_config
 from moescope.agent.metrics import add_metrics_arguments
 from moescope.agent.observe import Observers
@@ -366,7 +366,9 @@ def run(args: argparse.Namespace) -> int:
 
     records_sink = JsonLinesSink(args.records) if args.records else None
     summary = RequestSummary()
-    daemon = Daemon()
+    # A quiet loop's rounds come at most a live interval apart (1 s; 250 ms with --tui): what the
+    # state file and the live view show is never older than what they are refreshed at.
+    daemon = Daemon(idle_period_ns=min(DEFAULT_IDLE_PERIOD_NS, max(DEFAULT_PERIOD_NS, int(args.interval * 1e9))))
     if records_sink is not None:
         daemon.add_sink(records_sink)
         daemon.add_tick_hook(lambda now_ns: records_sink.flush(now_ns))

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Protocol
 
 from moescope import errors
-from moescope.collectors.registry import Emit, SourceHealth, register_stream
+from moescope.collectors.registry import BACKLOG_FILL, Emit, SourceHealth, register_stream
 from moescope.probes import bpf
 from moescope.probes.ingress import procnet
 from moescope.probes.netsig.loader import KIND_NAMES, NetEvent, NetSignalProbe, NetsigOptions
@@ -275,6 +275,10 @@ class NetSignalSource:
 
     def health(self) -> SourceHealth:
         return self._health
+
+    def backlogged(self) -> bool:
+        """The probe's event ring is past BACKLOG_FILL (the quiet daemon's peek)."""
+        return self._probe.loaded and self._probe.ring_fill() >= BACKLOG_FILL
 
     def close(self) -> None:
         """Emit what was counted since the last record, then unload the probe."""

@@ -192,7 +192,7 @@ PROCESS_CHECK_PERIOD_NS = 200_000_000
 # has a fixed cost (a few dozen array operations, per batch in the parser and the join) that fewer
 # drains save (measured: agent 7.65 -> 6.7 % of a core under the reference load from 50 to 200 ms;
 # at DeepSeek-V3 shape, 25 steps/s a rank, a batch of 5 steps costs ~1.7x per step what one of 20
-# does), while a burst still never waits longer than the daemon's 50 ms tick to be drained. The
+# does), while a burst still never waits longer than the daemon's 150 ms peek to be drained. The
 # blob's mark is a quarter (2 MiB of the default 8): a DeepSeek-V3 rank's 119 KB step vectors
 # passed an eighth every ~9 steps, before the period; a quarter leaves 6 MiB (~50 such steps)
 # free for the producer while the agent is late.
@@ -1143,6 +1143,15 @@ class NvtxCollector:
     def health(self) -> SourceHealth:
         """The last drain: its duration and whether it completed (None before the first)."""
         return self._health
+
+    def backlogged(self) -> bool:
+        """The ring past its early-drain marks (the quiet daemon's peek: a few header words read),
+        so that the round this brings forward does drain it."""
+        ring = self._ring
+        if ring is None or self._finished:
+            return False
+        return (ring.head - ring.tail >= ring.capacity // EARLY_DRAIN_FRACTION
+                or ring.blob_in_flight() >= ring.blob_bytes // BLOB_EARLY_DRAIN_FRACTION)
 
     def _poll_once(self, now_ns: int, *, force: bool = False) -> int:
         self._stats["polls"] += 1

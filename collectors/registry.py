@@ -53,6 +53,9 @@ Emit = Callable[[object], None]
 DEFAULT_MAX_PENDING = 1024  # samples queued per sampled source between two daemon polls
 DEFAULT_STOP_TIMEOUT_S = 2.0
 DEFAULT_PERIOD_S = 0.2  # the policy's sample period (DESIGN: per-expert monitoring every 200 ms)
+# A stream source whose buffer is this full when the quiet daemon peeks gets a round at once
+# (Source.backlogged; agent/daemon.py): an eighth, as the NVTX ring's own early drain.
+BACKLOG_FILL = 0.125
 STALL_PERIODS = 10.0  # a collection running this many periods is reported as failing
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
 
@@ -89,6 +92,10 @@ class Source(Protocol):
     def close(self) -> None:
         """Flush what is pending and release kernel/OS resources."""
         ...
+
+    # Optional: `backlogged() -> bool`, whether the source's buffer (a ring, a queue) is past
+    # BACKLOG_FILL now. The daemon calls it between rounds while quiet (every 150 ms, rounds up to
+    # 1 s apart) to bring the next round forward; it must be cheap and must not drain or emit.
 
 
 def merge_health(healths: Iterable[SourceHealth]) -> SourceHealth:

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from moescope import errors
-from moescope.collectors.registry import SourceHealth
+from moescope.collectors.registry import BACKLOG_FILL, SourceHealth
 from moescope.probes import bpf
 from moescope.probes.ingress import procnet
 from moescope.probes.ingress.aggregate import IngressStats, RequestTotals, sum_over_cpus
@@ -531,6 +531,11 @@ class IngressProbe:
     def health(self) -> SourceHealth:
         """The last drain: its duration and whether it completed (None before the first)."""
         return self._health
+
+    def backlogged(self) -> bool:
+        """The event ring is past BACKLOG_FILL (the quiet daemon's peek: two positions read)."""
+        ring = self._ring
+        return ring is not None and ring.fill() >= BACKLOG_FILL
 
     def stats(self) -> dict[str, int]:
         """Counters: records delivered, records the sampling rule left out (not a loss: every

@@ -41,6 +41,10 @@ class RingReader:
     def pending_bytes(self) -> int:
         return int(self._producer[0]) - int(self._consumer[0])
 
+    def fill(self) -> float:
+        """The share of the data area records wait in (0 empty, 1 full)."""
+        return self.pending_bytes() / (self._mask + 1)
+
     def read(self) -> np.ndarray:
         """Copy out every submitted record now in the ring (in order) and release their space."""
         consumer = int(self._consumer[0])

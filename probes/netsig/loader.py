@@ -271,6 +271,10 @@ class NetSignalProbe:
         return {(key.port, KIND_NAMES.get(key.kind, f"kind_{key.kind}")): int(value.value)
                 for key, value in maps.counts.items()}
 
+    def ring_fill(self) -> float:
+        """The share of the event ring waiting to be drained (0 when not loaded)."""
+        return 0.0 if self._ring is None else self._ring.fill()
+
     def drain_events(self) -> list[NetEvent]:
         """Every event submitted since the last drain, oldest first."""
         if self._ring is None:

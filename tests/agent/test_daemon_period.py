@@ -1,11 +1,14 @@
 """The main loop's period: longer while its sources find little, the base again at the first busy
-round, with a clock the test drives (no timing is asserted: the periods are the loop's own choice)."""
+round; between quiet rounds, peeks at the sources' backlogs bring a round forward. The clock is one
+the test drives (no timing is asserted: the periods and the rounds run are the loop's own choice)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
-from moescope.agent.daemon import IDLE_PERIOD_FACTOR, QUIET_EVENTS, Daemon
+from moescope.agent.daemon import DEFAULT_IDLE_PERIOD_NS, PEEK_PERIOD_NS, QUIET_EVENTS_PER_S, STOP_DURATION, Daemon
 from moescope.collectors.registry import SourceHealth
 
 BASE_NS = 50_000_000
@@ -32,7 +35,7 @@ class ScriptedSource:
         return None
 
 
-def periods_after(counts: list[int | None], *, sources: int = 1) -> list[int]:
+def periods_after(counts: Sequence[int | None], *, sources: int = 1) -> list[int]:
     """The period chosen after each round, the rounds' sources returning `counts` (split evenly)."""
     daemon = Daemon(period_ns=BASE_NS)
     scripts = [ScriptedSource([c if c is None else c // sources for c in counts]) for _ in range(sources)]
@@ -45,18 +48,106 @@ def periods_after(counts: list[int | None], *, sources: int = 1) -> list[int]:
     return chosen
 
 
+def busy_at(period_ns: int) -> int:
+    """The fewest events that make a round run at `period_ns` busy."""
+    return QUIET_EVENTS_PER_S * period_ns // 1_000_000_000 + 1
+
+
 def test_quiet_rounds_lengthen_the_period_up_to_the_cap_and_a_busy_one_resets_it() -> None:
-    cap = BASE_NS * IDLE_PERIOD_FACTOR
-    busy = QUIET_EVENTS + 1
-    assert periods_after([0, 0, 0, 0, busy, 3, busy]) == [
-        2 * BASE_NS, cap, cap, cap, BASE_NS, 2 * BASE_NS, BASE_NS,
+    cap = DEFAULT_IDLE_PERIOD_NS
+    doubling = [BASE_NS * 2 ** i for i in range(1, 5)]  # 100, 200, 400, 800 ms, then the 1 s cap
+    assert periods_after([0] * 6) == [*doubling, cap, cap]
+    # busy is a rate: at the 1 s cap, what would be busy at the 50 ms base is quiet
+    assert periods_after([0] * 5 + [busy_at(BASE_NS), busy_at(cap), 3, busy_at(2 * BASE_NS)]) == [
+        *doubling, cap, cap, BASE_NS, 2 * BASE_NS, BASE_NS,
     ]
 
 
 def test_busy_is_what_all_sources_handled_together() -> None:
     # Two sources each under the mark, together over it: busy.
-    assert periods_after([QUIET_EVENTS + 2], sources=2) == [BASE_NS]
-    assert periods_after([QUIET_EVENTS]) == [2 * BASE_NS]  # at the mark is still quiet
+    mark = busy_at(BASE_NS) - 1
+    assert periods_after([mark + 2], sources=2) == [BASE_NS]
+    assert periods_after([mark]) == [2 * BASE_NS]  # at the mark is still quiet
+
+
+class Clock:
+    """Monotonic ns that moves only when the loop waits (its stop event's wait is patched)."""
+
+    def __init__(self) -> None:
+        self.now_ns = 0
+
+    def __call__(self) -> int:
+        return self.now_ns
+
+
+class BackloggedSource(ScriptedSource):
+    """Quiet polls; its backlog check answers from a script of (from_ns, answer) and is counted."""
+
+    def __init__(self, clock: Clock, *, backlog_from_ns: int | None, fail: bool = False) -> None:
+        super().__init__([])
+        self.clock = clock
+        self.backlog_from_ns = backlog_from_ns
+        self.fail = fail
+        self.checks: list[int] = []
+        self.polls: list[int] = []
+
+    def poll(self, now_ns: int) -> int:
+        self.polls.append(now_ns)
+        if self.backlog_from_ns is not None and now_ns >= self.backlog_from_ns:
+            self.backlog_from_ns = None  # drained: quiet again
+        return 0
+
+    def backlogged(self) -> bool:
+        self.checks.append(self.clock.now_ns)
+        if self.fail:
+            raise OSError("the ring went away")
+        return self.backlog_from_ns is not None and self.clock.now_ns >= self.backlog_from_ns
+
+
+def run_for(daemon: Daemon, clock: Clock, duration_ns: int) -> str:
+    def wait(timeout_s: float | None = None) -> bool:
+        assert timeout_s is not None  # the loop never waits without a bound
+        clock.now_ns += max(1, round(timeout_s * 1e9))
+        return False
+
+    daemon._stop.wait = wait  # type: ignore[method-assign,assignment]  # the loop's only sleep
+    return daemon.run(duration_ns=duration_ns)
+
+
+def test_a_quiet_loop_peeks_between_rounds_and_a_backlog_brings_the_round_forward() -> None:
+    clock = Clock()
+    daemon = Daemon(period_ns=BASE_NS, clock=clock)
+    # rounds at 0, 100, 300, 700, 1500 ms (periods 100, 200, 400, 800), then 1 s apart; at 2.6 s
+    # the source fills: the next peek (every 150 ms after a round) sees it, before 2.5 s + 1 s.
+    source = BackloggedSource(clock, backlog_from_ns=2_600_000_000)
+    daemon.add_source(source)
+    assert run_for(daemon, clock, 4_000_000_000) == STOP_DURATION
+    early = [t for t in source.polls if 2_600_000_000 <= t < 3_500_000_000]
+    assert early and early[0] - 2_600_000_000 <= PEEK_PERIOD_NS  # at the first peek past the fill
+    assert daemon.early_rounds == 1 and daemon.peeks == len(source.checks) > 0
+    looks = sorted(source.checks + source.polls)  # never longer than a peek period without a look
+    assert max(b - a for a, b in zip(looks, looks[1:])) <= PEEK_PERIOD_NS
+    # with the peeks the rounds themselves stay rare: ~1 s apart once quiet
+    quiet = [t for t in source.polls if t < 2_600_000_000]
+    assert quiet == [0, 100_000_000, 300_000_000, 700_000_000, 1_500_000_000, 2_500_000_000]
+
+
+def test_a_failing_backlog_check_is_counted_and_never_stops_the_loop() -> None:
+    clock = Clock()
+    daemon = Daemon(period_ns=BASE_NS, clock=clock)
+    source = BackloggedSource(clock, backlog_from_ns=None, fail=True)
+    daemon.add_source(source)
+    assert run_for(daemon, clock, 3_000_000_000) == STOP_DURATION
+    assert daemon.poll_errors == len(source.checks) > 0 and daemon.early_rounds == 0
+    assert len(source.polls) >= 6  # the rounds went on at their own pace
+
+
+def test_sources_without_a_backlog_check_are_never_peeked_at() -> None:
+    clock = Clock()
+    daemon = Daemon(period_ns=BASE_NS, clock=clock)
+    daemon.add_source(ScriptedSource([]))
+    run_for(daemon, clock, 3_000_000_000)
+    assert daemon.peeks == 0 and daemon.ticks == 7  # 0, .1, .3, .7, 1.5, 2.5, and the one past 3 s
 
 
 def test_a_source_returning_none_counts_as_nothing_handled_not_as_a_failure() -> None:
@@ -70,3 +161,5 @@ def test_an_idle_period_below_the_base_is_refused() -> None:
     with pytest.raises(ValueError, match="idle_period_ns"):
         Daemon(period_ns=BASE_NS, idle_period_ns=BASE_NS - 1)
     assert Daemon(period_ns=BASE_NS, idle_period_ns=BASE_NS).idle_period_ns == BASE_NS  # fixed period
+    with pytest.raises(ValueError, match="peek_period_ns"):
+        Daemon(period_ns=BASE_NS, peek_period_ns=0)

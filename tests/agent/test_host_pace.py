@@ -8,11 +8,15 @@ import argparse
 import math
 import os
 import time
+from dataclasses import replace
 
 from moescope.agent.daemon import Daemon
 from moescope.agent.metrics import Metrics
 from moescope.agent.observe import HOST_VIEW_PERIOD_S, Observers
 from moescope.agent.pipeline import Pipeline
+from moescope.agent.policy.audit import AuditLog
+from moescope.agent.policy.config import load_policy
+from moescope.agent.policy.engine import PolicyEngine
 from moescope.agent.policy.rules import Signals
 from moescope.collectors.host import HostCollector, HostSample, MemorySignal
 from moescope.collectors.registry import DEFAULT_PERIOD_S, SampledSource, SampledSources, TelemetryRecord
@@ -69,6 +73,18 @@ def test_a_budget_keeps_the_host_sampler_at_the_policy_period() -> None:
     obs.stats_signals = None  # no control socket: the host signal is the policy's
     obs.policy_signals()
     assert host.period_s == DEFAULT_PERIOD_S
+
+
+def test_the_host_sampler_follows_the_policy_s_configured_sample_period() -> None:
+    obs, host = _observers()
+    obs.pipeline.sink(TelemetryRecord("host", host_sample()))
+    config = replace(load_policy(None), sample_period_ms=500)  # as `sample_period_ms = 500` in a policy file
+    obs.policy = PolicyEngine(config, audit=AuditLog(), dry_run=True)
+    obs.policy_signals()  # no control socket: the host signal is the policy's, at its period
+    assert host.period_s == 0.5
+    obs.stats_signals = RuntimeView(0.42)  # the runtime's pool takes over: the view's once a second
+    obs.policy_signals()
+    assert host.period_s == HOST_VIEW_PERIOD_S
 
 
 def test_without_a_policy_the_host_sampler_feeds_the_view_once_a_second() -> None:

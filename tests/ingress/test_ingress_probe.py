@@ -266,11 +266,14 @@ def test_small_ring_wraps_and_every_loss_is_counted(bpf: None, start_server: Cal
         records = tracer.wait_count(server.pid, 100)
         match_records(records, [client])
         assert_no_drops(tracer)
+        assert not tracer.probe.backlogged()  # drained: the quiet daemon's peek asks for no round
 
         flood = HttpClient(server.port)
         for _ in range(100):
             flood.request(path="/size/1")
         flood.close()
+        # 99 records at least (each request ends at the next read) filled the page: the peek sees it
+        assert tracer.probe.backlogged()
         tracer.wait_for(
             lambda _: len(tracer.of(server.pid)) - 100 + tracer.probe.stats()["ringbuf_full"] >= 100,
             what="all 100 flood requests delivered or counted lost",

@@ -117,9 +117,11 @@ def test_a_full_counts_map_and_a_full_ring_are_counted(bpf: None, netns: NetName
         assert counts == {(server.port, "established"): 2, (server.port, "reset_received"): 1}
         assert small.drops()["counts_full"] == 1
         assert [e.kind for e in small.drain_events()] == ["reset_received", "reset_sent"]  # the event still went
+        assert small.ring_fill() == 0.0
         # One page of ring holds 4096 / 64 = 64 events: 80 resets without a drain overflow it.
         resets = 80
         netns.client("resets", str(server.port), str(resets))
+        assert small.ring_fill() >= 0.9  # what the source's backlog check (the daemon's peek) reads
         drained = [e for e in small.drain_events() if e.kind == "reset_received"]
         assert small.read_counts()[(server.port, "reset_received")] == 1 + resets
         assert small.drops()["ringbuf_full"] > 0

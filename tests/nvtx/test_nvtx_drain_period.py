@@ -1,5 +1,6 @@
 """The collector drains its ring fully at most every drain period, sooner when the ring fills, and
-always at close: batching drains never loses or delays a record past those bounds.
+always at close: batching drains never loses or delays a record past those bounds. Its backlog
+check (the quiet daemon's peek between rounds) says "filling" exactly when a poll would drain early.
 
 Real producer (tests/nvtx/producer.py, flood mode paused at half), real ring, real collector."""
 
@@ -40,7 +41,9 @@ def test_a_small_backlog_waits_for_the_period_and_the_close_drains_it(start_prod
         before = collector.stats()["records_received"]
         producer.go()
         producer.expect_line("half")
-        # 300 records wait in a 65536-record ring: below 1/8 full, inside the period -> not drained
+        # 300 records wait in a 65536-record ring: below 1/8 full, inside the period -> not drained,
+        # and the quiet daemon's peek (backlogged) does not ask for a round either
+        assert not collector.backlogged()
         assert collector.poll(t0 + 1) == 0
         assert collector.stats()["records_received"] == before
         assert collector.drained_through_ns == t0
@@ -63,7 +66,9 @@ def test_a_filling_ring_is_drained_before_the_period_ends(start_producer: Callab
         collector.poll(t0)
         producer.go()
         producer.expect_line("half")
-        drained = collector.poll(t0 + 1)
+        assert collector.backlogged()  # the daemon's peek brings a round forward ...
+        drained = collector.poll(t0 + 1)  # ... and that round drains it
+        assert not collector.backlogged()
         stats = collector.stats()
         assert drained == stats["records_received"] == events - events % 3, stats
         assert stats["dropped_ring_full"] == 0, stats
@@ -96,6 +101,7 @@ def test_a_filling_payload_blob_is_drained_before_the_period_ends(ring_dir: Path
         proc.stdin.flush()
         result = json.loads(proc.stdout.readline())
         assert result["steps_emitted"] == 20
+        assert collector.backlogged()  # the blob alone makes the daemon's peek ask for a round
         drained = collector.poll(t0 + 1)  # inside the period, few records: the blob is past its mark
         assert drained > 0 and collector.stats()["records_received"] == before + drained
         assert collector.stats()["ext_payload_blob_full_dropped"] == 0
