@@ -344,6 +344,21 @@ def _link_text(link: Any) -> str:
     return item + ',"flags":' + _flags(lc) + "}"
 
 
+def _event(event: Any) -> str:
+    """One span event's text (also the native encoder's callback for events)."""
+    e = []
+    if event.timestamp:
+        e.append(f'"timeUnixNano":"{event.timestamp}"')
+    if event.name:
+        e.append('"name":' + _string(event.name))
+    event_attrs = _attributes(event.attributes)
+    if event_attrs:
+        e.append('"attributes":' + event_attrs)
+    if event.dropped_attributes:
+        e.append(f'"droppedAttributesCount":{event.dropped_attributes}')
+    return "{" + ",".join(e) + "}"
+
+
 def _spans_python(spans: Sequence[ReadableSpan]) -> str:
     return ",".join([_span(s) for s in spans])
 
@@ -351,7 +366,7 @@ def _spans_python(spans: Sequence[ReadableSpan]) -> str:
 def _spans_native(spans: Sequence[ReadableSpan]) -> str:
     # the native encoder writes what it takes and hands every other span to _span (agent/export/otlp_span.c)
     assert _native is not None
-    text: str = _native.encode(spans, _span, _link, SharedAttributes, ReadableSpan)
+    text: str = _native.encode(spans, _span, _link, _event, SharedAttributes, ReadableSpan)
     return text
 
 
@@ -389,20 +404,7 @@ def _span(span: ReadableSpan) -> str:
         parts.append(f',"droppedAttributesCount":{span.dropped_attributes}')
     span_events = span.events  # a new tuple per read
     if span_events:
-        events = []
-        for event in span_events:
-            e = []
-            if event.timestamp:
-                e.append(f'"timeUnixNano":"{event.timestamp}"')
-            if event.name:
-                e.append('"name":' + _string(event.name))
-            event_attrs = _attributes(event.attributes)
-            if event_attrs:
-                e.append('"attributes":' + event_attrs)
-            if event.dropped_attributes:
-                e.append(f'"droppedAttributesCount":{event.dropped_attributes}')
-            events.append("{" + ",".join(e) + "}")
-        parts.append(',"events":[' + ",".join(events) + "]")
+        parts.append(',"events":[' + ",".join([_event(event) for event in span_events]) + "]")
     if span.dropped_events:
         parts.append(f',"droppedEventsCount":{span.dropped_events}')
     span_links = span.links

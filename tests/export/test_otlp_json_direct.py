@@ -190,8 +190,9 @@ def test_the_native_encoder_takes_the_agents_spans_itself(encoder: str) -> None:
     """What the agent's spans are made of — ASCII strings with every escape, ints at the int64
     edges, floats of every kind, arrays, a shared attribute set, links, remote and local parents,
     error statuses — is written by the native encoder itself (no span handed back) and equals the
-    protobuf route; a span it does not take (events, trace state, non-ASCII text, an int past
-    int64, a ReadableSpan subclass) goes to Python and still equals it."""
+    protobuf route, events and links written through their Python callbacks; a span it does not
+    take (events past the SDK's limit, trace state, non-ASCII text, an int past int64, a
+    ReadableSpan subclass) goes to Python and still equals it."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider(resource=Resource.create({"service.name": "svc"}), sampler=ALWAYS_ON)
     provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -212,8 +213,13 @@ def test_the_native_encoder_takes_the_agents_spans_itself(encoder: str) -> None:
     for _ in range(2):
         factory.record("stub", start_ns=5, end_ns=6, parent=root, attributes=shared,
                        links=[SpanLink(root, link_attrs), SpanLink(remote, {"k": [1.5]})])
-    native_ok = list(exporter.get_finished_spans())
     factory.record("events", start_ns=1, end_ns=2, events=[SpanEvent("e", 1, {"a": 1})])
+    factory.record("device events", start_ns=1, end_ns=2, attributes=shared,  # as a step span's sample
+                   events=[SpanEvent("moe.device.sample", 7, {"moe.device": HOSTILE_ASCII, "r": 0.5}),
+                           SpanEvent("", 0, {}), SpanEvent("ü", 9, {"x": "grüße", "i": [1, 2]})])
+    native_ok = list(exporter.get_finished_spans())
+    factory.record("many events", start_ns=1, end_ns=2,  # past the SDK's 128: a BoundedList that dropped some
+                   events=[SpanEvent(f"e{i}", i, {"i": i}) for i in range(130)])
     factory.record("ü name", start_ns=1, end_ns=2)
     factory.record("big", start_ns=1, end_ns=2, attributes={"x": 1 << 64, "y": "ok"})
     factory.record("utf8 value", start_ns=1, end_ns=2, attributes={"x": "grüße"})
@@ -239,6 +245,7 @@ def test_the_native_encoder_takes_the_agents_spans_itself(encoder: str) -> None:
             return otlp_json._span(span)
 
         assert otlp_json._native is not None
-        text = otlp_json._native.encode(spans, fallback, otlp_json._link, SharedAttributes, ReadableSpan)
+        text = otlp_json._native.encode(spans, fallback, otlp_json._link, otlp_json._event, SharedAttributes,
+                                        ReadableSpan)
         assert text == otlp_json._spans_python(spans)
         assert handed_back == [s.name for s in spans[len(native_ok):]]
