@@ -70,6 +70,7 @@ def read_e2e(doc: dict[str, Any]) -> tuple[bool, str]:
         f"throughput on/off {doc['throughput_ratio_on_over_off']:.3f}, host CPU/request on/off "
         f"{doc['host_cpu_per_request_ratio_on_over_off']:.3f} (cost bar 1 %), p99 on/off "
         f"{doc['p99_ratio_on_over_off']:.3f}; agent {doc['agent_cpu_pct_of_core']:.1f} % core (bar 5), "
+        f"{doc.get('agent_cpu_ms_per_request', float('nan')):.2f} ms/request (bar 0.5), "
         f"peak RSS {doc['agent_peak_rss_bytes'] / 1e6:.0f} MB (bar 100); idle NVTX off/bare "
         f"{doc['throughput_ratio_off_over_bare']:.3f}"
     )
