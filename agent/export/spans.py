@@ -352,6 +352,13 @@ class SpanFactory:
         attributes: Mapping[str, Any] | None,
         links: Iterable[SpanLink],
     ) -> _DirectSpan:
+        context, parent, attrs, span_links = self._direct_parts(parent, attributes, links)
+        return _DirectSpan(self, name, context, parent, kind, attrs, span_links, start_ns)
+
+    def _direct_parts(
+        self, parent: SpanContext | None, attributes: Mapping[str, Any] | None, links: Iterable[SpanLink],
+    ) -> tuple[SpanContext, SpanContext | None, dict[str, Any] | BoundedAttributes, Sequence[Link]]:
+        """A new span's context, its parent (None when not valid), attributes and links."""
         # What Tracer.start_span does with the ALWAYS_ON sampler: the parent's trace (and trace
         # state, and random-trace-id flag) if it is valid, else a new trace.
         if parent is not None and parent.is_valid:
@@ -372,7 +379,7 @@ class SpanFactory:
         span_links: Sequence[Link] = ()
         if links:
             span_links = self._links(links)
-        return _DirectSpan(self, name, context, parent, kind, attrs, span_links, start_ns)
+        return context, parent, attrs, span_links
 
     def _links(self, links: Iterable[SpanLink]) -> Sequence[Link]:
         """The span's SDK links. A tuple of links whose attributes are all shared sets (a batch's
@@ -492,6 +499,17 @@ class SpanFactory:
         if end_ns < start_ns:
             end_ns = start_ns  # clock skew between sources must not make a negative duration
         if self.direct and self.tracer._is_enabled():  # type: ignore[attr-defined]  # the SDK Tracer's, not the API's
+            if not events and error is None:
+                # most spans (phases, step stubs, layers): the finished span at once, no _DirectSpan
+                context, parent, attrs, span_links = self._direct_parts(parent, attributes, links)
+                if isinstance(attrs, BoundedAttributes):
+                    attrs._immutable = True  # as Span.end does
+                self._processor.on_end(ReadableSpan(
+                    name=name, context=context, parent=parent, resource=self._resource, attributes=attrs,
+                    events=(), links=span_links, kind=kind, instrumentation_info=self._info, status=_UNSET,
+                    start_time=int(start_ns), end_time=int(end_ns), instrumentation_scope=self._scope,
+                ))
+                return context
             # one-shot: straight to the finished span (what end() does, minus its checks on a fresh span)
             direct = self._start_direct(name, int(start_ns), parent, kind, attributes, links)
             for event in events:

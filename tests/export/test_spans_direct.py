@@ -77,6 +77,10 @@ def _workload(factory: SpanFactory) -> None:
         factory.record(f"stub{i}", start_ns=200 + i, end_ns=210, attributes=shared, links=link)
     late = factory.start("stub-late", start_ns=220, attributes=shared, links=link)
     factory.end(late, end_ns=230, attributes={"moe.step.tokens": 9, "extra": 1.5})
+    # record() without events or an error (the agent's phases, stubs and layers) takes a shorter
+    # path to the finished span: the limits must bite there as in the SDK too
+    factory.record("record-over-limits", start_ns=300, end_ns=310, parent=remote, kind=SpanKind.PRODUCER,
+                   attributes=many, links=[SpanLink(remote, {"x": 1, "y": 2, "z": 3}) for _ in range(4)])
 
 
 def _fields(span: ReadableSpan) -> dict[str, Any]:
@@ -102,11 +106,13 @@ def test_direct_spans_equal_sdk_spans() -> None:
         _workload(direct)
         _workload(sdk)
         a, b = list(direct_out.get_finished_spans()), list(sdk_out.get_finished_spans())
-        assert len(a) == len(b) == 12
+        assert len(a) == len(b) == 13
         assert [_fields(s) for s in a] == [_fields(s) for s in b]
         assert spans_to_line(a) == spans_to_line(b) == request_to_line(encode_spans(b))
     over = {s.name: s for s in a}["over-limits"]
     assert (over.dropped_attributes, over.dropped_events, over.dropped_links) == (4, 2, 2)  # the limits did bite
+    recorded = {s.name: s for s in a}["record-over-limits"]
+    assert (recorded.dropped_attributes, recorded.dropped_links) == (2, 2)
 
 
 def test_shared_attributes_are_carried_as_one_object_and_never_changed() -> None:
