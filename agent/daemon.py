@@ -145,6 +145,11 @@ class Daemon:
         parts = sorted(self.cpu_ns.items(), key=lambda kv: -kv[1])
         return ", ".join(f"{name} {ns / 1e9:.2f} s" for name, ns in parts if ns >= 5_000_000)
 
+    def rounds_line(self) -> str:
+        """`31 rounds (2 brought forward by a filling ring), 180 peeks`: how the loop paced itself."""
+        return (f"{self.ticks} rounds ({self.early_rounds} brought forward by a filling ring), "
+                f"{self.peeks} peeks")
+
     def next_period_ns(self) -> int:
         """The period after the round just run: the base when it was busy (more than
         QUIET_EVENTS_PER_S over the period it ran at), else twice as long, up to the idle period."""

@@ -486,6 +486,7 @@ def _observe(
                        sampled_out=stats["sampled_out"], elapsed_s=observed_s), flush=True)
     for line in observers.summary_lines():
         print(f"agent: {line}", flush=True)
+    print(f"agent: main loop: {daemon.rounds_line()}", flush=True)
     if daemon.cpu_ns:
         print(f"agent: main loop CPU: {daemon.cpu_line() or 'under 5 ms per part'}", flush=True)
     if by_thread:

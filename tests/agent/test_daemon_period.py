@@ -125,6 +125,8 @@ def test_a_quiet_loop_peeks_between_rounds_and_a_backlog_brings_the_round_forwar
     early = [t for t in source.polls if 2_600_000_000 <= t < 3_500_000_000]
     assert early and early[0] - 2_600_000_000 <= PEEK_PERIOD_NS  # at the first peek past the fill
     assert daemon.early_rounds == 1 and daemon.peeks == len(source.checks) > 0
+    # what `agent start` says of it at exit
+    assert daemon.rounds_line() == f"{daemon.ticks} rounds (1 brought forward by a filling ring), {daemon.peeks} peeks"
     looks = sorted(source.checks + source.polls)  # never longer than a peek period without a look
     assert max(b - a for a, b in zip(looks, looks[1:])) <= PEEK_PERIOD_NS
     # with the peeks the rounds themselves stay rare: ~1 s apart once quiet

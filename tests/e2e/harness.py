@@ -298,6 +298,8 @@ class AgentSummary:
     nvtx_drops: list[str]
     export: dict[str, int]
     threads: dict[str, float]  # CPU seconds by thread name ("agent: CPU by thread:")
+    rounds: int  # the main loop's rounds, and those a filling ring brought forward ("agent: main loop:")
+    early_rounds: int
 
 
 def parse_summary(stdout_lines: list[str]) -> AgentSummary:
@@ -308,7 +310,8 @@ def parse_summary(stdout_lines: list[str]) -> AgentSummary:
     )
     e = re.search(r"agent: export: (.*)$", text, re.M)
     t = re.search(r"agent: CPU by thread: (.*)$", text, re.M)
-    assert m and p and e and t, f"summary lines missing:\n{text}"
+    r = re.search(r"agent: main loop: (\d+) rounds \((\d+) brought forward by a filling ring\), \d+ peeks$", text, re.M)
+    assert m and p and e and t and r, f"summary lines missing:\n{text}"
     threads = {name: float(cpu) for name, cpu in re.findall(r"(\S+) (\d+\.\d+) s", t.group(1))}
     export = {k: int(v) for k, v in re.findall(r"(\w+) (\d+)", e.group(1))}
     nvtx = re.findall(r"agent: nvtx pid \d+: \d+ records, drops (\S+?),", text)
@@ -316,7 +319,7 @@ def parse_summary(stdout_lines: list[str]) -> AgentSummary:
         requests=int(m.group(1)), unanswered=int(m.group(2)), drops=int(m.group(3)),
         pipeline_requests=int(p.group(1)), pipeline_joined=int(p.group(2)), pipeline_steps=int(p.group(3)),
         pipeline_unjoined=int(p.group(4)), pipeline_spans=int(p.group(5)), nvtx_drops=nvtx, export=export,
-        threads=threads,
+        threads=threads, rounds=int(r.group(1)), early_rounds=int(r.group(2)),
     )
 
 

@@ -118,6 +118,7 @@ def test_files_hold_every_request_and_step(bpf: None, file_run: FileRun, file_re
     # poll, the file exporter), so `top -H` and this line say which part costs what
     assert {"main", "ms-policy", "ms-export-file"} <= set(s.threads), file_run.output
     assert s.threads["main"] > 0 and all(cpu >= 0 for cpu in s.threads.values())
+    assert s.rounds > 0 and 0 <= s.early_rounds <= s.rounds
     print(f"\ne2e file store: {len(file_report.servers)} server spans ({len(file_report.completions)} joined, "
           f"{len(policy)} policy spans), {len(file_report.owner_steps)} owner steps, "
           f"{len(file_report.stub_steps)} stubs, {len(file_run.spans)} spans")
