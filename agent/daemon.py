@@ -195,9 +195,9 @@ class Daemon:
         """Wait for the next round, peeking at the sources' backlogs every peek period on the way;
         returns when the round is due (brought forward to now by a backlogged source), or stopped."""
         due_ns = tick_ns if deadline_ns is None else min(tick_ns, deadline_ns)
+        peek_period_ns = self.peek_period_ns if self._backlogs else due_ns  # no source to peek at: one wait
         while now_ns < due_ns:
-            peek_ns = now_ns + self.peek_period_ns
-            if self._stop.wait((min(due_ns, peek_ns) - now_ns) / 1e9):
+            if self._stop.wait((min(due_ns, now_ns + peek_period_ns) - now_ns) / 1e9):
                 break
             now_ns = self._clock()
             if now_ns < due_ns and self._backlogs and self.backlogged():

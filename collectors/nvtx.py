@@ -1007,6 +1007,13 @@ _STAT_NAMES: tuple[str, ...] = (
 )
 
 
+def _past_early_drain_marks(ring: NvtxRing) -> bool:
+    """The ring holds 1/EARLY_DRAIN_FRACTION of its records or 1/BLOB_EARLY_DRAIN_FRACTION of its
+    payload blob: drained now, whatever the drain period."""
+    return (ring.head - ring.tail >= ring.capacity // EARLY_DRAIN_FRACTION
+            or ring.blob_in_flight() >= ring.blob_bytes // BLOB_EARLY_DRAIN_FRACTION)
+
+
 class NvtxCollector:
     """Drains one process's NVTX ring. Source shape for the agent's daemon loop: poll(now_ns) -> int
     (records drained), stats() -> dict[str, int], close()."""
@@ -1148,10 +1155,7 @@ class NvtxCollector:
         """The ring past its early-drain marks (the quiet daemon's peek: a few header words read),
         so that the round this brings forward does drain it."""
         ring = self._ring
-        if ring is None or self._finished:
-            return False
-        return (ring.head - ring.tail >= ring.capacity // EARLY_DRAIN_FRACTION
-                or ring.blob_in_flight() >= ring.blob_bytes // BLOB_EARLY_DRAIN_FRACTION)
+        return ring is not None and not self._finished and _past_early_drain_marks(ring)
 
     def _poll_once(self, now_ns: int, *, force: bool = False) -> int:
         self._stats["polls"] += 1
@@ -1180,8 +1184,7 @@ class NvtxCollector:
             not (force or exited)
             and self._last_drain_ns is not None
             and now_ns - self._last_drain_ns < self.drain_period_ns
-            and ring.head - ring.tail < ring.capacity // EARLY_DRAIN_FRACTION
-            and ring.blob_in_flight() < ring.blob_bytes // BLOB_EARLY_DRAIN_FRACTION
+            and not _past_early_drain_marks(ring)
         ):
             return 0
         self._last_drain_ns = now_ns

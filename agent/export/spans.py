@@ -443,24 +443,22 @@ class SpanFactory:
         return attrs
 
     def _finish(self, span: _DirectSpan, end_ns: int) -> None:
-        attrs = span._attributes
+        events = span._events
+        self._finished(span._name, span._context, span._parent, span._kind, span._attributes, span._links,
+                       tuple(events) if isinstance(events, list) else events, span._status, span._start_ns, end_ns)
+
+    def _finished(
+        self, name: str, context: SpanContext, parent: SpanContext | None, kind: SpanKind,
+        attrs: dict[str, Any] | BoundedAttributes, links: Sequence[Link], events: Sequence[Event],
+        status: Status, start_ns: int, end_ns: int,
+    ) -> None:
+        """The finished span, as Span.end makes it, handed to the tracer's span processor."""
         if isinstance(attrs, BoundedAttributes):
             attrs._immutable = True  # as Span.end does
-        events = span._events
         self._processor.on_end(ReadableSpan(
-            name=span._name,
-            context=span._context,
-            parent=span._parent,
-            resource=self._resource,
-            attributes=attrs,
-            events=tuple(events) if isinstance(events, list) else events,
-            links=span._links,
-            kind=span._kind,
-            instrumentation_info=self._info,
-            status=span._status,
-            start_time=span._start_ns,
-            end_time=end_ns,
-            instrumentation_scope=self._scope,
+            name=name, context=context, parent=parent, resource=self._resource, attributes=attrs, events=events,
+            links=links, kind=kind, instrumentation_info=self._info, status=status, start_time=start_ns,
+            end_time=end_ns, instrumentation_scope=self._scope,
         ))
 
     @staticmethod
@@ -502,13 +500,7 @@ class SpanFactory:
             if not events and error is None:
                 # most spans (phases, step stubs, layers): the finished span at once, no _DirectSpan
                 context, parent, attrs, span_links = self._direct_parts(parent, attributes, links)
-                if isinstance(attrs, BoundedAttributes):
-                    attrs._immutable = True  # as Span.end does
-                self._processor.on_end(ReadableSpan(
-                    name=name, context=context, parent=parent, resource=self._resource, attributes=attrs,
-                    events=(), links=span_links, kind=kind, instrumentation_info=self._info, status=_UNSET,
-                    start_time=int(start_ns), end_time=int(end_ns), instrumentation_scope=self._scope,
-                ))
+                self._finished(name, context, parent, kind, attrs, span_links, (), _UNSET, int(start_ns), int(end_ns))
                 return context
             # one-shot: straight to the finished span (what end() does, minus its checks on a fresh span)
             direct = self._start_direct(name, int(start_ns), parent, kind, attributes, links)
