@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from moescope.procfs import (
 
 # A child that runs `setup`, says "ready", then obeys one line per command read from stdin.
 CHILD = r"""
-import os, sys, threading
+import os, sys, threading, time
 done = threading.Event()
 worker = threading.Thread(target=done.wait)
 worker.start()
@@ -40,9 +41,24 @@ for line in sys.stdin:
     elif cmd == "end-thread":
         done.set()
         worker.join()
+        # join() returns when Python is done with the thread; the kernel task can outlive that by
+        # a few microseconds (CI saw it once): "ended" is when its /proc entry is gone (bounded)
+        for _ in range(5000):
+            if not os.path.exists(f"/proc/self/task/{worker.native_id}"):
+                break
+            time.sleep(0.001)
     print("ok", flush=True)
 done.set()
 """
+
+def _wait_task_gone(tid: int) -> None:
+    """join() returns when Python is done with a thread; the kernel task can outlive that by a few
+    microseconds: wait (bounded) until its /proc entry is gone."""
+    for _ in range(5000):
+        if not os.path.exists(f"/proc/self/task/{tid}"):
+            return
+        time.sleep(0.001)
+
 
 ODD_COMM = "moe) (x y)"  # spaces, a ')' inside, and a ')' last: the stat line's last ')' is still the kernel's
 
@@ -268,4 +284,6 @@ def test_a_thread_is_named_by_itself_or_by_tid_and_the_main_thread_never() -> No
         hold.set()
         other.join(10.0)
         idle.join(10.0)
+    assert idle.native_id is not None
+    _wait_task_gone(idle.native_id)
     assert not name_thread("gone", tid=idle.native_id)  # the thread has ended
