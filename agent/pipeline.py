@@ -140,7 +140,7 @@ class Pipeline:
         for output in self.join.outputs:
             out.update(output.stats())
         out.setdefault("spans", 0)
-        out.setdefault("stub_spans", 0)
+        out.setdefault("step_links", 0)
         out.setdefault("owner_subtrees", 0)
         return out
 

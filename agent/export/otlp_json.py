@@ -97,7 +97,7 @@ _CACHE_MAX = 4096
 _key_prefixes: dict[str, str] = {}  # attribute key -> '{"key":"...","value":'
 # Encoded resources and scopes by object (they live as long as the provider): id -> (object, text).
 _object_cache: dict[int, tuple[Any, str]] = {}
-# Encoded shared attribute sets (a step's stubs share one): id -> (object, text), the object kept
+# Encoded shared attribute sets (the links to a step's owner share one): id -> (object, text), the object kept
 # with its text so that its id cannot be reused while cached; the export thread is the only writer.
 _shared_texts: dict[int, tuple[Any, str]] = {}
 _SHARED_MAX = 1024
@@ -327,7 +327,7 @@ def _flags(context: Any) -> str:
 
 def _link(link: Any) -> str:
     """One span link's text (also the native encoder's callback for links). Links are immutable,
-    so a SharedLink that many spans carry (a batch's stubs, agent/export/spans.py) is written once."""
+    so a SharedLink that many spans carry (the links to a step's owner, agent/export/spans.py) is written once."""
     if type(link) is not SharedLink:
         return _link_text(link)
     return _cached(link, _link_text, cache=_link_texts, limit=_SHARED_MAX)

@@ -77,7 +77,7 @@ def _clean(attributes: Mapping[str, Any], *, tuples: bool) -> dict[str, Any]:
 
 class SharedAttributes(dict[str, Any]):
     """Attributes cleaned once (as the SDK stores them) and carried by many spans or links as the
-    same object: the step stubs of one batch (agent/outputs/traces.py) share one. The factory
+    same object (the links to a step's owner span, agent/outputs/traces.py, share one). The factory
     passes it through uncleaned and uncopied, and the OTLP-JSON encoder writes its text once per
     object (agent/export/otlp_json.py). Never mutated after ``shared_attributes`` made it (a span
     given late attributes copies it first)."""
@@ -86,9 +86,9 @@ class SharedAttributes(dict[str, Any]):
 
 
 class SharedLink(Link):
-    """An SDK Link the factory made once for a tuple of links whose attributes are all shared sets,
-    and hands to every span given that tuple (a batch's stubs): immutable, so the OTLP-JSON encoder
-    writes its text once."""
+    """An SDK Link the factory made once for a SpanLink whose attributes are a shared set, and hands
+    to every span given that SpanLink (the batch-mates' links to a step's owner span): immutable, so
+    the OTLP-JSON encoder writes its text once."""
 
 
 def shared_attributes(attributes: Mapping[str, Any]) -> SharedAttributes:
@@ -157,6 +157,9 @@ class SpanLink:
 
 _EMPTY_CONTEXT = Context()
 _SHARED_LINK_CACHE = 64  # shared link attribute sets kept with their BoundedAttributes (a few constants)
+# single links with a shared attribute set kept with their SharedLink: the links to the steps whose
+# batch-mates have not all reached them yet (a few seconds of steps)
+_SINGLE_LINK_CACHE = 4096
 
 
 def _context_for(parent: SpanContext | None) -> Context:
@@ -295,8 +298,8 @@ class SpanFactory:
         self._last: tuple[SpanContext | None, Context] = (None, _EMPTY_CONTEXT)  # one tuple: swapped atomically
         # id -> (a shared link attribute set, its immutable BoundedAttributes), the object kept with it
         self._link_attributes: dict[int, tuple[SharedAttributes, BoundedAttributes]] = {}
-        # id -> (a tuple of SpanLinks with shared attributes, the SDK Links made for it), the key kept
-        self._shared_links: dict[int, tuple[tuple[SpanLink, ...], tuple[Link, ...]]] = {}
+        # id -> (a SpanLink with a shared attribute set, its SharedLink), the SpanLink kept with it
+        self._single_links: dict[int, tuple[SpanLink, SharedLink | None]] = {}
 
     @staticmethod
     def _direct_possible(tracer: trace.Tracer) -> bool:
@@ -382,32 +385,38 @@ class SpanFactory:
         return context, parent, attrs, span_links
 
     def _links(self, links: Iterable[SpanLink]) -> Sequence[Link]:
-        """The span's SDK links. A tuple of links whose attributes are all shared sets (a batch's
-        stubs) gets the same Link objects every time (immutable: their encoded text is kept too)."""
-        key: tuple[SpanLink, ...] | None = None
-        if isinstance(links, tuple) and all(type(link.attributes) is SharedAttributes for link in links):
-            key = links
-        if key is not None:
-            entry = self._shared_links.get(id(key))
-            if entry is not None and entry[0] is key:
-                return entry[1]
-        valid = []
+        """The span's SDK links. A link whose attributes are a shared set (the links to a step's
+        owner span) gets the same SharedLink object every time (immutable: its encoded text is kept
+        too)."""
+        valid: list[Link] = []
         for link in links:
-            if type(link.attributes) is SharedAttributes:  # one immutable copy per shared object
-                bounded = self._shared_link_attributes(link.attributes)
-            else:
-                bounded = BoundedAttributes(self._limits.max_link_attributes, clean_attributes(link.attributes),
-                                            max_value_len=None, immutable=True)
+            if type(link.attributes) is SharedAttributes:
+                shared = self._shared_link(link)
+                if shared is not None:
+                    valid.append(shared)
+                continue
+            bounded = BoundedAttributes(self._limits.max_link_attributes, clean_attributes(link.attributes),
+                                        max_value_len=None, immutable=True)
             if link.context and (link.context.is_valid or bounded or link.context.trace_state):
-                valid.append(SharedLink(link.context, bounded) if key is not None else Link(link.context, bounded))
+                valid.append(Link(link.context, bounded))
         max_links = self._limits.max_links
         if max_links is not None and len(valid) > max_links:
-            return BoundedList.from_seq(max_links, valid)  # counts its drops per span: never shared
-        made = tuple(valid)
-        if key is not None:
-            if len(self._shared_links) >= _SHARED_LINK_CACHE:
-                self._shared_links.clear()
-            self._shared_links[id(key)] = (key, made)  # the key object kept: its id is not reused
+            return BoundedList.from_seq(max_links, valid)  # counts its drops per span
+        return tuple(valid)
+
+    def _shared_link(self, link: SpanLink) -> SharedLink | None:
+        """The SDK link for a SpanLink with a shared attribute set, made once per SpanLink object
+        (None: not a valid link)."""
+        entry = self._single_links.get(id(link))
+        if entry is not None and entry[0] is link:
+            return entry[1]
+        bounded = self._shared_link_attributes(link.attributes)  # type: ignore[arg-type]  # (shared: checked)
+        made = None
+        if link.context and (link.context.is_valid or bounded or link.context.trace_state):
+            made = SharedLink(link.context, bounded)
+        if len(self._single_links) >= _SINGLE_LINK_CACHE:
+            self._single_links.clear()
+        self._single_links[id(link)] = (link, made)  # the SpanLink kept: its id is not reused
         return made
 
     def _shared_link_attributes(self, shared: SharedAttributes) -> BoundedAttributes:
@@ -498,7 +507,7 @@ class SpanFactory:
             end_ns = start_ns  # clock skew between sources must not make a negative duration
         if self.direct and self.tracer._is_enabled():  # type: ignore[attr-defined]  # the SDK Tracer's, not the API's
             if not events and error is None:
-                # most spans (phases, step stubs, layers): the finished span at once, no _DirectSpan
+                # most spans (phases, layers): the finished span at once, no _DirectSpan
                 context, parent, attrs, span_links = self._direct_parts(parent, attributes, links)
                 self._finished(name, context, parent, kind, attrs, span_links, (), _UNSET, int(start_ns), int(end_ns))
                 return context

@@ -6,13 +6,16 @@ child span per phase of its breakdown (agent/request_phases.py: ``receive``, ``q
 five) and the ``gen_ai.*`` / ``moe.request.*`` breakdown attributes on its server span.
 
 The *first request of a batch whose record arrives* owns the step's full subtree (step → layer →
-router / expert.load / expert.ffn); every other request of that batch gets a ``moe.step`` stub under
-its own server span, same timing and step attributes, ``moe.step.shared = true``, and a span
-link to the owner's step. (Owner = first completed, not oldest: a request's record arrives only
-when it completes, and spans are exported as soon as they end, so the owner cannot wait for older
-batch-mates.) A step no request claimed before it left the buffer by retention becomes its own
-trace (``moe.step.unjoined = true``); one pushed out early by the buffer bound is dropped and
-counted by the join.
+router / expert.load / expert.ffn), under its own server span. Every other request of that batch
+reaches the step through a span link (``moe.link = step.owner``) on its ``prefill`` or ``decode``
+phase span, whichever phase the step ran in: at most ``MAX_STEP_LINKS`` per phase span (the slowest
+steps, in time order; ``moe.phase.steps_unlinked`` counts the rest). So a request's trace costs
+O(1) spans however many tokens it generated; until 2026-12-04 each (request, step) pair was a
+``moe.step`` stub span, O(output tokens) spans per request (docs/traces-and-metrics.md). (Owner =
+first completed, not oldest: a request's record arrives only when it completes, and spans are
+exported as soon as they end, so the owner cannot wait for older batch-mates.) A step no request
+claimed before it left the buffer by retention becomes its own trace (``moe.step.unjoined =
+true``); one pushed out early by the buffer bound is dropped and counted by the join.
 
 Sampling under load (``LayerSampler``): every step gets its ``moe.step`` span (with the step's
 routing-health aggregates); its layer subtree is kept for a slow step always, then as a budget of
@@ -33,7 +36,7 @@ import numpy as np
 from opentelemetry.trace import SpanContext, SpanKind
 from opentelemetry.util.types import AttributeValue
 
-from moescope.agent.export.spans import SharedAttributes, SpanEvent, SpanFactory, SpanLink, shared_attributes
+from moescope.agent.export.spans import SpanEvent, SpanFactory, SpanLink, shared_attributes
 from moescope.agent.join import (
     BufferedStep,
     JoinEvent,
@@ -70,17 +73,18 @@ DEFAULT_LAYER_SPANS_PER_S = 200.0
 SLOW_STEP_QUANTILE = 0.99  # a step at or above the window's p99 duration is "slow": always kept
 SLOW_STEP_MIN_SAMPLES = 100  # ... once the window holds this many steps (before: the budget alone)
 SLOW_STEP_WINDOW_NS = 10_000_000_000
-_STUB_LINK_ATTRIBUTES = shared_attributes({"moe.link": "step.owner"})  # a stub's link to its owner's step
+# A phase span links to at most this many of the steps it ran in that another request's trace owns
+# (the slowest, in time order): a long generation's decode stays one span with a bounded link list.
+MAX_STEP_LINKS = 16
+_STEP_LINK_ATTRIBUTES = shared_attributes({"moe.link": "step.owner"})  # a link to a step's owner span
 
 
 @dataclass(slots=True)
 class _Owner:
-    """A step's owner span, and the attributes and link its batch-mates' stubs share (made at the
-    first stub: one object each, cleaned and encoded once; agent/export/spans.py)."""
+    """A step's owner span, and the one link to it that every batch-mate's phase span carries (the
+    same object: its text is written once; agent/export/spans.py)."""
 
-    context: SpanContext
-    stub_attributes: SharedAttributes | None = None
-    stub_links: tuple[SpanLink, ...] = ()
+    link: SpanLink
 
 
 class LayerSampler:
@@ -178,11 +182,11 @@ class TraceOutput:
         self._sampled_health: dict[int, Attributes] = {}
         # Sources stamp CLOCK_MONOTONIC; OTLP wants ns since the Unix epoch: span times are shifted by this.
         self.epoch_offset_ns = epoch_offset_ns
-        self._owners: dict[int, _Owner] = {}  # step seq -> the owner's step span (and its stubs' parts)
+        self._owners: dict[int, _Owner] = {}  # step seq -> the link to its owner's step span
         self._memory: MemorySignal | None = None
         self._layer_precision: dict[int, str] = {}
         self._net_events = NetEventIndex()  # retransmits/resets by connection, for the server spans
-        self._counts: dict[str, int] = dict.fromkeys(("spans", "stub_spans", "owner_subtrees"), 0)
+        self._counts: dict[str, int] = dict.fromkeys(("spans", "step_links", "owner_subtrees"), 0)
         # the latest join StepsTable and its steps' step-span attributes, computed for all at once
         self._group_health: tuple[StepsTable, list[Attributes]] | None = None
 
@@ -259,34 +263,37 @@ class TraceOutput:
         )
         parent = server.get_span_context()
         n = 1
-        if phases is not None:
-            # the phases tile [start, end] in order: each child starts where the previous one ended
-            at = phases.start_ns
-            for phase, ns in phases.phase_ns().items():
-                spans.record(PHASE_SPAN_NAMES[phase], start_ns=at + off, end_ns=at + ns + off, parent=parent)
-                at += ns
-            n += len(PHASES)
+        # per step of the request (oldest first), the link to its owner's span in another trace (None
+        # where this trace holds the step: its owner subtree, made here; or where none is left of it)
+        links: list[tuple[BufferedStep, SpanLink | None]] = []
         for b, first in zip(event.steps, event.first_claims, strict=True):
             owner = self._owners.get(b.seq)
             if owner is None and first:
-                self._owners[b.seq] = _Owner(self._step_tree(b, parent=parent, extra={}))
+                context = self._step_tree(b, parent=parent, extra={})
+                self._owners[b.seq] = _Owner(SpanLink(context, _STEP_LINK_ATTRIBUTES))
                 self._counts["owner_subtrees"] += 1
-            elif owner is not None:
-                if owner.stub_attributes is None:  # the batch's first stub: made once, shared by the rest
-                    owner.stub_attributes = shared_attributes({**self._step_attributes(b), "moe.step.shared": True})
-                    owner.stub_links = (SpanLink(owner.context, _STUB_LINK_ATTRIBUTES),)
-                spans.record(
-                    "moe.step",
-                    start_ns=b.step.start_ns + off,
-                    end_ns=b.step.end_ns + off,
-                    parent=parent,
-                    attributes=owner.stub_attributes,
-                    links=owner.stub_links,
-                )
-                self._counts["stub_spans"] += 1
-                n += 1
+                links.append((b, None))
+            else:
+                links.append((b, owner.link if owner is not None else None))
             if b.claims >= b.batch_size:
-                self._owners.pop(b.seq, None)  # every request of the batch has its span now
+                self._owners.pop(b.seq, None)  # every request of the batch has reached the step now
+        if phases is not None:
+            # the phases tile [start, end] in order: each child starts where the previous one ended;
+            # prefill and decode link to the steps they ran in that other traces own
+            at = phases.start_ns
+            cut = phases.prefill_steps
+            for phase, ns in phases.phase_ns().items():
+                span_links: tuple[SpanLink, ...] = ()
+                attributes: Attributes | None = None
+                if phase == "prefill" or phase == "decode":
+                    span_links, unlinked = _step_links(links[:cut] if phase == "prefill" else links[cut:])
+                    self._counts["step_links"] += len(span_links)
+                    if unlinked:
+                        attributes = {"moe.phase.steps_unlinked": unlinked}
+                spans.record(PHASE_SPAN_NAMES[phase], start_ns=at + off, end_ns=at + ns + off, parent=parent,
+                             attributes=attributes, links=span_links)
+                at += ns
+            n += len(PHASES)
         error = None if record.answered else "connection closed before a response was written"
         net_events = []
         for net in self._net_events.for_request(peer_addr=record.peer_addr, peer_port=record.peer_port,
@@ -535,6 +542,16 @@ class TraceOutput:
             attrs["moe.layer.load.experts"] = [load.expert for load in loads]
             attrs["moe.layer.load.bytes"] = [load.bytes_moved for load in loads]
             attrs["moe.layer.load.duration_ms"] = [(load.end_ns - load.start_ns) / 1e6 for load in loads]
+
+
+def _step_links(steps: Sequence[tuple[BufferedStep, SpanLink | None]]) -> tuple[tuple[SpanLink, ...], int]:
+    """A phase span's links to its steps that other traces own, and how many of those were left out:
+    past MAX_STEP_LINKS the slowest are kept, in time order (``steps``: oldest first)."""
+    linked = [(b, link) for b, link in steps if link is not None]
+    if len(linked) <= MAX_STEP_LINKS:
+        return tuple(link for _, link in linked), 0
+    slowest = sorted(range(len(linked)), key=lambda i: linked[i][0].step.duration_ns, reverse=True)[:MAX_STEP_LINKS]
+    return tuple(linked[i][1] for i in sorted(slowest)), len(linked) - MAX_STEP_LINKS
 
 
 def _experts_time_by_position(layers: Sequence[LayerEvent]) -> list[Attributes | None]:

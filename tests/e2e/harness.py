@@ -433,10 +433,10 @@ class TraceReport:
     completions: list[FlatSpan]  # server spans that reached >= 1 step
     stepless: list[FlatSpan]  # server spans with no step (GET /stats, ...)
     owner_steps: list[FlatSpan]
-    stub_steps: list[FlatSpan]
+    linked_steps: list[FlatSpan]  # (a step owner span, once per request whose phase span links to it)
     unjoined_steps: list[FlatSpan]
     layers_checked: int
-    steps_of: dict[str, list[FlatSpan]]  # server span id -> its step spans (owner or stub), by start
+    steps_of: dict[str, list[FlatSpan]]  # server span id -> its step spans (owned or linked), by start
 
 
 def check_traces(spans: list[FlatSpan], *, layers: int = LAYERS, experts: int = EXPERTS, top_k: int = TOP_K,
@@ -466,20 +466,33 @@ def check_traces(spans: list[FlatSpan], *, layers: int = LAYERS, experts: int = 
     servers = [s for s in spans if s.kind == SERVER_KIND]
     assert all(s.name == "http.server.request" and s.parent_span_id is None for s in servers)
     owner_steps: list[FlatSpan] = []
-    stub_steps: list[FlatSpan] = []
+    linked_steps: list[FlatSpan] = []
     unjoined: list[FlatSpan] = []
     steps_of: dict[str, list[FlatSpan]] = {}
     claims: Counter[str] = Counter()  # owner step span id -> requests that reach it
     for server in servers:
         key = server.attributes["moe.request.key"]
         kids = children[server.span_id]
-        steps = sorted((k for k in kids if k.name == "moe.step"), key=lambda k: k.start_ns)
+        owned = [k for k in kids if k.name == "moe.step"]
         phase_names = ["receive", "queue wait", "prefill", "decode", "response write"]
         assert {k.name for k in kids} <= {"moe.step", *phase_names}, {k.name for k in kids}
-        assert server.attributes["moe.request.steps"] == len(steps), "moe.request.steps != step spans under it"
         # a request that steps carried has its five phase spans, tiling its server span in order
         phases = sorted((k for k in kids if k.name in phase_names),
                         key=lambda k: (k.start_ns, phase_names.index(k.name)))
+        # the steps other traces own: links from the prefill / decode spans to the owners' step spans
+        linked: list[FlatSpan] = []
+        unlinked = 0
+        for phase in phases:
+            assert not phase.links or phase.name in ("prefill", "decode"), phase.name
+            unlinked += phase.attributes.get("moe.phase.steps_unlinked", 0)
+            for _, span_id, attributes in phase.links:
+                owner = by_id[span_id]
+                assert attributes == {"moe.link": "step.owner"}, attributes
+                assert owner.name == "moe.step" and owner.trace_id != server.trace_id
+                assert phase.start_ns <= owner.end_ns and owner.start_ns <= phase.end_ns, "a link out of its phase"
+                linked.append(owner)
+        steps = sorted(owned + linked, key=lambda k: k.start_ns)
+        assert server.attributes["moe.request.steps"] == len(steps) + unlinked, "moe.request.steps != its steps"
         assert [k.name for k in phases] == (phase_names if steps else [])
         if phases:
             edges = [server.start_ns] + [k.end_ns for k in phases]
@@ -490,23 +503,15 @@ def check_traces(spans: list[FlatSpan], *, layers: int = LAYERS, experts: int = 
             assert key in step.attributes["moe.step.requests"], (key, step.attributes["moe.step.requests"])
             assert server.start_ns <= step.start_ns <= server.end_ns
             assert step.attributes["process.pid"] == server.attributes["process.pid"]
-            if step.attributes.get("moe.step.shared"):
-                stub_steps.append(step)
-                assert len(step.links) == 1
-                owner = by_id[step.links[0][1]]
-                assert owner.name == "moe.step" and not owner.attributes.get("moe.step.shared")
-                assert (owner.start_ns, owner.end_ns) == (step.start_ns, step.end_ns)
-                assert owner.attributes["moe.step.requests"] == step.attributes["moe.step.requests"]
-                assert not children[step.span_id], "a stub step has children"
-                claims[owner.span_id] += 1
-            else:
-                owner_steps.append(step)
-                claims[step.span_id] += 1
+            claims[step.span_id] += 1
+        owner_steps += owned
+        linked_steps += linked
     for s in spans:
         if s.name == "moe.step" and s.parent_span_id is None:
             unjoined.append(s)
             assert s.attributes.get("moe.step.unjoined") is True
-    # each owner step is reached by exactly the requests of its batch
+    # each owner step is reached by exactly the requests of its batch (no request here has more steps
+    # than a phase span links to)
     for step in owner_steps:
         assert (
             claims[step.span_id] == step.attributes["moe.step.batch_size"] == len(step.attributes["moe.step.requests"])
@@ -594,7 +599,8 @@ def check_traces(spans: list[FlatSpan], *, layers: int = LAYERS, experts: int = 
     completions = [s for s in servers if steps_of[s.span_id]]
     stepless = [s for s in servers if not steps_of[s.span_id]]
     return TraceReport(servers=servers, completions=completions, stepless=stepless, owner_steps=owner_steps,
-                       stub_steps=stub_steps, unjoined_steps=unjoined, layers_checked=layers_checked, steps_of=steps_of)
+                       linked_steps=linked_steps, unjoined_steps=unjoined, layers_checked=layers_checked,
+                       steps_of=steps_of)
 
 
 def check_requests(report: TraceReport, *, loadgen_requests: int, loadgen_max_tokens: int, sent: list[Sent],

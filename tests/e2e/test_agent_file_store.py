@@ -121,7 +121,7 @@ def test_files_hold_every_request_and_step(bpf: None, file_run: FileRun, file_re
     assert s.rounds > 0 and 0 <= s.early_rounds <= s.rounds
     print(f"\ne2e file store: {len(file_report.servers)} server spans ({len(file_report.completions)} joined, "
           f"{len(policy)} policy spans), {len(file_report.owner_steps)} owner steps, "
-          f"{len(file_report.stub_steps)} stubs, {len(file_run.spans)} spans")
+          f"{len(file_report.linked_steps)} step links, {len(file_run.spans)} spans")
 
 
 def test_expert_spans_carry_the_precision_the_runtime_reports(bpf: None, file_run: FileRun) -> None:
@@ -158,20 +158,25 @@ def test_traces_show_a_request_with_its_steps(bpf: None, file_run: FileRun, file
     assert shown["trace_id"] == server.trace_id
     by_id = {s["span_id"]: s for s in shown["spans"]}
     assert by_id[server.span_id]["name"] == "http.server.request" and by_id[server.span_id]["kind"] == "SERVER"
-    for step in steps:
+    owned = [step for step in steps if step.trace_id == server.trace_id]
+    for step in owned:  # the steps it owns are its children; the others are its phase spans' links
         assert by_id[step.span_id]["parent_span_id"] == server.span_id
         assert by_id[step.span_id]["name"] == "moe.step"
+    linked = {(s.trace_id, s.span_id) for s in steps if s.trace_id != server.trace_id}
+    shown_links = {(link["trace_id"], link["span_id"]) for s in shown["spans"] for link in s["links"]}
+    assert shown_links == linked
     assert len(shown["spans"]) == sum(1 for s in file_run.spans if s.trace_id == server.trace_id)
 
     text = run_cli(["traces", "show", server.trace_id, "--state-dir", str(file_run.state_dir)])
     assert text.returncode == 0, text.stderr
     assert f"trace {server.trace_id}" in text.stdout
-    for name in ("http.server.request [SERVER]", "queue wait", "moe.step"):
+    for name in ("http.server.request [SERVER]", "queue wait", "prefill", "decode"):
         assert name in text.stdout, text.stdout
-    # a step it owns shows its layers; a step it shares links to its owner
-    if any(not s.attributes.get("moe.step.shared") for s in steps):
+    # a step it owns shows its layers; a step another trace owns is a link to that owner
+    if owned:
+        assert "moe.step" in text.stdout
         assert "moe.layer" in text.stdout and "moe.router" in text.stdout and "moe.experts" in text.stdout
-    if any(s.attributes.get("moe.step.shared") for s in steps):
+    if linked:
         assert 'moe.link="step.owner"' in text.stdout
 
 

@@ -171,9 +171,9 @@ def test_every_trace_reaches_its_steps_and_every_step_is_served(
     assert report.unjoined_steps == [], [s.attributes for s in report.unjoined_steps]
     # every step the runtime ran is in exactly one owner subtree
     assert len(report.owner_steps) == grpc_run.runtime_steps
-    assert sum(len(v) for v in report.steps_of.values()) == len(report.owner_steps) + len(report.stub_steps)
-    # at concurrency 4 some steps were shared by several requests: stubs linked to owners exist
-    assert report.stub_steps
+    assert sum(len(v) for v in report.steps_of.values()) == len(report.owner_steps) + len(report.linked_steps)
+    # at concurrency 4 some steps were shared by several requests: phase spans link to their owners
+    assert report.linked_steps
 
 
 def test_every_layer_carries_router_and_ffn_facts(bpf: None, grpc_run: GrpcRun, report: TraceReport) -> None:
@@ -222,7 +222,7 @@ def test_numbers_for_the_log(bpf: None, grpc_run: GrpcRun, report: TraceReport) 
     """Not a check of its own: prints what the run measured (visible with -s) and that it had load."""
     print(
         f"\ne2e grpc: {len(report.servers)} server spans ({len(report.completions)} joined, {len(report.stepless)} "
-        f"without steps), {len(report.owner_steps)} owner steps, {len(report.stub_steps)} stubs, "
+        f"without steps), {len(report.owner_steps)} owner steps, {len(report.linked_steps)} step links, "
         f"{report.layers_checked} layers checked, {len(grpc_run.spans)} spans, trickle {len(grpc_run.sent)} requests, "
         f"top rate {grpc_run.top_rate_per_s}/s; export {grpc_run.summary.export}"
     )

@@ -111,5 +111,5 @@ def test_late_attach_traces_join(bpf: None, late_run: LateRun) -> None:
     assert e["accepted"] == e["exported"] == len(late_run.spans), e
     assert e["failed"] == e["dropped_queue_full"] == e["dropped_shutdown"] == 0, e
     print(f"\ne2e late attach: {len(report.servers)} server spans ({len(report.completions)} joined), "
-          f"{len(report.owner_steps)} owner steps, {len(report.stub_steps)} stubs, {len(late_run.spans)} spans, "
+          f"{len(report.owner_steps)} owner steps, {len(report.linked_steps)} step links, {len(late_run.spans)} spans, "
           f"{late_run.seeded} connections seeded")

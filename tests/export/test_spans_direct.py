@@ -70,14 +70,14 @@ def _workload(factory: SpanFactory) -> None:
     ok.end(end_time=50)  # ignored: already ended
     ok.set_attribute("after", 1)  # ignored: already ended
     factory.record("skewed", start_ns=100, end_ns=90, attributes={"n": None, "nan": float("nan"), "e": []})
-    # shared attribute sets (a step's stubs): one object on several spans and links, copied for a late change
+    # shared attribute sets: one object on several spans and links, copied for a late change
     shared = shared_attributes({"moe.step.tokens": 8, "moe.step.requests": [3, 1], "nan": float("nan")})
     link = (SpanLink(remote, SHARED_LINK),)
     for i in range(2):
         factory.record(f"stub{i}", start_ns=200 + i, end_ns=210, attributes=shared, links=link)
     late = factory.start("stub-late", start_ns=220, attributes=shared, links=link)
     factory.end(late, end_ns=230, attributes={"moe.step.tokens": 9, "extra": 1.5})
-    # record() without events or an error (the agent's phases, stubs and layers) takes a shorter
+    # record() without events or an error (the agent's phases and layers) takes a shorter
     # path to the finished span: the limits must bite there as in the SDK too
     factory.record("record-over-limits", start_ns=300, end_ns=310, parent=remote, kind=SpanKind.PRODUCER,
                    attributes=many, links=[SpanLink(remote, {"x": 1, "y": 2, "z": 3}) for _ in range(4)])
@@ -117,7 +117,7 @@ def test_direct_spans_equal_sdk_spans() -> None:
 
 def test_shared_attributes_are_carried_as_one_object_and_never_changed() -> None:
     """A shared attribute set is the very object on every span given it (and a links tuple of shared
-    sets one SharedLink), encoded to the protobuf route's text each time; a span given late
+    set one SharedLink per SpanLink), encoded to the protobuf route's text each time; a span given late
     attributes takes a copy, so the others and the shared set keep theirs."""
     direct, out = _factory(direct=True, limits=SpanLimits())
     _workload(direct)
@@ -125,12 +125,32 @@ def test_shared_attributes_are_carried_as_one_object_and_never_changed() -> None
     stub0, stub1, late = spans["stub0"], spans["stub1"], spans["stub-late"]
     assert stub0._attributes is stub1._attributes  # (the SDK's .attributes is a fresh read-only view)
     assert dict(stub0.attributes or {}) == {"moe.step.tokens": 8, "moe.step.requests": (3, 1)}  # cleaned once: no NaN
-    assert stub0.links[0] is stub1.links[0] is late.links[0]  # one immutable SharedLink for the links tuple
+    assert stub0.links[0] is stub1.links[0] is late.links[0]  # one immutable SharedLink for the SpanLink
     assert type(stub0.links[0]) is SharedLink
     assert dict(late.attributes or {}) == {"moe.step.requests": (3, 1), "moe.step.tokens": 9, "extra": 1.5}
     assert late._attributes is not stub0._attributes and dict(stub1.attributes or {})["moe.step.tokens"] == 8
     for _ in range(2):  # the second pass is the encoder's cached text
         assert spans_to_line([stub0, stub1, late]) == request_to_line(encode_spans([stub0, stub1, late]))
+
+
+def test_a_shared_span_link_is_one_sdk_link_in_any_tuple() -> None:
+    """The links to a step's owner span: one SpanLink object, in a different tuple on each request's
+    phase span, becomes the same SharedLink every time (its text is written once); a link with
+    plain attributes gets its own Link."""
+    direct, out = _factory(direct=True, limits=SpanLimits())
+    owner = direct.record("owner", start_ns=1, end_ns=2)
+    to_owner = SpanLink(owner, SHARED_LINK)
+    other = direct.record("other", start_ns=1, end_ns=2)
+    for i in range(3):
+        direct.record(f"phase{i}", start_ns=3, end_ns=4, links=(to_owner, SpanLink(other, {"i": i})))
+    spans = {s.name: s for s in out.get_finished_spans()}
+    firsts = [spans[f"phase{i}"].links[0] for i in range(3)]
+    assert firsts[0] is firsts[1] is firsts[2] and type(firsts[0]) is SharedLink
+    seconds = [spans[f"phase{i}"].links[1] for i in range(3)]
+    assert len({id(link) for link in seconds}) == 3 and all(type(link) is not SharedLink for link in seconds)
+    assert [dict(link.attributes or {}) for link in seconds] == [{"i": 0}, {"i": 1}, {"i": 2}]
+    phases = [spans[f"phase{i}"] for i in range(3)]
+    assert spans_to_line(phases) == request_to_line(encode_spans(phases))
 
 
 def test_random_trace_id_flag_and_remote_parent_as_sdk() -> None:

@@ -260,9 +260,10 @@ def check_received(spans: list[FlatSpan], scenario: Scenario, pipeline: Pipeline
             want.update(ref_breakdown(rec, [scenario.steps[s] for s in scenario.served_by[name]])[0])
         approx_attrs(srv.attributes, want, name)
 
-    # Each request's trace: its five phase spans, then each of its steps as the owner subtree or a stub.
+    # Each request's trace: its five phase spans and the steps it owns as subtrees; the prefill span
+    # links to the owner span of its first step when another trace owns it, decode to the rest's.
     owner_span: dict[str, FlatSpan] = {}
-    for name in scenario.arrival_order():  # owners come first in arrival order: stubs can be checked
+    for name in scenario.arrival_order():  # owners come first in arrival order: links can be checked
         rec, srv = scenario.records[name], server_of[name]
         mine = [scenario.steps[s] for s in scenario.served_by[name]]
         kids = children[srv.span_id]
@@ -279,23 +280,28 @@ def check_received(spans: list[FlatSpan], scenario: Scenario, pipeline: Pipeline
         edges = ref_breakdown(rec, mine)[1]
         assert [(k.start_ns, k.end_ns) for k in phases] == [(a + OFF, b + OFF) for a, b in edges], name
         assert all(k.kind == INTERNAL and children[k.span_id] == [] for k in phases), name
+        owned = sorted(s for s in scenario.served_by[name] if scenario.owner_of(s) == name)
         assert [(s.start_ns, s.end_ns) for s in step_spans] == sorted(
-            (s.start_ns + OFF, s.end_ns + OFF) for s in mine
+            (scenario.steps[s].start_ns + OFF, scenario.steps[s].end_ns + OFF) for s in owned
         ), name
-        for step_name in scenario.served_by[name]:
+        want_links: dict[str, list[tuple[str, str, dict[str, Any]]]] = {"prefill": [], "decode": []}
+        by_start = sorted(scenario.served_by[name], key=lambda s: scenario.steps[s].start_ns)
+        for i, step_name in enumerate(by_start):
             step = scenario.steps[step_name]
-            span = next(s for s in step_spans if s.start_ns == step.start_ns + OFF)
             where = f"{name}/{step_name}"
             if scenario.owner_of(step_name) == name:
+                span = next(s for s in step_spans if s.start_ns == step.start_ns + OFF)
                 approx_attrs(span.attributes, {**step_attributes(step), **ref_step(step, NUM_EXPERTS)}, where)
                 check_step_subtree(step, span, children, where, detail=detail)
                 owner_span[step_name] = span
             else:
                 owner = owner_span[step_name]
-                approx_attrs(span.attributes, {**step_attributes(step), "moe.step.shared": True}, where)
-                assert children[span.span_id] == [] and span.events == [], where
-                assert span.links == [(owner.trace_id, owner.span_id, {"moe.link": "step.owner"})], where
-                assert owner.trace_id != span.trace_id, where
+                assert owner.trace_id != srv.trace_id, where
+                want_links["prefill" if i == 0 else "decode"].append((owner.trace_id, owner.span_id,
+                                                                      {"moe.link": "step.owner"}))
+        for phase in phases:
+            assert phase.links == want_links.get(phase.name, []), (name, phase.name)
+            assert "moe.phase.steps_unlinked" not in phase.attributes, (name, phase.name)
     assert sorted(owner_span) == scenario.joined_steps()
 
     # Steps no request claimed: their own traces after expiry, marked and complete.
@@ -311,11 +317,11 @@ def check_received(spans: list[FlatSpan], scenario: Scenario, pipeline: Pipeline
     assert len(by_trace) == len(scenario.records) + len(scenario.unjoined)
 
     # Counts: what arrived is what the pipeline says it made, and both equal the scenario's count.
-    stubs = sum(len(v) for v in scenario.served_by.values()) - len(scenario.joined_steps())
+    links = sum(len(v) for v in scenario.served_by.values()) - len(scenario.joined_steps())
+    assert sum(len(s.links) for s in spans) == links
     expected_spans = (
         len(scenario.records)
         + 5 * sum(1 for v in scenario.served_by.values() if v)  # phase spans
-        + stubs
         + sum(subtree_size(scenario.steps[n], detail) for n in (*scenario.joined_steps(), *scenario.unjoined))
     )
     assert len(spans) == expected_spans
@@ -328,7 +334,7 @@ def check_received(spans: list[FlatSpan], scenario: Scenario, pipeline: Pipeline
         "steps_unjoined": len(scenario.unjoined),
         "steps_evicted_overflow": 0,
         "step_trees_released_unread": 0,  # every subtree kept (the default budget is far above this)
-        "stub_spans": stubs,
+        "step_links": links,
         "owner_subtrees": len(scenario.joined_steps()),
         "spans": expected_spans,
         "telemetry_samples": 1,
@@ -431,6 +437,56 @@ def test_overflow_eviction_is_counted(tmp_path: Path) -> None:
     # the overflow-evicted steps are dropped (counted), not exported as unjoined traces
     assert not [s for s in spans if s.name == "moe.step" and s.parent_span_id is None]
     assert len(spans) == stats["spans"]
+
+
+def test_phase_spans_link_at_most_the_slowest_steps(tmp_path: Path) -> None:
+    """A long generation stays O(1) spans: the batch-mate's decode span links to at most
+    MAX_STEP_LINKS of the steps another trace owns, the slowest, in time order, and counts the rest."""
+    from moescope.agent.outputs.traces import MAX_STEP_LINKS
+
+    rng = np.random.default_rng(5)
+    tracing = _memory_tracing(tmp_path)
+    clock = FakeClock()
+    pipeline = Pipeline(spans=tracing.factory, clock=clock, epoch_offset_ns=OFF)
+    n = MAX_STEP_LINKS + 4
+    # step 0 is the prefill; the decode steps' durations are distinct: 1 + (7 i mod n-1) ms
+    steps = [build_step(rng, pid=1, tid=1, start_ms=10 + 25 * i, end_ms=10 + 25 * i + 1 + (7 * i) % (n - 1),
+                        keys=[3, 4], tokens=4) for i in range(n)]
+    for s in steps:
+        clock.now_ns = s.end_ns
+        pipeline.on_steps([s])
+    end_ms = 25 * n + 100
+    first = record(pid=1, tid=1, fd=3, generation=1, seq=1, peer=("127.0.0.1", 1), start_ms=0, end_ms=end_ms,
+                   bytes_in=1, bytes_out=1)
+    later = record(pid=1, tid=1, fd=4, generation=1, seq=2, peer=("127.0.0.1", 2), start_ms=0, end_ms=end_ms + 5,
+                   bytes_in=1, bytes_out=1)
+    for rec in (first, later):
+        clock.now_ns = rec.end_ns
+        pipeline.on_request(rec)
+    pipeline.expire(flush=True)
+    stats = pipeline.stats()
+    spans = _read(tracing)
+    owner_trace = next(s for s in spans if s.name == "http.server.request" and s.attributes["moe.request.key"] == 3)
+    owned = {s.start_ns: s for s in spans if s.name == "moe.step" and s.trace_id == owner_trace.trace_id}
+    assert len(owned) == n  # the first request owns every step
+    server = next(s for s in spans if s.name == "http.server.request" and s.attributes["moe.request.key"] == 4)
+    mine = [s for s in spans if s.trace_id == server.trace_id]
+    assert server.attributes["moe.request.steps"] == n and not [s for s in mine if s.name == "moe.step"]
+    phase = {s.name: s for s in mine if s.parent_span_id == server.span_id}
+    link = {"moe.link": "step.owner"}
+    prefill_owner = owned[steps[0].start_ns + OFF]
+    assert phase["prefill"].links == [(prefill_owner.trace_id, prefill_owner.span_id, link)]
+    assert "moe.phase.steps_unlinked" not in phase["prefill"].attributes
+    decode = steps[1:]
+    slowest = sorted(sorted(decode, key=lambda s: s.end_ns - s.start_ns, reverse=True)[:MAX_STEP_LINKS],
+                     key=lambda s: s.start_ns)
+    want = [(owned[s.start_ns + OFF].trace_id, owned[s.start_ns + OFF].span_id, link) for s in slowest]
+    assert phase["decode"].links == want
+    assert phase["decode"].attributes["moe.phase.steps_unlinked"] == len(decode) - MAX_STEP_LINKS
+    assert all(not s.links for name, s in phase.items() if name not in ("prefill", "decode"))
+    assert stats["step_links"] == 1 + MAX_STEP_LINKS and len(spans) == stats["spans"]
+    # the owner's trace links to nothing: its steps are its own children
+    assert not [s for s in spans if s.trace_id == owner_trace.trace_id and s.links]
 
 
 def test_buffered_layer_trees_are_bounded_too(tmp_path: Path) -> None:
