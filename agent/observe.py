@@ -173,6 +173,9 @@ class Observers:
             self.notes.append(f"live state off (`agent top` will not see this agent): {exc}")
             return
         self.publisher = st.PeriodicPublisher(state, self.snapshot, interval_s=self.args.interval)
+        if self.publisher.watch_error is not None:
+            self.notes.append(f"live state written every {self.args.interval:g} s, read or not: "
+                              f"{self.publisher.watch_error}")
 
     # ------------------------------------------------------------------ targets coming and going
     def detach(self, pid: int) -> None:

@@ -107,7 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tui", action="store_true", help="show the live view (as `agent top`) in the foreground")
     parser.add_argument("--interval", type=float, default=None, metavar="S",
                         help="live view and state file refresh period (default 0.25 s with --tui, else 1 s: "
-                             "`agent top` then refreshes once a second, like top)")
+                             "`agent top` then refreshes once a second, like top); the state file is written "
+                             "at this period while something reads it, every 10 s while nothing does")
     parser.add_argument(
         "--keep-privileges", action="store_true",
         help="do not drop capabilities once the eBPF programs are attached (by default the agent keeps "

@@ -23,6 +23,7 @@ from moescope.agent.state import (
     SelfCostMeter,
     Snapshot,
     StatePublisher,
+    StateReaders,
     bin_expert_shares,
     find_agents,
     from_dict,
@@ -206,7 +207,7 @@ def test_periodic_publisher_counts_failures_and_never_raises(tmp_path: Path) -> 
         return dataclasses.replace(base, seq=calls["n"])
 
     pub = StatePublisher(state_dir=tmp_path, pid=77)
-    periodic = PeriodicPublisher(pub, get_snapshot, interval_s=0.01)
+    periodic = PeriodicPublisher(pub, get_snapshot, interval_s=0.01, watch_readers=False)  # (every interval)
     periodic.start()
     try:
         assert published_after_failures.wait(30)
@@ -215,6 +216,83 @@ def test_periodic_publisher_counts_failures_and_never_raises(tmp_path: Path) -> 
     assert pub.failures == 3
     assert pub.published >= 2
     assert not pub.path.exists()  # stop() closes
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def test_state_readers_see_opens_of_the_state_file_only(tmp_path: Path) -> None:
+    """A real inotify watch: the publisher's own writes (its temp file), other files and listing
+    the dir are not readers; opening the state file is, for `seconds` after the open was read."""
+    clock = _Clock()
+    pub = StatePublisher(state_dir=tmp_path, pid=78)
+    readers = StateReaders(tmp_path, pub.path.name, clock=clock)
+    try:
+        pub.publish(load_fixture("just_started"))
+        (tmp_path / "other.json").write_text("{}")
+        (tmp_path / "other.json").read_text()
+        find_agents(tmp_path)
+        assert not readers.opened_within(30.0) and readers.opens == 0
+        read_snapshot(pub.path)
+        clock.now_s += 1.0
+        assert readers.opened_within(30.0) and readers.opens == 1  # seen when read, at that time
+        clock.now_s += 31.0
+        assert not readers.opened_within(30.0)
+        for _ in range(3):  # (inotify folds identical events queued back to back into one)
+            read_snapshot(pub.path)
+        assert readers.opened_within(0.0) and readers.opens >= 2
+    finally:
+        readers.close()
+
+
+def test_periodic_publisher_writes_every_interval_only_while_read(tmp_path: Path) -> None:
+    clock = _Clock()
+    base = load_fixture("just_started")
+    pub = StatePublisher(state_dir=tmp_path, pid=79)
+    periodic = PeriodicPublisher(pub, lambda: base, interval_s=1.0, idle_interval_s=10.0, reader_linger_s=30.0,
+                                 clock=clock)
+    assert periodic.readers is not None and periodic.watch_error is None
+
+    def run(seconds: int) -> list[bool]:
+        return run_periods(periodic, clock, seconds)
+
+    try:
+        # nobody reads: the first period writes, then one in ten, marked with the idle interval
+        assert run(21) == [True] + [False] * 9 + [True] + [False] * 9 + [True]
+        assert pub.published == 3 == periodic.idle_publishes
+        assert read_snapshot(pub.path).publish_interval_s == 10.0
+        # a reader (agent top: a read a second): every period from the next one, at the interval
+        wrote = []
+        for _ in range(5):
+            read_snapshot(pub.path)
+            wrote += run(1)
+        assert wrote == [True] * 5 and read_snapshot(pub.path).publish_interval_s == 1.0
+        # the reader left (its last read: the line above): every period until 30 s after it, then
+        # one in ten again
+        assert run(40) == [True] * 31 + [False] * 9
+        assert run(10) == [True] + [False] * 9
+        assert read_snapshot(pub.path).publish_interval_s == 10.0
+    finally:
+        periodic.stop()
+    # unwatched: every period, as before
+    unwatched = PeriodicPublisher(StatePublisher(state_dir=tmp_path, pid=80), lambda: base, interval_s=1.0,
+                                  watch_readers=False, clock=clock)
+    assert run_periods(unwatched, clock, 5) == [True] * 5
+    unwatched.stop()
+
+
+def run_periods(periodic: PeriodicPublisher, clock: _Clock, seconds: int) -> list[bool]:
+    """One period a second, as the publisher's thread runs them: which ones wrote."""
+    wrote = []
+    for _ in range(seconds):
+        wrote.append(periodic.publish_once())
+        clock.now_s += 1.0
+    return wrote
 
 
 def test_read_snapshot_errors_are_one_line(tmp_path: Path) -> None:
