@@ -33,7 +33,7 @@ from moescope.agent.export.setup import Tracing, build_tracing, stats_to_metrics
 from moescope.agent.metrics import Metrics, MetricsServer
 from moescope.agent.outputs import DEFAULT_LAYER_SPANS_PER_S
 from moescope.agent.pipeline import Pipeline, resource_attributes
-from moescope.agent.policy.rules import Signals
+from moescope.agent.policy.rules import RuleSpec, Signals
 from moescope.agent.policy.stats_source import RuntimeStatsSource
 from moescope.agent.source_metrics import publish_source_health
 from moescope.collectors.moe_convention import MoeConventionParser, StepBatch
@@ -96,6 +96,7 @@ class Observers:
         self._export_to_metrics: Any = None
         self._export_published_ns = 0
         self._held_metrics_ns = 0
+        self._wanted: tuple[tuple[RuleSpec, ...], frozenset[str]] | None = None  # the rules, their signals
         self._retire_hooked = False
         self.publisher: st.PeriodicPublisher | None = None
         self.started_unix_s = time.time()
@@ -392,29 +393,44 @@ class Observers:
         self.policy_loop.start()
 
     def policy_signals(self) -> Signals:
-        """The pipeline's windows, plus the runtime's queue depths (and its view where NVTX is off)."""
-        mine = self.pipeline.signals()
+        """The pipeline's windows, plus the runtime's queue depths (and its view where NVTX is off):
+        the signals the policy's rules read (the others are left NaN / empty)."""
+        wanted = self._wanted_signals()
+        mine = self.pipeline.signals(wanted=wanted)
+        changes: dict[str, Any] = self._own_signals(wanted)
         if self.stats_signals is None:
             self._pace_host(policy_signal=self.pipeline.memory_source() != "nvml")
-            return mine
+            return replace(mine, **changes) if changes else mine
         # The runtime's own routing view is only the fallback where NVTX is off: skip computing it.
         self.stats_signals.with_routing = not self.nvtx
         theirs = self.stats_signals()
-        merged = replace(mine, expert_queue_tokens=dict(theirs.expert_queue_tokens))
+        changes["expert_queue_tokens"] = dict(theirs.expert_queue_tokens)
         if not self.nvtx:  # no NVTX: routing and memory as the runtime reports them
-            merged = replace(
-                merged,
-                expert_load_gini=dict(theirs.expert_load_gini),
-                router_entropy_ratio=dict(theirs.router_entropy_ratio),
-            )
+            changes["expert_load_gini"] = dict(theirs.expert_load_gini)
+            changes["router_entropy_ratio"] = dict(theirs.router_entropy_ratio)
         # Without a GPU the runtime's own device-pool accounting is the device memory signal; host
         # RSS / cgroup stays in the TUI and metrics. NVML or an explicit --memory-budget-bytes win.
         source = self.pipeline.memory_source()
         runtime_memory = source not in ("nvml", "budget") and not math.isnan(theirs.device_memory_used_ratio)
         if runtime_memory:
-            merged = replace(merged, device_memory_used_ratio=theirs.device_memory_used_ratio)
+            changes["device_memory_used_ratio"] = theirs.device_memory_used_ratio
         self._pace_host(policy_signal=not runtime_memory and source != "nvml")
-        return merged
+        return replace(mine, **changes)
+
+    def _wanted_signals(self) -> frozenset[str] | None:
+        """The Signals fields the enabled rules read (None: no policy, every one)."""
+        engine = self.policy
+        if engine is None:
+            return None
+        rules = engine.rules
+        held = self._wanted
+        if held is None or held[0] != rules:
+            held = self._wanted = (rules, frozenset(spec.signal for spec in rules))
+        return held[1]
+
+    def _own_signals(self, wanted: frozenset[str] | None) -> dict[str, Any]:
+        """Signals a subclass computes itself, as Signals fields (none here)."""
+        return {}
 
     def _pace_host(self, *, policy_signal: bool) -> None:
         """The host sampler at the policy's period (its configured sample_period_ms) while it

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from opentelemetry.util.types import AttributeValue
 
@@ -122,8 +122,8 @@ class Pipeline:
         self.join.expire(flush=flush)
 
     # ------------------------------------------------------------------ reads (the outputs')
-    def signals(self, t_s: float | None = None) -> Signals:
-        return self.windows.signals(t_s)
+    def signals(self, t_s: float | None = None, *, wanted: Collection[str] | None = None) -> Signals:
+        return self.windows.signals(t_s, wanted=wanted)
 
     def panels(self) -> tuple[st.Requests, st.Moe, st.Devices]:
         return self.windows.panels()

@@ -52,7 +52,6 @@ from moescope.agent.metrics import add_metrics_arguments
 from moescope.agent.observe import Observers
 from moescope.agent.outputs import DEFAULT_WINDOW_NS
 from moescope.agent.outputs.kernel_requests import KernelRequestWindow
-from moescope.agent.policy.rules import Signals
 from moescope.agent.policy.wiring import add_policy_arguments
 from moescope.agent.targets import LaunchedCommand, Target, successors_on_port, target_for_pid, targets_for_port
 from moescope.collectors.netsig import NetSignalSource, start_netsig
@@ -165,10 +164,11 @@ class KernelObservers(Observers):
         window = self.requests_window
         return snapshot if window is None else replace(snapshot, requests=window.panel())
 
-    def policy_signals(self) -> Signals:
-        signals = super().policy_signals()
+    def _own_signals(self, wanted: frozenset[str] | None) -> dict[str, Any]:
         window = self.requests_window
-        return signals if window is None else replace(signals, request_p99_ms=window.p99_ms())
+        if window is None or (wanted is not None and "request_p99_ms" not in wanted):
+            return {}
+        return {"request_p99_ms": window.p99_ms()}
 
 
 def cpu_by_thread_line(threads: dict[str, float]) -> str:

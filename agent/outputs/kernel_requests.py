@@ -46,6 +46,7 @@ class KernelRequestWindow:
         # The last difference, by the readings it spans: the policy asks for the p99 five times a
         # second and the live view for the panel, while the readings change every period.
         self._delta_cache: _Delta | None = None
+        self._p99_cache: tuple[tuple[int, int], float] | None = None  # the p99 of that difference
 
     def tick(self, now_ns: int) -> None:
         """Daemon tick hook: a reading every period."""
@@ -83,8 +84,15 @@ class KernelRequestWindow:
     def p99_ms(self) -> float:
         """p99 kernel latency over the window (ms); NaN when no request was answered in it."""
         found = self._delta()
-        value = found[2].percentile_ns(99) if found is not None else None
-        return math.nan if value is None else value / 1e6
+        if found is None:
+            return math.nan
+        held = self._p99_cache
+        if held is not None and held[0] == found[0]:
+            return held[1]
+        value = found[2].percentile_ns(99)
+        p99 = math.nan if value is None else value / 1e6
+        self._p99_cache = (found[0], p99)
+        return p99
 
     def panel(self, *, in_flight: int | None = None) -> st.Requests:
         """The Requests panel of the live-state snapshot."""

@@ -12,7 +12,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -39,6 +39,14 @@ from moescope.collectors.host import MemorySignal
 from moescope.collectors.netsig import NetSignalWindow
 from moescope.collectors.nvml import NvmlSample
 from moescope.latency import SlidingQuantile, nearest_rank_position
+
+# Signals fields WindowsOutput.signals computes: the phase rows' p99s by field, the network rates
+_PHASE_SIGNALS = {f"request_phase_{row}_p99_ms": row for row in
+                  ("receive", "queue", "prefill", "decode", "write", "inference", "expert_load", "routing")}
+_NET_SIGNALS = frozenset(("listen_overflows_per_s", "tcp_retransmits_per_s", "tcp_resets_per_s"))
+_ALL_SIGNALS = frozenset(("expert_load_gini", "router_entropy_ratio", "device_memory_used_ratio", "step_p99_ms",
+                          "expert_load_p99_ms", "request_p99_ms", "request_ttft_p99_ms", "request_tpot_p99_ms",
+                          *_NET_SIGNALS, *_PHASE_SIGNALS))
 
 DEFAULT_WINDOW_NS = 10_000_000_000  # the policy's sliding windows (DESIGN.md: 10 s)
 # The routing window sums steps per 1/20 of it (10 s: 0.5 s buckets) instead of keeping every
@@ -423,42 +431,47 @@ class WindowsOutput:
         return {}
 
     # ------------------------------------------------------------------ the policy's view
-    def signals(self, t_s: float | None = None) -> Signals:
-        """The windows now (NaN where there is no data)."""
+    def signals(self, t_s: float | None = None, *, wanted: Collection[str] | None = None) -> Signals:
+        """The windows now (NaN where there is no data). ``wanted``: the Signals fields to compute
+        (the policy's rules' signals; None: every one); the others are left NaN / empty. The policy
+        asks five times a second, and most of its default rules read a few of the twenty."""
         now = self.clock()
+        want = _ALL_SIGNALS if wanted is None else wanted
+        values: dict[str, object] = {}
         with self._lock:
-            gini: dict[int, float] = {}
-            entropy_ratio: dict[int, float] = {}
             routing = self._routing
-            if routing is not None:
+            if routing is not None and ("expert_load_gini" in want or "router_entropy_ratio" in want):
                 table = routing.table(now)  # every layer's window at once
-                gini = dict(zip(table.layers.tolist(), table.gini.tolist(), strict=True))
-                entropy_ratio = dict(zip(table.layers.tolist(), table.router_entropy_normalised.tolist(), strict=True))
-            memory = self._memory
-            net = self._net.rates(now)
+                layers = table.layers.tolist()
+                if "expert_load_gini" in want:
+                    values["expert_load_gini"] = {k: v for k, v in zip(layers, table.gini.tolist(), strict=True)
+                                                  if not math.isnan(v)}
+                if "router_entropy_ratio" in want:
+                    values["router_entropy_ratio"] = {
+                        k: v for k, v in zip(layers, table.router_entropy_normalised.tolist(), strict=True)
+                        if not math.isnan(v)}
+            if "device_memory_used_ratio" in want:
+                memory = self._memory
+                values["device_memory_used_ratio"] = memory.ratio if memory is not None else NAN
+            if "step_p99_ms" in want:
+                values["step_p99_ms"] = self._step_ms.p99(now)
+            if "expert_load_p99_ms" in want:
+                values["expert_load_p99_ms"] = self._load_ms.p99(now)
+            if "request_p99_ms" in want:
+                values["request_p99_ms"] = self._request_latency_ms.p99(now)
+            if any(name in want for name in _NET_SIGNALS):
+                net = self._net.rates(now)
+                values.update(listen_overflows_per_s=net.listen_overflows_per_s,
+                              tcp_retransmits_per_s=net.retransmits_per_s, tcp_resets_per_s=net.resets_per_s)
             phases = self._phases
-            return Signals(
-                t_s=now / 1e9 if t_s is None else t_s,
-                step_p99_ms=self._step_ms.p99(now),
-                device_memory_used_ratio=memory.ratio if memory is not None else NAN,
-                expert_load_p99_ms=self._load_ms.p99(now),
-                request_p99_ms=self._request_latency_ms.p99(now),
-                listen_overflows_per_s=net.listen_overflows_per_s,
-                tcp_retransmits_per_s=net.retransmits_per_s,
-                tcp_resets_per_s=net.resets_per_s,
-                request_phase_receive_p99_ms=phases.p99("receive", now),
-                request_phase_queue_p99_ms=phases.p99("queue", now),
-                request_phase_prefill_p99_ms=phases.p99("prefill", now),
-                request_phase_decode_p99_ms=phases.p99("decode", now),
-                request_phase_write_p99_ms=phases.p99("write", now),
-                request_phase_inference_p99_ms=phases.p99("inference", now),
-                request_phase_expert_load_p99_ms=phases.p99("expert_load", now),
-                request_phase_routing_p99_ms=phases.p99("routing", now),
-                request_ttft_p99_ms=phases.ttft_p99(now),
-                request_tpot_p99_ms=phases.tpot_p99(now),
-                expert_load_gini={k: v for k, v in gini.items() if not math.isnan(v)},
-                router_entropy_ratio={k: v for k, v in entropy_ratio.items() if not math.isnan(v)},
-            )
+            for name, row in _PHASE_SIGNALS.items():
+                if name in want:
+                    values[name] = phases.p99(row, now)
+            if "request_ttft_p99_ms" in want:
+                values["request_ttft_p99_ms"] = phases.ttft_p99(now)
+            if "request_tpot_p99_ms" in want:
+                values["request_tpot_p99_ms"] = phases.tpot_p99(now)
+        return Signals(t_s=now / 1e9 if t_s is None else t_s, **values)  # type: ignore[arg-type]
 
     def network_panel(self) -> st.Network:
         """The live view's network line: the same rates the policy reads."""

@@ -3,6 +3,7 @@ each number recomputed independently with numpy from the inputs that were fed.""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -157,6 +158,34 @@ def same(got: float, want: float) -> bool:
     return (math.isnan(got) and math.isnan(want)) or got == pytest.approx(want, rel=1e-9, abs=1e-12)
 
 
+# what the policy's rules may ask for: the default rules' signals, a phase rule's, a network one's
+WANTED: tuple[frozenset[str], ...] = (
+    frozenset(("step_p99_ms", "device_memory_used_ratio", "expert_queue_tokens", "expert_load_gini",
+               "router_entropy_ratio", "expert_load_p99_ms", "request_p99_ms")),
+    frozenset(("request_phase_decode_p99_ms", "request_ttft_p99_ms")),
+    frozenset(("tcp_retransmits_per_s",)),
+    frozenset(),
+)
+
+
+def check_wanted(pipeline: Pipeline, full: Signals) -> None:
+    """signals(wanted=...) computes the wanted fields as signals() does, and leaves the rest unset."""
+    unset = Signals(t_s=full.t_s)
+    for wanted in WANTED:
+        part = pipeline.signals(full.t_s, wanted=wanted)
+        for f in dataclasses.fields(Signals):
+            want = getattr(full if f.name in wanted or f.name == "t_s" else unset, f.name)
+            got = getattr(part, f.name)
+            assert same(got, want) if isinstance(want, float) else got == want, (sorted(wanted), f.name)
+
+
+def test_wanted_signals_cover_every_field() -> None:
+    from moescope.agent.outputs.windows import _ALL_SIGNALS
+
+    runtime_only = {"t_s", "expert_queue_tokens"}  # (the snapshot's time; the runtime's stats give the queues)
+    assert _ALL_SIGNALS | runtime_only == {f.name for f in dataclasses.fields(Signals)}
+
+
 def test_signals_over_sliding_windows() -> None:
     run = make_run(seed=11)
     clock = FakeClock()
@@ -180,6 +209,7 @@ def test_signals_over_sliding_windows() -> None:
             for layer, value in exp.items():
                 assert got[layer] == pytest.approx(value, rel=1e-9), (name, layer, now_ns)
         assert sig.device_memory_used_ratio == pytest.approx(MEMORY.used_bytes / MEMORY.total_bytes)
+        check_wanted(pipeline, sig)
         return not want.expert_load_gini
 
     empty = 0
