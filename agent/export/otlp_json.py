@@ -32,7 +32,7 @@ from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan
 
-from moescope.agent.export.spans import SharedAttributes, SharedLink
+from moescope.agent.export.spans import SharedAttributes, SharedBoundedAttributes, SharedLink
 
 log = logging.getLogger(__name__)
 
@@ -268,10 +268,11 @@ def _templated(attributes: Mapping[str, Any]) -> str | None:
 
 def _attributes(attributes: Mapping[str, Any] | None) -> str:
     """``[...]`` of the encodable attributes, or "" when there are none (the field is left out).
-    A ``SharedAttributes`` (never mutated; carried by many spans) is written once per object."""
+    A ``SharedAttributes`` or ``SharedBoundedAttributes`` (never mutated; carried by many spans or
+    events) is written once per object."""
     if not attributes:
         return ""
-    if type(attributes) is SharedAttributes:
+    if type(attributes) is SharedAttributes or type(attributes) is SharedBoundedAttributes:
         return _cached(attributes, _encode_attributes, cache=_shared_texts, limit=_SHARED_MAX)
     return _encode_attributes(attributes)
 

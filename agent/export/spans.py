@@ -91,6 +91,12 @@ class SharedLink(Link):
     the OTLP-JSON encoder writes its text once."""
 
 
+class SharedBoundedAttributes(BoundedAttributes):
+    """The immutable BoundedAttributes the factory made once for a shared attribute set, on every
+    event or link given that set (a step span's device-memory event: one per memory sample, not
+    one per step): never changed, so the OTLP-JSON encoder writes its text once."""
+
+
 def shared_attributes(attributes: Mapping[str, Any]) -> SharedAttributes:
     """``attributes`` cleaned as a span stores them, in one object to share between spans."""
     return SharedAttributes(_span_attributes(attributes))
@@ -114,6 +120,11 @@ def _span_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
         log.warning("span attributes with an empty or non-string key are left out")
         out = {k: v for k, v in out.items() if type(k) is str and k}
     return out
+
+
+def _event_input(attributes: Mapping[str, Any]) -> Mapping[str, Any]:
+    """An event's attributes as add_event takes them: cleaned, a shared set as it is (cleaned once)."""
+    return attributes if type(attributes) is SharedAttributes else clean_attributes(attributes)
 
 
 def _convert(value: Any) -> AttributeValue | None:
@@ -227,11 +238,7 @@ class _DirectSpan(trace.Span):
         if self._warn_ended("add_event"):
             return
         limits = self._factory._limits
-        event = Event(
-            name=name,
-            attributes=BoundedAttributes(limits.max_event_attributes, attributes, max_value_len=None, immutable=True),
-            timestamp=timestamp,
-        )
+        event = Event(name=name, attributes=self._factory._event_attributes(attributes), timestamp=timestamp)
         if isinstance(self._events, list) and limits.max_events is not None and len(self._events) >= limits.max_events:
             self._events = BoundedList.from_seq(limits.max_events, self._events)
         self._events.append(event)
@@ -296,8 +303,9 @@ class SpanFactory:
             self._info = tracer.instrumentation_info
             self._root_flags = _SAMPLED_RANDOM if self._ids.is_trace_id_random() else _SAMPLED
         self._last: tuple[SpanContext | None, Context] = (None, _EMPTY_CONTEXT)  # one tuple: swapped atomically
-        # id -> (a shared link attribute set, its immutable BoundedAttributes), the object kept with it
-        self._link_attributes: dict[int, tuple[SharedAttributes, BoundedAttributes]] = {}
+        # (id, limit) -> (a shared event or link attribute set, its immutable BoundedAttributes), the
+        # set kept with it
+        self._bounded: dict[tuple[int, int | None], tuple[SharedAttributes, SharedBoundedAttributes]] = {}
         # id -> (a SpanLink with a shared attribute set, its SharedLink), the SpanLink kept with it
         self._single_links: dict[int, tuple[SpanLink, SharedLink | None]] = {}
 
@@ -410,7 +418,7 @@ class SpanFactory:
         entry = self._single_links.get(id(link))
         if entry is not None and entry[0] is link:
             return entry[1]
-        bounded = self._shared_link_attributes(link.attributes)  # type: ignore[arg-type]  # (shared: checked)
+        bounded = self._shared_bounded(link.attributes, self._limits.max_link_attributes)  # type: ignore[arg-type]
         made = None
         if link.context and (link.context.is_valid or bounded or link.context.trace_state):
             made = SharedLink(link.context, bounded)
@@ -419,17 +427,35 @@ class SpanFactory:
         self._single_links[id(link)] = (link, made)  # the SpanLink kept: its id is not reused
         return made
 
-    def _shared_link_attributes(self, shared: SharedAttributes) -> BoundedAttributes:
-        """The immutable BoundedAttributes of a shared link attribute set, made once per object."""
-        entry = self._link_attributes.get(id(shared))
+    def _shared_bounded(self, shared: SharedAttributes, limit: int | None) -> SharedBoundedAttributes:
+        """The immutable BoundedAttributes of a shared attribute set under a limit (an event's or a
+        link's), made once per object."""
+        key = (id(shared), limit)
+        entry = self._bounded.get(key)
         if entry is not None and entry[0] is shared:
             return entry[1]
-        bounded = BoundedAttributes(self._limits.max_link_attributes, dict(shared), max_value_len=None,
-                                    immutable=True)
-        if len(self._link_attributes) >= _SHARED_LINK_CACHE:
-            self._link_attributes.clear()
-        self._link_attributes[id(shared)] = (shared, bounded)
+        bounded = SharedBoundedAttributes(limit, dict(shared), max_value_len=None, immutable=True)
+        if len(self._bounded) >= _SHARED_LINK_CACHE:
+            self._bounded.clear()
+        self._bounded[key] = (shared, bounded)
         return bounded
+
+    def _events(self, events: Iterable[SpanEvent]) -> Sequence[Event]:
+        """A finished span's SDK events, as add_event one by one would leave them (past the limit
+        the oldest go, counted by the BoundedList)."""
+        made = [Event(name=e.name, attributes=self._event_attributes(_event_input(e.attributes)),
+                      timestamp=int(e.time_ns)) for e in events]
+        limit = self._limits.max_events
+        if limit is not None and len(made) > limit:
+            return BoundedList.from_seq(limit, made)
+        return tuple(made)
+
+    def _event_attributes(self, attributes: Mapping[str, Any] | None) -> BoundedAttributes:
+        """An event's attributes as the SDK stores them (``attributes`` already cleaned)."""
+        limit = self._limits.max_event_attributes
+        if type(attributes) is SharedAttributes:
+            return self._shared_bounded(attributes, limit)
+        return BoundedAttributes(limit, attributes, max_value_len=None, immutable=True)
 
     def _merge(
         self, attrs: dict[str, Any] | BoundedAttributes, late: dict[str, Any]
@@ -483,7 +509,7 @@ class SpanFactory:
         if attributes:
             span.set_attributes(clean_attributes(attributes))
         for event in events:
-            span.add_event(event.name, clean_attributes(event.attributes), timestamp=int(event.time_ns))
+            span.add_event(event.name, _event_input(event.attributes), timestamp=int(event.time_ns))
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, error))
         span.end(end_time=int(end_ns))
@@ -506,15 +532,16 @@ class SpanFactory:
         if end_ns < start_ns:
             end_ns = start_ns  # clock skew between sources must not make a negative duration
         if self.direct and self.tracer._is_enabled():  # type: ignore[attr-defined]  # the SDK Tracer's, not the API's
-            if not events and error is None:
-                # most spans (phases, layers): the finished span at once, no _DirectSpan
+            if error is None:
+                # the agent's spans (phases, steps, layers): the finished span at once, no _DirectSpan
                 context, parent, attrs, span_links = self._direct_parts(parent, attributes, links)
-                self._finished(name, context, parent, kind, attrs, span_links, (), _UNSET, int(start_ns), int(end_ns))
+                made = self._events(events) if events else ()
+                self._finished(name, context, parent, kind, attrs, span_links, made, _UNSET, int(start_ns), int(end_ns))
                 return context
             # one-shot: straight to the finished span (what end() does, minus its checks on a fresh span)
             direct = self._start_direct(name, int(start_ns), parent, kind, attributes, links)
             for event in events:
-                direct.add_event(event.name, clean_attributes(event.attributes), timestamp=int(event.time_ns))
+                direct.add_event(event.name, _event_input(event.attributes), timestamp=int(event.time_ns))
             if error is not None:
                 direct._status = Status(StatusCode.ERROR, error)
             direct._ended = True

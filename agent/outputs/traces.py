@@ -36,7 +36,7 @@ import numpy as np
 from opentelemetry.trace import SpanContext, SpanKind
 from opentelemetry.util.types import AttributeValue
 
-from moescope.agent.export.spans import SpanEvent, SpanFactory, SpanLink, shared_attributes
+from moescope.agent.export.spans import SharedAttributes, SpanEvent, SpanFactory, SpanLink, shared_attributes
 from moescope.agent.join import (
     BufferedStep,
     JoinEvent,
@@ -184,6 +184,7 @@ class TraceOutput:
         self.epoch_offset_ns = epoch_offset_ns
         self._owners: dict[int, _Owner] = {}  # step seq -> the link to its owner's step span
         self._memory: MemorySignal | None = None
+        self._memory_attributes: tuple[MemorySignal, SharedAttributes] | None = None  # its device event's
         self._layer_precision: dict[int, str] = {}
         self._net_events = NetEventIndex()  # retransmits/resets by connection, for the server spans
         self._counts: dict[str, int] = dict.fromkeys(("spans", "step_links", "owner_subtrees"), 0)
@@ -366,23 +367,20 @@ class TraceOutput:
             cached = self._group_health = (group, steps_health_attributes(group))
         return cached[1][b.group_index]  # (_step_tree copies what it takes from _sampled_health)
 
-    def _device_events(self, step: StepEvent) -> list[SpanEvent]:
+    def _device_events(self, step: StepEvent) -> tuple[SpanEvent, ...]:
         memory = self._memory
         if memory is None:
-            return []
-        return [
-            SpanEvent(
-                "moe.device.sample",
-                step.start_ns + self.epoch_offset_ns,
-                {
-                    "moe.device": memory.scope,
-                    "moe.device.memory.source": str(memory.source),
-                    "moe.device.memory.used_bytes": memory.used_bytes,
-                    "moe.device.memory.total_bytes": memory.total_bytes,
-                    "moe.device.memory.used_ratio": memory.ratio,
-                },
-            )
-        ]
+            return ()
+        held = self._memory_attributes
+        if held is None or held[0] is not memory:  # one attribute set per memory sample, shared
+            held = self._memory_attributes = (memory, shared_attributes({
+                "moe.device": memory.scope,
+                "moe.device.memory.source": str(memory.source),
+                "moe.device.memory.used_bytes": memory.used_bytes,
+                "moe.device.memory.total_bytes": memory.total_bytes,
+                "moe.device.memory.used_ratio": memory.ratio,
+            }))
+        return (SpanEvent("moe.device.sample", step.start_ns + self.epoch_offset_ns, held[1]),)
 
     def _step_tree(self, b: BufferedStep, *, parent: SpanContext | None, extra: Attributes) -> SpanContext:
         spans = self.spans
@@ -401,13 +399,14 @@ class TraceOutput:
                 order = sorted(layer.layer for layer in step.layers)
                 device_by_layer = dict(zip(order, device_us.tolist(), strict=True))
         off = self.epoch_offset_ns
-        span = spans.start(
+        ctx = spans.record(
             "moe.step",
             start_ns=step.start_ns + off,
+            end_ns=step.end_ns + off,
             parent=parent,
             attributes={**self._step_attributes(b), **step_attrs, **extra},
+            events=self._device_events(step),
         )
-        ctx = span.get_span_context()
         n = 1
         if with_layers:
             folded = self.span_detail == "layer"
@@ -430,7 +429,6 @@ class TraceOutput:
                     n += 1
                 else:
                     n += self._layer(layer, parent=ctx, attrs=attrs)
-        spans.end(span, end_ns=step.end_ns + off, events=self._device_events(step))
         self._counts["spans"] += n
         return ctx
 

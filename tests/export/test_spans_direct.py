@@ -22,7 +22,7 @@ from sample_trace import emit_sample
 
 from moescope.agent.export import SpanEvent, SpanFactory, SpanLink
 from moescope.agent.export.otlp_json import request_to_line, spans_to_line
-from moescope.agent.export.spans import SharedLink, shared_attributes
+from moescope.agent.export.spans import SharedBoundedAttributes, SharedLink, shared_attributes
 
 SHARED_LINK = shared_attributes({"moe.link": "step.owner"})
 
@@ -81,6 +81,13 @@ def _workload(factory: SpanFactory) -> None:
     # path to the finished span: the limits must bite there as in the SDK too
     factory.record("record-over-limits", start_ns=300, end_ns=310, parent=remote, kind=SpanKind.PRODUCER,
                    attributes=many, links=[SpanLink(remote, {"x": 1, "y": 2, "z": 3}) for _ in range(4)])
+    # record() with events (a step span's device sample: a shared attribute set) takes the short path too
+    memory = shared_attributes({"moe.device": "host", "used": 3, "ratio": 0.5, "nan": float("nan")})
+    factory.record("record-events", start_ns=320, end_ns=330, parent=remote, attributes={"a": 1},
+                   events=[SpanEvent("moe.device.sample", 321, memory), SpanEvent("plain", 322, {"i": [1, 2]})])
+    factory.record("record-events-over-limits", start_ns=340, end_ns=350,
+                   events=[SpanEvent(f"e{i}", 341 + i, memory if i % 2 else {"i": i, "j": 2, "k": 3})
+                           for i in range(5)])
 
 
 def _fields(span: ReadableSpan) -> dict[str, Any]:
@@ -106,7 +113,7 @@ def test_direct_spans_equal_sdk_spans() -> None:
         _workload(direct)
         _workload(sdk)
         a, b = list(direct_out.get_finished_spans()), list(sdk_out.get_finished_spans())
-        assert len(a) == len(b) == 13
+        assert len(a) == len(b) == 15
         assert [_fields(s) for s in a] == [_fields(s) for s in b]
         assert spans_to_line(a) == spans_to_line(b) == request_to_line(encode_spans(b))
     over = {s.name: s for s in a}["over-limits"]
@@ -131,6 +138,14 @@ def test_shared_attributes_are_carried_as_one_object_and_never_changed() -> None
     assert late._attributes is not stub0._attributes and dict(stub1.attributes or {})["moe.step.tokens"] == 8
     for _ in range(2):  # the second pass is the encoder's cached text
         assert spans_to_line([stub0, stub1, late]) == request_to_line(encode_spans([stub0, stub1, late]))
+    # events given one shared set carry one immutable SharedBoundedAttributes, cleaned once (no NaN)
+    first = spans["record-events"].events[0].attributes
+    again = [e.attributes for e in spans["record-events-over-limits"].events if e.name in ("e1", "e3")]
+    assert type(first) is SharedBoundedAttributes and all(a is first for a in again)
+    assert dict(first) == {"moe.device": "host", "used": 3, "ratio": 0.5}
+    with_events = [spans["record-events"], spans["record-events-over-limits"]]
+    for _ in range(2):
+        assert spans_to_line(with_events) == request_to_line(encode_spans(with_events))
 
 
 def test_a_shared_span_link_is_one_sdk_link_in_any_tuple() -> None:
