@@ -51,10 +51,18 @@ static int buf_add(Buf *b, const char *s, size_t n) {
 
 #define ADD_LIT(b, lit) buf_add((b), (lit), sizeof(lit) - 1)
 
+/* Decimal text of v, as "%lld" writes it (snprintf was most of an int array's cost: a layer span
+ * carries two E-long arrays of counts). */
 static int buf_fmt_i64(Buf *b, long long v) {
     char tmp[24];
-    int n = snprintf(tmp, sizeof tmp, "%lld", v);
-    return buf_add(b, tmp, (size_t)n);
+    char *end = tmp + sizeof tmp, *p = end;
+    unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
+    do {
+        *--p = (char)('0' + u % 10);
+        u /= 10;
+    } while (u);
+    if (v < 0) *--p = '-';
+    return buf_add(b, p, (size_t)(end - p));
 }
 
 /* Result of an encoding step: OK, NOT_MINE (hand the span to Python; no exception set), ERROR. */

@@ -202,7 +202,8 @@ def test_the_native_encoder_takes_the_agents_spans_itself(encoder: str) -> None:
     shared = shared_attributes({"moe.step.requests": [3, 1], "moe.step.shared": True})
     link_attrs = shared_attributes({"moe.link": "step.owner"})
     mine = {
-        "esc": HOSTILE_ASCII, HOSTILE_ASCII: 1, "": "empty key", "i": [-(1 << 63), (1 << 63) - 1, 0],
+        "esc": HOSTILE_ASCII, HOSTILE_ASCII: 1, "": "empty key",
+        "i": [-(1 << 63), (1 << 63) - 1, 0, -1, 9, 10, -10, 99, 100, 1234567890, -(10 ** 18)],
         "f": [0.1, 1e16, 1e-5, 5e-324, 1.7976931348623157e308, -0.0, 2.0], "nan": float("nan"),
         "inf": float("inf"), "ninf": float("-inf"), "b": [True, False], "mixed": [1, "a", 2.5, True],
         "nested": [[1, 2], ["x"]], "none_in": [None, 1], "empty": [], "t": (1, 2),
