@@ -519,13 +519,16 @@ class RequestJoin:
         return events
 
     def _group_tables(self, steps: list[StepEvent]) -> dict[int, tuple[StepsTable, int]]:
-        """Runs of steps whose routing blocks lie evenly spaced in one decoded array (a batch of
-        moe/v2 step vectors), with the same reported E and layers, every layer routed, int32: one
-        health pass (``steps_table``) for each run instead of a ``layer_table`` per step (the health pass and its call
-        cost were a third of the join's time per step at DeepSeek-V3 shape). Steps outside a run,
-        or in a run with a bad count, take ``_table`` one by one."""
+        """Runs of steps with the same reported E and layers, every layer routed: one health pass
+        (``steps_table``) for each run instead of a ``layer_table`` per step (the health pass and
+        its call cost were a third of the join's time per step at DeepSeek-V3 shape, and most of it
+        at the reference model's, where a step's work is small next to each call's). A run is of
+        column steps whose routing blocks lie evenly spaced in one decoded array (a batch of moe/v2
+        step vectors), or of object steps whose layers each carry a whole routing vector. Steps
+        outside a run, or in a run with a bad count, take ``_table`` one by one."""
         out: dict[int, tuple[StepsTable, int]] = {}
         run: list[int] = []
+        run_key: tuple[object, ...] | None = None
 
         def close() -> None:
             if len(run) > 1:
@@ -535,32 +538,66 @@ class RequestJoin:
             run.clear()
 
         for i, step in enumerate(steps):
-            columns = step.columns
-            if (columns is None or columns.counts is None or columns.counts.dtype != np.int32
-                    or not columns.num_experts or columns.counts.shape[1] != 2 * columns.num_experts
-                    or not columns.has_routing.all() or not (columns.router_kind > ROUTER_NONE).all()):
+            key = self._group_key(step)
+            if key is None or key != run_key:
                 close()
-                continue
-            if run:
-                head = steps[run[0]].columns
-                assert head is not None
-                if head.num_experts != columns.num_experts or not np.array_equal(head.layer, columns.layer):
-                    close()
-            run.append(i)
+            run_key = key
+            if key is not None:
+                run.append(i)
         close()
         return out
 
-    def _group_table(self, steps: list[StepEvent]) -> StepsTable | None:
-        columns = [step.columns for step in steps]
-        blocks = stacked_view([c.counts for c in columns if c is not None and c.counts is not None])
-        head = columns[0]
-        if blocks is None or len(blocks) != len(steps) or head is None:
+    def _group_key(self, step: StepEvent) -> tuple[object, ...] | None:
+        """What steps of one run share (None: the step is built alone): a column step's E, layers
+        and block layout; an object step's E, layer indices and vector dtype."""
+        columns = step.columns
+        if columns is not None:
+            if (columns.counts is None or columns.counts.dtype != np.int32 or not columns.num_experts
+                    or columns.counts.shape[1] != 2 * columns.num_experts
+                    or not columns.has_routing.all() or not (columns.router_kind > ROUTER_NONE).all()):
+                return None
+            return ("columns", columns.num_experts, columns.layer.tobytes())
+        width = 2 * self._num_experts
+        layers = step.layers
+        if not width or not layers:
             return None
-        entropy = np.concatenate([c.entropy_bits for c in columns if c is not None])
+        dtype = None
+        for layer in layers:
+            router = layer.router
+            counts = router.counts if router is not None else None
+            if counts is None or counts.shape != (width,) or (dtype is not None and counts.dtype != dtype):
+                return None
+            if layer.num_experts and 2 * layer.num_experts != width:
+                return None  # the moe.layer payload names another E: _experts_for decides
+            dtype = counts.dtype
+        return ("objects", width, dtype, tuple(layer.layer for layer in layers))
+
+    def _group_table(self, steps: list[StepEvent]) -> StepsTable | None:
+        head = steps[0].columns
+        if head is not None:
+            columns = [step.columns for step in steps]
+            blocks = stacked_view([c.counts for c in columns if c is not None and c.counts is not None])
+            if blocks is None or len(blocks) != len(steps):
+                return None
+            layers = head.layer
+            entropy = np.concatenate([c.entropy_bits for c in columns if c is not None])
+        else:
+            routers = [[layer.router for layer in step.layers] for step in steps]
+            # (_group_key: every layer has a router with counts)
+            blocks = np.stack([np.stack([r.counts for r in rs]) for rs in routers])  # type: ignore[union-attr,misc]
+            layers = np.array([layer.layer for layer in steps[0].layers], dtype=np.int64)
+            entropy = np.array([NAN if r is None or r.entropy_bits is None else r.entropy_bits
+                                for rs in routers for r in rs], dtype=np.float64)
         try:  # a negative count anywhere: every step of the run takes the one-by-one path
-            return steps_table(layers=head.layer, blocks=blocks, router_entropy_bits=entropy)
+            group = steps_table(layers=layers, blocks=blocks, router_entropy_bits=entropy)
         except ValueError:
             return None
+        if group is not None and head is None:
+            for n, rs in enumerate(routers):  # the same counts, now views of the block: the decoded vectors can go
+                for row, router in zip(group.blocks[n], rs, strict=True):
+                    if router is not None:
+                        router.counts = row
+        return group
 
     def _evict_over_tree_bounds(self) -> None:
         """After the unread trees went: the oldest steps leave while the trees still held are over

@@ -22,7 +22,7 @@ from moescope.agent.routing_health import (
     steps_table,
     sum_steps,
 )
-from moescope.collectors.moe_convention import ROUTER_RANGE, LayerColumns, StepEvent
+from moescope.collectors.moe_convention import ROUTER_RANGE, LayerColumns, LayerEvent, RouterEvent, StepEvent
 
 L, E = 6, 8
 TABLE_FIELDS = ("layers", "tokens", "dropped", "router_entropy_bits", "tokens_total", "dropped_total",
@@ -144,6 +144,78 @@ def test_a_run_stops_where_layers_or_experts_change() -> None:
     assert groups[4] is groups[5] is not None and groups[4] is not groups[0]
     assert [b.group_index for b in seen.steps] == [0, 1, 2, 0, 0, 1]
     assert seen.tables[3].layers.tolist() == list(range(1, L + 1))
+
+
+def _object_steps(counts: np.ndarray, entropy: np.ndarray, ends_ns: list[int]) -> list[StepEvent]:
+    """Steps built as objects (a step of fewer than COLUMN_MIN_LAYERS layers, as the reference
+    model's): each layer a router with its own moe/v2 routing vector (a copy)."""
+    steps = []
+    for i, end in enumerate(ends_ns):
+        step = StepEvent(7, 7, end - 5_000, end, 64, [i + 1])
+        for layer in range(L):
+            at = end - 4_000 + layer * 100
+            bits = float(entropy[i, layer])
+            router = RouterEvent(layer, at + 1, at + 9, None if np.isnan(bits) else bits,
+                                 counts=counts[i, layer].copy())
+            step.layers.append(LayerEvent(layer, at, at + 50, router=router))
+        steps.append(step)
+    return steps
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("negative", [False, True])
+def test_a_run_of_object_steps_gets_the_tables_of_one_at_a_time(negative: bool, dtype: type) -> None:
+    """Object steps (the reference model's L = 4) with whole routing vectors: one health pass for a
+    parser batch's run, the same tables, counters and window sums as one step at a time."""
+    rng = np.random.default_rng(11)
+    counts, entropy = _batch(rng, 9, dtype=dtype)
+    if negative:
+        counts[5, 1, 2] = -1  # the run takes the one-by-one path, the bad layer counted
+    now = 50_000_000_000
+    ends = [now - 3_000_000_000 + i * 40_000_000 for i in range(9)]
+    grouped_join, grouped, grouped_windows = _join(now)
+    single_join, single, single_windows = _join(now)
+    for join in (grouped_join, single_join):  # E learned from a first step, as from the stream's first batch
+        join.on_steps(_object_steps(counts[:1], entropy[:1], [ends[0] - 1_000_000]))
+    run = _object_steps(counts, entropy, ends)
+    routers = [[layer.router for layer in step.layers] for step in run]  # (the join lets the trees go)
+    grouped_join.on_steps(run)
+    for step in _object_steps(counts, entropy, ends):  # one at a time: no run
+        single_join.on_steps([step])
+    assert len(grouped.steps) == len(single.steps) == 10
+    assert all((g is None) is negative for g in grouped.groups[1:])  # the run was found (or refused)
+    assert all(g is None for g in single.groups)
+    for a, b in zip(grouped.tables, single.tables, strict=True):
+        _assert_tables_equal(a, b)
+    assert grouped_join.stats() == single_join.stats()
+    ga, sa = grouped_windows._routing, single_windows._routing
+    assert ga is not None and sa is not None
+    for x, y in zip(ga._sums(), sa._sums(), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-12)
+    _assert_tables_equal(ga.table(now), sa.table(now))
+    if not negative:  # each router's counts are now its row of the run's block (the decoded vectors can go)
+        for buffered, group, step_routers in zip(grouped.steps[1:], grouped.groups[1:], routers, strict=True):
+            assert group is not None  # (as exported)
+            for router, row in zip(step_routers, group.blocks[buffered.group_index], strict=True):
+                assert router is not None and router.counts is not None
+                assert np.shares_memory(router.counts, row)
+
+
+def test_an_object_run_stops_where_layers_or_the_vectors_change() -> None:
+    rng = np.random.default_rng(12)
+    counts, entropy = _batch(rng, 6)
+    ends = [10_000_000 * (i + 1) for i in range(6)]
+    steps = _object_steps(counts, entropy, ends)
+    steps[2].layers[3].router.counts = steps[2].layers[3].router.counts.astype(np.int64)  # type: ignore[union-attr]
+    steps[4].layers.pop()  # one layer fewer
+    join, seen, _ = _join(100_000_000)
+    join.on_steps(_object_steps(counts[:1], entropy[:1], [1_000_000]))
+    join.on_steps(steps)
+    groups = seen.groups[1:]
+    assert groups[0] is groups[1] is not None
+    assert groups[2] is None and groups[4] is None  # another vector type; another layer set
+    assert groups[3] is None and groups[5] is None  # runs of one
+    assert seen.tables[1 + 4].layers.tolist() == list(range(L - 1))
 
 
 def test_stacked_view_only_for_parts_that_lie_back_to_back() -> None:
