@@ -34,7 +34,17 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace import Tracer as SdkTracer
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.sdk.util import BoundedList
-from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace import (
+    DEFAULT_TRACE_STATE,
+    Link,
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    TraceState,
+)
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +191,8 @@ def _context_for(parent: SpanContext | None) -> Context:
 
 
 _UNSET = Status(StatusCode.UNSET)  # immutable: one shared by every span until it sets its own
+_NO_TRACE_STATE = DEFAULT_TRACE_STATE  # (SpanContext's default: a root span's)
+_TRACE_ID_MAX, _SPAN_ID_MAX = 2**128 - 1, 2**64 - 1
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _SAMPLED_RANDOM = TraceFlags(TraceFlags.SAMPLED | TraceFlags.RANDOM_TRACE_ID)
 
@@ -303,6 +315,14 @@ class SpanFactory:
             self._info = tracer.instrumentation_info
             self._root_flags = _SAMPLED_RANDOM if self._ids.is_trace_id_random() else _SAMPLED
         self._last: tuple[SpanContext | None, Context] = (None, _EMPTY_CONTEXT)  # one tuple: swapped atomically
+        # the last parent given, with its trace id, the flags and the trace state its children take
+        self._parent_held: tuple[SpanContext | None, tuple[int, TraceFlags, TraceState]] = (
+            None, (0, _SAMPLED, _NO_TRACE_STATE))
+        # SpanContext's own constructor checks ids and fills defaults; where it makes the plain tuple
+        # this SDK's does (checked once here), the direct path builds that tuple itself
+        probe = SpanContext(1, 2, is_remote=False, trace_flags=_SAMPLED, trace_state=None)
+        self._plain_contexts = (type(probe) is SpanContext and probe.trace_state is _NO_TRACE_STATE
+                                and tuple(probe) == (1, 2, False, _SAMPLED, _NO_TRACE_STATE, True))
         # (id, limit) -> (a shared event or link attribute set, its immutable BoundedAttributes), the
         # set kept with it
         self._bounded: dict[tuple[int, int | None], tuple[SharedAttributes, SharedBoundedAttributes]] = {}
@@ -372,17 +392,27 @@ class SpanFactory:
         """A new span's context, its parent (None when not valid), attributes and links."""
         # What Tracer.start_span does with the ALWAYS_ON sampler: the parent's trace (and trace
         # state, and random-trace-id flag) if it is valid, else a new trace.
-        if parent is not None and parent.is_valid:
-            trace_id = parent.trace_id
-            flags = _SAMPLED_RANDOM if parent.trace_flags.random_trace_id else _SAMPLED
-            trace_state = parent.trace_state
-        else:
-            parent = None
+        if parent is not None:
+            held = self._parent_held  # a parent's children come together (a request's phases, a step's layers)
+            if held[0] is parent:
+                trace_id, flags, trace_state = held[1]
+            elif parent.is_valid:
+                trace_id = parent.trace_id
+                flags = _SAMPLED_RANDOM if parent.trace_flags.random_trace_id else _SAMPLED
+                trace_state = parent.trace_state
+                self._parent_held = (parent, (trace_id, flags, trace_state))
+            else:
+                parent = None
+        if parent is None:
             trace_id = self._ids.generate_trace_id()
             flags = self._root_flags
-            trace_state = None
-        context = SpanContext(trace_id, self._ids.generate_span_id(), is_remote=False, trace_flags=flags,
-                              trace_state=trace_state)
+            trace_state = _NO_TRACE_STATE
+        span_id = self._ids.generate_span_id()
+        if self._plain_contexts and 0 < span_id <= _SPAN_ID_MAX and 0 < trace_id <= _TRACE_ID_MAX:
+            # SpanContext(...) without its checks: the ids were just checked, the flags are ours
+            context = tuple.__new__(SpanContext, (trace_id, span_id, False, flags, trace_state, True))
+        else:
+            context = SpanContext(trace_id, span_id, is_remote=False, trace_flags=flags, trace_state=trace_state)
         attrs: dict[str, Any] | BoundedAttributes = _span_attributes(attributes)
         limit = self._limits.max_span_attributes
         if limit is not None and len(attrs) > limit:
