@@ -77,7 +77,7 @@ hf_step_fill = Extension(
 # agent's export thread (agent/export/otlp_json.py falls back to Python where it is not built).
 otlp_span = Extension(
     "moescope.agent.export._otlp_span",
-    sources=["agent/export/otlp_span.c"],
+    sources=["agent/export/otlp_span.c", "agent/export/double_repr.c"],
     extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra"],
 )
 

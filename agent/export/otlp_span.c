@@ -23,6 +23,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "double_repr.h"
+
 typedef struct {
     char *data;
     size_t len, cap;
@@ -120,10 +122,17 @@ static int add_string(Buf *b, PyObject *s) {
     return OK;
 }
 
+/* Whether double_repr's tables are ready (else CPython's formatter: the same text, slower). */
+static int fast_doubles;
+
 /* A finite float as float.__repr__, a non-finite one as the quoted OTLP/JSON names. */
 static int add_double(Buf *b, double v) {
     if (isnan(v)) return ADD_LIT(b, "\"NaN\"") < 0 ? ERROR : OK;
     if (isinf(v)) return (v > 0 ? ADD_LIT(b, "\"Infinity\"") : ADD_LIT(b, "\"-Infinity\"")) < 0 ? ERROR : OK;
+    if (fast_doubles) {
+        char text[DOUBLE_REPR_MAX];
+        return buf_add(b, text, double_repr(v, text)) < 0 ? ERROR : OK;
+    }
     char *text = PyOS_double_to_string(v, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
     if (!text) return ERROR;
     int rc = buf_add(b, text, strlen(text)) < 0 ? ERROR : OK;
@@ -455,10 +464,31 @@ fail:
     return NULL;
 }
 
+static PyObject *repr_of_double(PyObject *self, PyObject *arg) {
+    (void)self;
+    double v = PyFloat_AsDouble(arg);
+    if (v == -1.0 && PyErr_Occurred()) return NULL;
+    if (!isfinite(v)) {
+        PyErr_SetString(PyExc_ValueError, "double_repr takes finite values");
+        return NULL;
+    }
+    char text[DOUBLE_REPR_MAX];
+    return PyUnicode_FromStringAndSize(text, (Py_ssize_t)double_repr(v, text));
+}
+
+static PyObject *uses_fast_doubles(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyBool_FromLong(fast_doubles);
+}
+
 static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS,
      "encode(spans, fallback, link_text, event_text, shared_type, span_type) -> the spans' OTLP/JSON texts "
      "joined by ','"},
+    {"double_repr", repr_of_double, METH_O, "double_repr(x) -> repr(x) for a finite float, as the encoder writes it"},
+    {"fast_doubles", uses_fast_doubles, METH_NOARGS,
+     "fast_doubles() -> whether the encoder formats doubles itself (else with CPython's formatter)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -479,5 +509,10 @@ PyMODINIT_FUNC PyInit__otlp_span(void) {
     }
     sixty_four = PyLong_FromLong(64);
     if (!sixty_four) return NULL;
+    if (double_repr_init() == 0) {
+        fast_doubles = 1;
+    } else {
+        PyErr_Clear(); /* the tables did not check out: CPython's formatter writes doubles */
+    }
     return PyModule_Create(&module);
 }
