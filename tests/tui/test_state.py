@@ -286,6 +286,34 @@ def test_periodic_publisher_writes_every_interval_only_while_read(tmp_path: Path
     unwatched.stop()
 
 
+def test_the_publisher_thread_sleeps_while_unread_and_wakes_on_a_readers_open(tmp_path: Path) -> None:
+    """Unread, the thread does not wake every interval (one publish, then asleep until the idle
+    publish is due); a reader's open wakes it at once; stop() wakes it too."""
+    import time
+
+    pub = StatePublisher(state_dir=tmp_path, pid=81)
+    periodic = PeriodicPublisher(pub, lambda: load_fixture("just_started"), interval_s=0.02, idle_interval_s=60.0,
+                                 reader_linger_s=0.5)
+    periodic.start()
+    try:
+        deadline = time.monotonic() + 10.0
+        while pub.published == 0:
+            assert time.monotonic() < deadline, "never published"
+            time.sleep(0.01)
+        time.sleep(0.4)  # 20 intervals
+        assert pub.published == 1
+        read_snapshot(pub.path)  # a reader arrives
+        deadline = time.monotonic() + 10.0
+        while pub.published < 3:  # woken at once, then every interval while it reads
+            assert time.monotonic() < deadline, "a reader's open did not wake the publisher"
+            time.sleep(0.01)
+            read_snapshot(pub.path)
+    finally:
+        started = time.monotonic()
+        periodic.stop(timeout_s=10.0)
+    assert not periodic._thread.is_alive() and time.monotonic() - started < 5.0  # (not the 60 s idle wait)
+
+
 def run_periods(periodic: PeriodicPublisher, clock: _Clock, seconds: int) -> list[bool]:
     """One period a second, as the publisher's thread runs them: which ones wrote."""
     wrote = []
