@@ -54,6 +54,15 @@ static inline int multiple_of_pow5(uint64_t v, uint32_t p) { /* v > 0 */
 
 static inline int multiple_of_pow2(uint64_t v, uint32_t p) { return (v & ((1ULL << p) - 1)) == 0; }
 
+/* One decimal digit off the interval and its value; vr stays exact while every digit dropped is 0. */
+static inline void drop_digit(uint64_t *vr, uint64_t *vp, uint64_t *vm, uint32_t *last, int *vr_exact) {
+    *vr_exact &= *last == 0;
+    *last = (uint32_t)(*vr % 10);
+    *vr /= 10;
+    *vp /= 10;
+    *vm /= 10;
+}
+
 /* The shortest decimal digits and exponent of a positive finite double: value = digits * 10^exponent. */
 static void shortest(uint64_t ieee_mantissa, uint32_t ieee_exponent, uint64_t *digits, int32_t *exponent) {
     int32_t e2;
@@ -112,20 +121,12 @@ static void shortest(uint64_t ieee_mantissa, uint32_t ieee_exponent, uint64_t *d
     uint32_t last = 0; /* the last digit dropped from vr */
     while (vp / 10 > vm / 10) {
         vm_exact &= vm % 10 == 0;
-        vr_exact &= last == 0;
-        last = (uint32_t)(vr % 10);
-        vr /= 10;
-        vp /= 10;
-        vm /= 10;
+        drop_digit(&vr, &vp, &vm, &last, &vr_exact);
         removed++;
     }
     if (vm_exact) { /* vm itself is in the interval: its trailing zeros can go too */
         while (vm % 10 == 0) {
-            vr_exact &= last == 0;
-            last = (uint32_t)(vr % 10);
-            vr /= 10;
-            vp /= 10;
-            vm /= 10;
+            drop_digit(&vr, &vp, &vm, &last, &vr_exact);
             removed++;
         }
     }

@@ -90,6 +90,25 @@ def _assert_tables_equal(a: LayerTable, b: LayerTable) -> None:
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
 
 
+Fed = tuple[RequestJoin, "_Seen", WindowsOutput]  # a join, its seen steps and its windows (_join)
+
+
+def _assert_same_outcome(grouped: Fed, single: Fed, now: int) -> None:
+    """The joins fed steps as runs and one at a time: the same tables, counters and window sums (the
+    one-at-a-time side never formed a group)."""
+    (grouped_join, grouped_seen, grouped_windows), (single_join, single_seen, single_windows) = grouped, single
+    assert all(g is None for g in single_seen.groups)
+    for a, b in zip(grouped_seen.tables, single_seen.tables, strict=True):
+        _assert_tables_equal(a, b)
+    assert grouped_join.stats() == single_join.stats()
+    ga, sa = grouped_windows._routing, single_windows._routing
+    assert ga is not None and sa is not None
+    for x, y in zip(ga._sums(), sa._sums(), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-12)
+    assert len(ga) == len(sa)
+    _assert_tables_equal(ga.table(now), sa.table(now))
+
+
 def _batch(rng: np.random.Generator, k: int, *, dtype: type = np.int32) -> tuple[np.ndarray, np.ndarray]:
     counts: np.ndarray = rng.integers(0, 40, size=(k, L, 2 * E)).astype(dtype)
     counts[:, :, E:] //= 8  # fewer drops than tokens
@@ -117,16 +136,7 @@ def test_a_run_of_steps_in_one_buffer_gets_the_tables_of_one_at_a_time(negative:
     single_join.on_steps(_steps(counts, entropy, ends, copy=True))
     assert len(grouped.steps) == len(single.steps) == 12
     assert all((g is None) is negative for g in grouped.groups)  # the run was found (or refused)
-    assert all(g is None for g in single.groups)
-    for a, b in zip(grouped.tables, single.tables, strict=True):
-        _assert_tables_equal(a, b)
-    assert grouped_join.stats() == single_join.stats()
-    ga, sa = grouped_windows._routing, single_windows._routing
-    assert ga is not None and sa is not None
-    for x, y in zip(ga._sums(), sa._sums(), strict=True):
-        np.testing.assert_allclose(x, y, rtol=1e-12)
-    assert len(ga) == len(sa)
-    _assert_tables_equal(ga.table(now), sa.table(now))
+    _assert_same_outcome((grouped_join, grouped, grouped_windows), (single_join, single, single_windows), now)
 
 
 def test_a_run_stops_where_layers_or_experts_change() -> None:
@@ -184,15 +194,7 @@ def test_a_run_of_object_steps_gets_the_tables_of_one_at_a_time(negative: bool, 
         single_join.on_steps([step])
     assert len(grouped.steps) == len(single.steps) == 10
     assert all((g is None) is negative for g in grouped.groups[1:])  # the run was found (or refused)
-    assert all(g is None for g in single.groups)
-    for a, b in zip(grouped.tables, single.tables, strict=True):
-        _assert_tables_equal(a, b)
-    assert grouped_join.stats() == single_join.stats()
-    ga, sa = grouped_windows._routing, single_windows._routing
-    assert ga is not None and sa is not None
-    for x, y in zip(ga._sums(), sa._sums(), strict=True):
-        np.testing.assert_allclose(x, y, rtol=1e-12)
-    _assert_tables_equal(ga.table(now), sa.table(now))
+    _assert_same_outcome((grouped_join, grouped, grouped_windows), (single_join, single, single_windows), now)
     if not negative:  # each router's counts are now its row of the run's block (the decoded vectors can go)
         for buffered, group, step_routers in zip(grouped.steps[1:], grouped.groups[1:], routers, strict=True):
             assert group is not None  # (as exported)
