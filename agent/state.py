@@ -750,13 +750,18 @@ class PeriodicPublisher:
     def due(self) -> float | None:
         """The publish interval to write now with (the file's `publish_interval_s`), or None when
         nothing is due: every interval while read (or unwatched), every idle interval otherwise."""
-        now = self.clock()
         if self.readers is None or self.readers.opened_within(self.reader_linger_s):
             return self.interval_s
-        last = self._last_publish_s
-        if last is None or now - last >= self.idle_interval_s - self.interval_s / 2:
+        idle_due = self._idle_due_s()
+        if idle_due is None or self.clock() >= idle_due:
             return self.idle_interval_s
         return None
+
+    def _idle_due_s(self) -> float | None:
+        """When the next publish is due while nobody reads (None: nothing published yet); half an
+        interval early, so a period's timer landing just short of it does not wait a whole period."""
+        last = self._last_publish_s
+        return None if last is None else last + self.idle_interval_s - self.interval_s / 2
 
     def publish_once(self) -> bool:
         """One period: publish if due; True when it wrote."""
@@ -780,10 +785,10 @@ class PeriodicPublisher:
     def wait_s(self) -> float:
         """How long the thread may sleep now: an interval while the file is read (or unwatched),
         else until the idle publish is due (a reader's open wakes it earlier: ``_run``)."""
-        readers, last = self.readers, self._last_publish_s
-        if readers is None or last is None or readers.opened_within(self.reader_linger_s):
+        readers, idle_due = self.readers, self._idle_due_s()
+        if readers is None or idle_due is None or readers.opened_within(self.reader_linger_s):
             return self.interval_s
-        return max(self.interval_s, last + self.idle_interval_s - self.interval_s / 2 - self.clock())
+        return max(self.interval_s, idle_due - self.clock())
 
     def _run(self) -> None:
         name_thread("ms-state")

@@ -177,7 +177,9 @@ class SpanLink:
 
 
 _EMPTY_CONTEXT = Context()
-_SHARED_LINK_CACHE = 64  # shared link attribute sets kept with their BoundedAttributes (a few constants)
+# shared event and link attribute sets kept with their immutable BoundedAttributes (the link marker, a
+# device-memory set per memory sample)
+_SHARED_BOUNDED_CACHE = 64
 # single links with a shared attribute set kept with their SharedLink: the links to the steps whose
 # batch-mates have not all reached them yet (a few seconds of steps)
 _SINGLE_LINK_CACHE = 4096
@@ -465,7 +467,7 @@ class SpanFactory:
         if entry is not None and entry[0] is shared:
             return entry[1]
         bounded = SharedBoundedAttributes(limit, dict(shared), max_value_len=None, immutable=True)
-        if len(self._bounded) >= _SHARED_LINK_CACHE:
+        if len(self._bounded) >= _SHARED_BOUNDED_CACHE:
             self._bounded.clear()
         self._bounded[key] = (shared, bounded)
         return bounded

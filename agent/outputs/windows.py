@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -44,9 +44,8 @@ from moescope.latency import SlidingQuantile, nearest_rank_position
 _PHASE_SIGNALS = {f"request_phase_{row}_p99_ms": row for row in
                   ("receive", "queue", "prefill", "decode", "write", "inference", "expert_load", "routing")}
 _NET_SIGNALS = frozenset(("listen_overflows_per_s", "tcp_retransmits_per_s", "tcp_resets_per_s"))
-_ALL_SIGNALS = frozenset(("expert_load_gini", "router_entropy_ratio", "device_memory_used_ratio", "step_p99_ms",
-                          "expert_load_p99_ms", "request_p99_ms", "request_ttft_p99_ms", "request_tpot_p99_ms",
-                          *_NET_SIGNALS, *_PHASE_SIGNALS))
+# every Signals field but the snapshot's time and the runtime's queues (its stats, not the windows)
+_ALL_SIGNALS = frozenset(f.name for f in fields(Signals)) - {"t_s", "expert_queue_tokens"}
 
 DEFAULT_WINDOW_NS = 10_000_000_000  # the policy's sliding windows (DESIGN.md: 10 s)
 # The routing window sums steps per 1/20 of it (10 s: 0.5 s buckets) instead of keeping every
