@@ -143,8 +143,10 @@ def check_reference(device: str, report: Report) -> None:
             syncs[(layers, device_routing)] = count_syncs(step)
     detail = (f"device path {syncs[(2, True)]} at L=2, {syncs[(8, True)]} at L=8; "
               f"host path {syncs[(2, False)]} at L=2, {syncs[(8, False)]} at L=8")
-    report.check(syncs[(2, True)] == syncs[(8, True)] and syncs[(8, False)] > syncs[(2, False)],
-                 "reference model: no host sync per layer on the device path", detail)
+    # per layer would be >= 6 more at L=8; the count is not fixed (the H200 run saw 5 at L=2, 4 at L=8)
+    report.check(syncs[(8, True)] <= syncs[(2, True)] and syncs[(8, False)] > syncs[(2, False)],
+                 "reference model: no host sync per layer on the device path (not more at L=8 than at L=2)",
+                 detail)
 
 
 def check_hf(device: str, report: Report) -> None:
