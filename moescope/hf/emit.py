@@ -68,7 +68,8 @@ _LN2 = math.log(2.0)
 # among the step's experts calls (emission order, CUDA event pair).
 _Entry = tuple[int, int, torch.Tensor, torch.Tensor]
 _UNKNOWN, _ITSELF = -2, -1  # where a router's scores sit in its output: not learned yet, the output itself
-_SLOW, _EXPERTS_FAST, _ROUTER_FAST = 0, 1, 2  # a layer's hook mode (Instrumentation._mode)
+# a layer's hook mode (Instrumentation._mode); _CUDA_FAST: a CUDA layer after its first call
+_SLOW, _EXPERTS_FAST, _ROUTER_FAST, _CUDA_FAST = 0, 1, 2, 3
 _add = np.add.reduce  # the ufunc method itself: no Python wrapper per call
 # Host counts by list.count up to this much work (E x (assignments + 40) summed over the step's
 # layers, about 30 µs); numpy above, whose few calls cost more than that in a forward
@@ -129,6 +130,11 @@ def _find_indices(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.
 
 def _cuda_flag(block: MoeBlock) -> bool:
     return any(p.is_cuda for p in block.experts.parameters())
+
+
+def _cuda_index(block: MoeBlock) -> int:
+    """The device index of a CUDA layer's experts (-1 for a host layer)."""
+    return next((p.get_device() for p in block.experts.parameters() if p.is_cuda), -1)
 
 
 def _batch_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
@@ -486,12 +492,18 @@ class Instrumentation:
         self._deferred = [defer or cuda for cuda in self._cuda]
         # per layer, after its first call on a deferred host layer: a fast path keeps the scores and
         # indices and does nothing else (_ROUTER_FAST: both from the router's output; _EXPERTS_FAST:
-        # the indices from the experts call). Live and CUDA layers stay _SLOW.
+        # the indices from the experts call); a CUDA layer's (_CUDA_FAST) also times the experts call
+        # with its CUDA event pair. Live layers stay _SLOW.
         self._mode = [_SLOW] * layers
         self._router_index_place = [_UNKNOWN] * layers
         self._router_outputs: list[object] = [None] * layers  # a _SLOW layer's router output, until its experts call
         self._experts_handles: dict[int, _Wrapped] = {}
         self._events: list[tuple[Any, Any]] = []  # CUDA event pairs, one per experts call of a step, reused
+        # a CUDA layer's device index, and each device's current stream looked up once a step (the
+        # events are recorded on it: Event.record() with no stream looks it up per call, ~20 Python
+        # calls, ~30 µs a layer on the host of a host-bound decode step)
+        self._device_index = [_cuda_index(b) for b in self.blocks]
+        self._streams: dict[int, Any] = {}
         self._zeros = {b.num_experts: np.zeros(b.num_experts, dtype=np.int64) for b in self.blocks}
         # moe/v2.2 compact steps (deferred layers only): per layout (layer, E) of a step, its held vectors
         self.compact = compact and all(self._deferred)
@@ -646,12 +658,14 @@ class Instrumentation:
 
     def _experts_forward(self, layer: int, original: Callable[..., Any]) -> Callable[..., Any]:
         step, scores, places, mode, failed = self._step, self._scores, self._index_place, self._mode, self._failed
-        pending, slow = step.pending, self._experts_call
+        pending, slow, cuda_fast = step.pending, self._experts_call, self._experts_cuda_fast
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             layer_mode = mode[layer]
             if layer_mode == _ROUTER_FAST:  # kept by the router wrapper (here only when ours could not be removed)
                 return original(*args, **kwargs)
+            if layer_mode == _CUDA_FAST and step.open:
+                return cuda_fast(layer, original, args, kwargs)
             if step.open and layer_mode == _EXPERTS_FAST:  # keep the two tensors, nothing else
                 taken = False
                 try:
@@ -692,6 +706,48 @@ class Instrumentation:
             return original(*args, **kwargs)
         finally:
             self._experts_post(layer)
+
+    def _experts_cuda_fast(self, layer: int, original: Callable[..., Any], args: tuple[Any, ...],
+                           kwargs: dict[str, Any]) -> Any:
+        """A CUDA layer's experts call after its first: the scores and indices kept for the step end,
+        the call timed by the step's next CUDA event pair on its device's current stream. Anything
+        unexpected (no scores from the router, no index tensor) goes the slow way, which learns again."""
+        step = self._step
+        pair = stream = None
+        try:
+            found = self._scores[layer]
+            place = self._index_place[layer]
+            if isinstance(place, int):
+                indices = args[place] if place < len(args) else None
+            else:
+                indices = kwargs.get(place)
+            if found is not None and isinstance(indices, torch.Tensor) and not indices.is_floating_point():
+                self._scores[layer] = None
+                calls = step.calls
+                step.pending.append((calls, layer, found, indices))
+                step.calls = calls + 1
+                step.pending_elements += found.numel()
+                if step.pending_elements > _PENDING_ELEMENTS:  # a long prefill: reduce now, hold less
+                    self._reduce_pending()
+                events = self._events
+                if calls == len(events):
+                    events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                device = self._device_index[layer]
+                stream = self._streams.get(device)
+                if stream is None:
+                    stream = self._streams[device] = torch.cuda.current_stream(device)
+                pair = events[calls]
+                pair[0].record(stream)
+        except Exception as exc:  # noqa: BLE001 - never into the model
+            self._failed("experts", exc)
+            return original(*args, **kwargs)
+        if pair is None:
+            self._mode[layer] = _SLOW
+            return self._experts_call(layer, original, args, kwargs)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            pair[1].record(stream)
 
     def _take_router_fast(self, layer: int, output: object, indices: torch.Tensor) -> None:
         """After a deferred host layer's first call: if its router returned the very index tensor the
@@ -738,6 +794,8 @@ class Instrumentation:
         per forward with the caches cold, so the common case (input_ids by keyword) comes first."""
         step = self._step
         step.depth = 1
+        if self._streams:
+            self._streams.clear()  # looked up again this step (a server may change streams between steps)
         try:
             ids = kwargs.get("input_ids")
             tokens = ids.numel() if isinstance(ids, torch.Tensor) else _batch_tokens(args, kwargs)
@@ -826,6 +884,7 @@ class Instrumentation:
                     self._events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
                 self._events[step.calls][0].record()
                 self._experts_open[layer] = True
+                self._mode[layer] = _CUDA_FAST  # its later calls: _experts_cuda_fast
             else:
                 self._take_router_fast(layer, router_output, indices)  # later calls: a fast path
             step.calls += 1
