@@ -360,6 +360,57 @@ def test_after_the_first_call_the_router_alone_keeps_the_layer() -> None:
     assert ins.stats()["layers"] == 6 and ins.stats()["hook_errors"] == 0
 
 
+class FakeCudaEvent:
+    """torch.cuda.Event at the hardware boundary this machine lacks: each record() says on which
+    stream; elapsed_time() is a fixed 0.25 ms (tests/gpu/check_device_routing.py checks real ones)."""
+
+    records: list[object] = []
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+
+    def record(self, stream: object = None) -> None:
+        FakeCudaEvent.records.append(stream)
+
+    def elapsed_time(self, end: FakeCudaEvent) -> float:
+        return 0.25
+
+
+def test_cuda_layers_take_their_fast_path_after_the_first_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA layers (the device faked at torch.cuda's Event and stream; the reductions run where the
+    tensors are): from the second step on every experts call takes _CUDA_FAST — the tensors kept,
+    the event pair recorded on the stream looked up once a step — with the host path's numbers step
+    after step and one device time per layer in moe.step.device."""
+    from moescope.hf import emit
+
+    model: Any = tiny_model("qwen3_moe", layers=3)
+    generator = torch.Generator().manual_seed(21)
+    inputs = [{"input_ids": torch.randint(0, 128, shape, generator=generator)} for shape in ((2, 7), (2, 1), (3, 1))]
+    host, host_ins = _forwards(model, inputs, defer=True)
+    host_ins.close()
+    lookups: list[object] = []
+
+    def current_stream(device: object = None) -> object:
+        lookups.append(device)
+        return f"stream-{len(lookups)}"
+
+    FakeCudaEvent.records = []
+    monkeypatch.setattr(emit, "_cuda_flag", lambda block: True)
+    monkeypatch.setattr(emit, "_cuda_index", lambda block: 0)
+    monkeypatch.setattr(torch.cuda, "Event", FakeCudaEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    cuda, ins = _forwards(model, inputs, defer=True)
+    assert ins._mode == [emit._CUDA_FAST] * 3 and ins.stats()["hook_errors"] == 0
+    ins.close()
+    assert [e[3].tolist() for e in cuda.named("moe.routing")] == [e[3].tolist() for e in host.named("moe.routing")]
+    for x, y in zip(cuda.named("moe.router"), host.named("moe.router"), strict=True):
+        assert math.isclose(x[3], y[3], abs_tol=1e-6)
+    assert [d[3].tolist() for d in cuda.named("moe.step.device")] == [[250.0] * 3] * 3
+    # step 1 learns (Event.record() with no stream); steps 2 and 3: one lookup each, both events on it
+    assert lookups == [0, 0]
+    assert FakeCudaEvent.records == [None] * 6 + ["stream-1"] * 6 + ["stream-2"] * 6
+
+
 # per step: the router's layout, and whether the experts are still wrapped before that step
 @pytest.mark.parametrize("layouts,wrapped", [
     (("logits", "logits", "tuple", "tuple", "swapped"), (True, True, True, True, True, True)),
