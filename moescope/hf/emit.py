@@ -20,7 +20,8 @@ entropy are computed in one batch of tensor ops on the model's device, one copy 
 host, and the layer ranges are emitted then, back to back, with `moe.step.device` carrying each
 layer's experts time on CUDA (the layer ranges' own durations mean nothing). Nothing is read back
 per layer. A step whose pending scores pass
-`_PENDING_ELEMENTS` is reduced early (on the device, still without a host sync) to bound what is held.
+`_PENDING_ELEMENTS` (`_PENDING_ELEMENTS_CUDA` on CUDA) is reduced early (on the device, still without a
+host sync) to bound what is held.
 
 Live (`defer=False`, CPU layers only): `moe.layer` spans the block, `moe.experts` the experts call,
 and the router range is opened after the router ran (its payload is its result, computed per layer
@@ -60,6 +61,10 @@ _STAT_NAMES = ("steps", "layers", "calls_outside_step", "layers_without_scores",
 # Score elements a step may hold before its pending layers are reduced (4 MiB of float32 scores):
 # small steps are reduced once at the step end, a long prefill every few layers.
 _PENDING_ELEMENTS = 1 << 20
+# ... and on CUDA, where each early reduction is ~15 kernel launches of host time in a host-bound
+# step and 16 Mi elements are 32-64 MiB of device memory: a 2048-token prefill at E=128 is reduced
+# once, at the step end, for up to 64 layers (each early reduction cost ~0.2 ms there: H200 run)
+_PENDING_ELEMENTS_CUDA = 1 << 24
 _LN2 = math.log(2.0)
 
 
@@ -727,7 +732,7 @@ class Instrumentation:
                 step.pending.append((calls, layer, found, indices))
                 step.calls = calls + 1
                 step.pending_elements += found.numel()
-                if step.pending_elements > _PENDING_ELEMENTS:  # a long prefill: reduce now, hold less
+                if step.pending_elements > _PENDING_ELEMENTS_CUDA:  # a long prefill: reduce now, hold less
                     self._reduce_pending()
                 events = self._events
                 if calls == len(events):
@@ -877,8 +882,8 @@ class Instrumentation:
             step = self._step
             step.pending.append((step.calls, layer, scores, indices))
             step.pending_elements += scores.numel()
-            if step.pending_elements > _PENDING_ELEMENTS:  # a long prefill: reduce now, hold less
-                self._reduce_pending()
+            if step.pending_elements > (_PENDING_ELEMENTS_CUDA if self._cuda[layer] else _PENDING_ELEMENTS):
+                self._reduce_pending()  # a long prefill: reduce now, hold less
             if self._cuda[layer]:  # device time from a reused CUDA event pair
                 if step.calls == len(self._events):
                     self._events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))

@@ -376,12 +376,26 @@ class FakeCudaEvent:
         return 0.25
 
 
-def test_cuda_layers_take_their_fast_path_after_the_first_call(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("reduce_early", [False, True])
+def test_cuda_layers_take_their_fast_path_after_the_first_call(reduce_early: bool,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """CUDA layers (the device faked at torch.cuda's Event and stream; the reductions run where the
     tensors are): from the second step on every experts call takes _CUDA_FAST — the tensors kept,
     the event pair recorded on the stream looked up once a step — with the host path's numbers step
-    after step and one device time per layer in moe.step.device."""
+    after step (also when every layer is reduced early) and one device time per layer in
+    moe.step.device."""
     from moescope.hf import emit
+
+    if reduce_early:
+        monkeypatch.setattr(emit, "_PENDING_ELEMENTS_CUDA", 1)
+    early: list[int] = []
+    reduce_pending = emit.Instrumentation._reduce_pending
+
+    def counted(self: Any) -> None:
+        early.append(len(self._step.pending))
+        reduce_pending(self)
+
+    monkeypatch.setattr(emit.Instrumentation, "_reduce_pending", counted)
 
     model: Any = tiny_model("qwen3_moe", layers=3)
     generator = torch.Generator().manual_seed(21)
@@ -407,6 +421,7 @@ def test_cuda_layers_take_their_fast_path_after_the_first_call(monkeypatch: pyte
         assert math.isclose(x[3], y[3], abs_tol=1e-6)
     assert [d[3].tolist() for d in cuda.named("moe.step.device")] == [[250.0] * 3] * 3
     # step 1 learns (Event.record() with no stream); steps 2 and 3: one lookup each, both events on it
+    assert early == ([1] * 9 if reduce_early else [])  # then every layer as it comes; else all at the end
     assert lookups == [0, 0]
     assert FakeCudaEvent.records == [None] * 6 + ["stream-1"] * 6 + ["stream-2"] * 6
 
