@@ -72,7 +72,7 @@ cat "$OUT/machine.log"
 
 part nvml_runtime 150 "$PY" tests/gpu/check_gpu.py --device cuda --seconds 3 --load-s 10
 part agent_cuda 200 "$PY" tests/gpu/check_agent_cuda.py --device cuda --load-s 10
-part hf_cuda_cost 200 "$PY" -m benchmarks.hf_cuda_cost --pairs 4 --forwards 6 --json-out "$OUT/hf_cuda_cost.json"
+part hf_cuda_cost 200 "$PY" -m benchmarks.hf_cuda_cost --pairs 6 --forwards 6 --json-out "$OUT/hf_cuda_cost.json"
 part device_routing 120 "$PY" tests/gpu/check_device_routing.py --device cuda:0
 part hf_cuda_profile 150 "$PY" -m benchmarks.hf_cuda_cost --profile --layers 48
 part telemetry_tests 90 "$PY" -m pytest tests/telemetry -q -p no:cacheprovider
