@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import Metrics, alternate_ab, write_result
+from benchmarks.hf_instrument_cost import run_instrumented
 
 # Qwen3-30B-A3B's published config, less its weights
 PRODUCTION = {"hidden": 2048, "experts": 128, "top_k": 8, "vocab": 151936, "moe_intermediate_size": 768,
@@ -86,14 +87,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
         def instrumented() -> Metrics:
             nonlocal nvtx_state
-            ins = moescope.instrument(model)
-            nvtx_state = ins.nvtx_state
-            if not ins.active:
-                raise SystemExit(f"hf_cuda_cost: instrumentation inactive: {ins.reason}")
-            try:
-                return timed()
-            finally:
-                ins.close()
+            metrics, nvtx_state = run_instrumented(model, timed, who="hf_cuda_cost")
+            return metrics
 
         with torch.no_grad():  # warm-up: allocations, kernel choice, the instrumented path's first copy
             for _ in range(2):

@@ -52,10 +52,23 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+def run_instrumented(model: Any, run: Callable[[], Metrics], *, who: str) -> tuple[Metrics, str]:
+    """run() with `model` instrumented with the defaults (closed after): its metrics, and the NVTX
+    state instrument() reported. Inactive instrumentation ends the benchmark with its reason."""
+    import moescope
+
+    ins = moescope.instrument(model)
+    if not ins.active:
+        raise SystemExit(f"{who}: instrumentation inactive: {ins.reason}")
+    try:
+        return run(), ins.nvtx_state
+    finally:
+        ins.close()
+
+
 def measure_shape(name: str, *, pairs: int, forwards: int, progress: Callable[[str], None]) -> dict[str, Any]:
     import torch
 
-    import moescope
     from moescope.hf.tiny import tiny_model
 
     shape = SHAPES[name]
@@ -79,14 +92,8 @@ def measure_shape(name: str, *, pairs: int, forwards: int, progress: Callable[[s
 
     def instrumented() -> Metrics:
         nonlocal nvtx_state
-        ins = moescope.instrument(model)
-        nvtx_state = ins.nvtx_state
-        if not ins.active:
-            raise SystemExit(f"hf_instrument_cost: instrumentation inactive: {ins.reason}")
-        try:
-            return timed_forwards()
-        finally:
-            ins.close()
+        metrics, nvtx_state = run_instrumented(model, timed_forwards, who="hf_instrument_cost")
+        return metrics
 
     with torch.no_grad():  # warm-up: first calls allocate and pick kernels
         for _ in range(3):

@@ -236,13 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             children.stop_all()
             children.procs.clear()
-    print("== summary", flush=True)
-    for status, check, detail in report.results:
-        print(f"  {status:4} {check}{' — ' + detail if detail else ''}")
-    failed = report.failed()
-    passed = sum(1 for s, _, _ in report.results if s == "PASS")
-    print(f"{passed} passed, {failed} failed, {time.monotonic() - started:.0f} s", flush=True)
-    return 1 if failed else 0
+    return report.summary(started)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,16 @@ class Report:
     def failed(self) -> int:
         return sum(1 for status, _, _ in self.results if status == "FAIL")
 
+    def summary(self, started: float) -> int:
+        """Prints every result and the counts; the exit status (1 if anything failed)."""
+        print("== summary", flush=True)
+        for status, check, detail in self.results:
+            print(f"  {status:4} {check}{' — ' + detail if detail else ''}")
+        failed = self.failed()
+        passed = sum(1 for s, _, _ in self.results if s == "PASS")
+        print(f"{passed} passed, {failed} failed, {time.monotonic() - started:.0f} s", flush=True)
+        return 1 if failed else 0
+
 
 class Children:
     """Every process this check starts; all killed (whole process group) at the end."""
@@ -342,13 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         report.add("FAIL", "check script", f"{type(exc).__name__}: {exc}")
     finally:
         children.stop_all()
-    print("== summary", flush=True)
-    for status, check, detail in report.results:
-        print(f"  {status:4} {check}{' — ' + detail if detail else ''}")
-    failed = report.failed()
-    passed = sum(1 for s, _, _ in report.results if s == "PASS")
-    print(f"{passed} passed, {failed} failed, {time.monotonic() - started:.0f} s", flush=True)
-    return 1 if failed else 0
+    return report.summary(started)
 
 
 if __name__ == "__main__":
