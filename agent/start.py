@@ -245,10 +245,21 @@ def _validate(args: argparse.Namespace) -> list[str]:
         raise errors.UsageError(f"--memory-budget-bytes must be >= 1, got {args.memory_budget_bytes}")
     if args.duration is not None and not args.duration > 0:
         raise errors.UsageError(f"--duration must be a positive number of seconds, got {args.duration}")
+    if args.records and not kernel_timing(args):
+        raise errors.UsageError("--records writes the kernel-timed requests: it needs the ingress collector "
+                                "(drop --no-collector.ingress)")
     for pid in args.pid or []:
         if pid == os.getpid():
             raise errors.UsageError(f"--pid {pid} is the agent itself; the agent never traces its own process")
     return command
+
+
+NO_KERNEL_TIMING_HINT = "or run with --no-collector.ingress for NVTX, telemetry and policy without kernel timing"
+
+
+def kernel_timing(args: argparse.Namespace) -> bool:
+    """Whether the ingress probe runs (--no-collector.ingress: NVTX, telemetry and policy alone)."""
+    return "ingress" in enabled_collectors(args)
 
 
 def _drop_counts(daemon: Daemon, probe: IngressProbe) -> dict[str, int]:
@@ -262,8 +273,8 @@ class TargetFollower:
     """Tick hook: notices targets that exited and, for --port targets, re-attaches to the next process
     listening on the port. Returns STOP_TARGETS_EXITED once nothing is traced and nothing awaited."""
 
-    def __init__(self, probe: IngressProbe, observers: Observers, *, targets: list[Target], follow_ports: bool,
-                 netsig: NetSignalSource | None = None) -> None:
+    def __init__(self, probe: IngressProbe | None, observers: Observers, *, targets: list[Target],
+                 follow_ports: bool, netsig: NetSignalSource | None = None) -> None:
         self.probe = probe
         self.netsig = netsig
         self.observers = observers
@@ -288,7 +299,8 @@ class TargetFollower:
     def _reap(self, now_ns: int) -> None:
         for target in [t for t in self.live if not t.alive()]:
             self.live.remove(target)
-            self.probe.remove_target(target.pid)  # drains and flushes its last requests first
+            if self.probe is not None:
+                self.probe.remove_target(target.pid)  # drains and flushes its last requests first
             if self.netsig is not None:
                 self.netsig.remove_target(target.pid)
             try:
@@ -310,7 +322,7 @@ class TargetFollower:
             known = {t.pid for t in self.live}
             for target in successors_on_port(port, known_pids=known):
                 try:
-                    seeded = self.probe.add_target(target.pid)
+                    seeded = self.probe.add_target(target.pid) if self.probe is not None else 0
                 except errors.MoescopeError as exc:  # e.g. the target limit: say it, keep waiting
                     print(f"agent: cannot re-attach to {target.describe()}: {exc}", file=sys.stderr, flush=True)
                     continue
@@ -329,6 +341,19 @@ class TargetFollower:
                     continue
                 for line in lines:
                     print(f"agent: {line}", file=sys.stderr, flush=True)
+
+
+def _use_kernel_totals(observers: KernelObservers, probe: IngressProbe, daemon: Daemon) -> None:
+    """Request counts, bytes and latency (/metrics, the live view, the policy's request p99) from the
+    probe's in-kernel aggregate: exact whatever happens to per-request records."""
+    if observers.pipeline.metrics_output is not None:
+        observers.pipeline.metrics_output.use_kernel_totals(probe.totals)
+    metrics = observers.metrics
+    metrics.add_refresh_hook(lambda: metrics.set_counter_total(
+        "moescope_agent_events_sampled_out", float(probe.stats()["sampled_out"]), source=probe.name))
+    window = KernelRequestWindow(probe.totals, window_ns=DEFAULT_WINDOW_NS)
+    observers.requests_window = window
+    daemon.add_tick_hook(window.tick)
 
 
 def child_env(args: argparse.Namespace) -> dict[str, str]:
@@ -356,8 +381,12 @@ def run(args: argparse.Namespace) -> int:
         return errors.EXIT_OK
     # Root first, before anything touches eBPF or other processes' /proc entries.
     if os.geteuid() != 0:
-        raise errors.NotPermitted("agent start needs root (eBPF): run it with sudo")
-    loader.check_kernel_headers(loader.kernel_build_dir())
+        raise errors.NotPermitted("agent start needs root (eBPF, other processes' memory maps): run it with sudo")
+    if kernel_timing(args):
+        try:
+            loader.check_kernel_headers(loader.kernel_build_dir())
+        except errors.ProbeLoadError as exc:
+            raise errors.ProbeLoadError(f"{exc}; {NO_KERNEL_TIMING_HINT}") from exc
 
     targets: list[Target] = []
     for pid in args.pid or []:
@@ -402,18 +431,24 @@ def _observe(
     allocator = Allocator()
     allocator.configure()  # before netsig's loader thread, the first thread: see agent/allocator.py
     daemon.add_tick_hook(allocator.trim)
-    probe = IngressProbe(on_record=daemon.emit, options=options)
+    # --no-collector.ingress: no probe (and no network signals, eBPF too); steps become their own traces
+    probe = IngressProbe(on_record=daemon.emit, options=options) if kernel_timing(args) else None
     launched: LaunchedCommand | None = None
     observers: Observers | None = None
     netsig: NetSignalSource | None = None
     # Loads eBPF, so before the privilege drop below; compiles beside the ingress probe.
-    pending_netsig = start_netsig(emit=daemon.emit) if "netsig" in enabled_collectors(args) else None
+    wants_netsig = probe is not None and "netsig" in enabled_collectors(args)
+    pending_netsig = start_netsig(emit=daemon.emit) if wants_netsig else None
     try:
-        probe.load()
+        if probe is not None:
+            try:
+                probe.load()
+            except (errors.BccMissing, errors.ProbeLoadError) as exc:
+                raise type(exc)(f"{exc}; {NO_KERNEL_TIMING_HINT}") from exc
         if command:
             launched = LaunchedCommand(command, extra_env=child_env(args))
             targets.append(launched.target)
-        seeded = sum(probe.add_target(t.pid) for t in targets)
+        seeded = sum(probe.add_target(t.pid) for t in targets) if probe is not None else 0
         if pending_netsig is not None:
             try:
                 netsig = pending_netsig.wait()  # joined here: no thread may outlive the privilege drop
@@ -424,23 +459,21 @@ def _observe(
                     netsig.add_target(t.pid)
         attach_s = (time.monotonic_ns() - started_ns) / 1e9
         names = ", ".join(t.describe() for t in targets)
-        print(f"agent: tracing {names}; {seeded} open connections seeded; attached in {attach_s:.2f} s",
-              file=sys.stderr, flush=True)
+        if probe is not None:
+            print(f"agent: tracing {names}; {seeded} open connections seeded; attached in {attach_s:.2f} s",
+                  file=sys.stderr, flush=True)
+        else:
+            print(f"agent: observing {names} without kernel timing (--no-collector.ingress: no request spans, "
+                  f"steps traced on their own); attached in {attach_s:.2f} s", file=sys.stderr, flush=True)
         # Before any thread exists (Observers.build starts the exporters): see agent/privileges.py.
         if not args.keep_privileges:
             print(f"agent: {privileges.drop_to(privileges_to_keep(args))}", file=sys.stderr, flush=True)
         observers = KernelObservers.build(args, daemon=daemon, config=export_config)
         assert isinstance(observers, KernelObservers)  # build() is typed as returning the base class
-        # Counts, bytes and latency from the kernel aggregate: exact whatever happens to records.
-        if observers.pipeline.metrics_output is not None:
-            observers.pipeline.metrics_output.use_kernel_totals(probe.totals)
-        metrics = observers.metrics
-        metrics.add_refresh_hook(lambda: metrics.set_counter_total(
-            "moescope_agent_events_sampled_out", float(probe.stats()["sampled_out"]), source=probe.name))
-        window = KernelRequestWindow(probe.totals, window_ns=DEFAULT_WINDOW_NS)
-        observers.requests_window = window
-        daemon.add_tick_hook(window.tick)
-        observers.attach([t.pid for t in targets], probe_names=["ingress"] + (["netsig"] if netsig else []))
+        if probe is not None:
+            _use_kernel_totals(observers, probe, daemon)
+        observers.attach([t.pid for t in targets],
+                         probe_names=(["ingress"] if probe else []) + (["netsig"] if netsig else []))
         if launched is not None:
             launched.release()
         for line in observers.describe():
@@ -449,7 +482,8 @@ def _observe(
     except BaseException:
         if launched is not None:
             launched.stop()
-        probe.close()
+        if probe is not None:
+            probe.close()
         if netsig is not None:
             netsig.close()
         elif pending_netsig is not None:
@@ -459,7 +493,8 @@ def _observe(
         if records_sink is not None:
             records_sink.close()
         raise
-    daemon.add_source(probe)
+    if probe is not None:
+        daemon.add_source(probe)
     if netsig is not None:
         daemon.add_source(netsig)  # daemon.close() closes it (its last counts are emitted first)
 
@@ -482,9 +517,13 @@ def _observe(
             records_sink.close()
         if launched is not None:
             launched.stop()  # the agent launched it, so it does not outlive the agent
-    stats = probe.stats()
-    print(summary.line(totals=probe.totals(), drops=_drop_counts(daemon, probe), records=stats["records"],
-                       sampled_out=stats["sampled_out"], elapsed_s=observed_s), flush=True)
+    if probe is not None:
+        stats = probe.stats()
+        print(summary.line(totals=probe.totals(), drops=_drop_counts(daemon, probe), records=stats["records"],
+                           sampled_out=stats["sampled_out"], elapsed_s=observed_s), flush=True)
+    else:
+        print(f"agent: summary: kernel timing off (--no-collector.ingress), sink errors {daemon.sink_errors}, "
+              f"{observed_s:.1f} s", flush=True)
     for line in observers.summary_lines():
         print(f"agent: {line}", flush=True)
     print(f"agent: main loop: {daemon.rounds_line()}", flush=True)

@@ -209,7 +209,9 @@ def register_stream(name: str, *, help: str, default_enabled: bool = True, alway
     _add(SourceSpec(name, help, "stream", default_enabled, always_on=always_on))
 
 
-register_stream("ingress", help="kernel-timed requests (eBPF syscall tracepoints)", always_on=True)
+register_stream("ingress", help="kernel-timed requests (eBPF syscall tracepoints; needs bcc and the "
+                                "kernel's headers). Off: NVTX, telemetry and policy alone, steps traced "
+                                "without their requests, for hosts where eBPF cannot be compiled")
 register_stream("nvtx", help="the target's NVTX ranges (MoE steps, expert loads) from its injection ring")
 
 
