@@ -1,20 +1,20 @@
-"""GPU check: the agent beside CUDA serving processes at a production routing shape — everything
-`agent start` runs beside its eBPF ingress probe (the NVTX ring, NVML, the join, the OTLP-JSON trace
-files, /metrics, the policy loop against the control socket) on
+"""GPU check: `agent start --no-collector.ingress` beside CUDA serving processes at a production
+routing shape — the NVTX ring, NVML, the join, the OTLP-JSON trace files, /metrics and the policy
+loop against the control socket — on
 
   runtime: the reference runtime (examples/moe_runtime) on CUDA, 48 layers x 128 experts, top-8;
   hf:      the transformers server (examples/hf_server) with a random-weight Qwen3-MoE of the same
            routing shape on CUDA, observed through moescope.instrument().
 
-Each target is loaded with the runtime's load generator while the agent's observers are attached,
-then checked: every step the server ran while attached reached the agent (steps equal, 0 NVTX
-records lost), every layer's routing health is in /metrics, per-expert token counts add up to
-tokens x top-k, NVML reports the server's own GPU memory, and the step spans are in the trace files.
+Each target is loaded with the runtime's load generator while the agent is attached, then checked:
+every step the server ran while attached reached the agent (steps equal, 0 NVTX records lost), every
+layer's routing health is in /metrics, per-expert token counts add up to tokens x top-k, NVML
+reports the server's own GPU memory, and the step spans are in the trace files.
 
-Why not `agent start` itself: the ingress probe needs bcc and the running kernel's headers, which
-GPU machines without a package registry lack; the probe and its join are tested on CPU machines
-(tests/ingress, tests/e2e). This script builds the same Observers that `agent start` builds
-(agent/start.py, `_observe`) and runs the same daemon loop, with no probe.
+Why --no-collector.ingress: the ingress probe needs bcc and the running kernel's headers, which GPU
+machines without a package registry lack; the probe and its join are tested on CPU machines
+(tests/ingress, tests/e2e). `--kernel` keeps the probe (a GPU host with bcc and headers). Runs as root,
+as `agent start` does.
 
     python tests/gpu/check_agent_cuda.py [--device cuda] [--target runtime --target hf] [--load-s 15]
 
@@ -28,10 +28,12 @@ import argparse
 import json
 import os
 import re
+import signal
+import subprocess
 import sys
 import tempfile
-import threading
 import time
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,12 +42,8 @@ sys.path.insert(0, str(REPO / "tests" / "gpu"))
 
 from check_gpu import Children, Control, Report, echo  # noqa: E402
 
-from moescope.agent import start as start_cmd  # noqa: E402
-from moescope.agent.daemon import Daemon  # noqa: E402
-from moescope.agent.export.config import flags_from_args, resolve_export_config  # noqa: E402
-from moescope.agent.observe import Observers  # noqa: E402
 from moescope.collectors.nvtx import injection_env  # noqa: E402
-from moescope.examples.moe_runtime.launch import LaunchError, launch, runtime_argv  # noqa: E402
+from moescope.examples.moe_runtime.launch import LaunchError, LineReader, launch, runtime_argv  # noqa: E402
 
 SHAPE = {"layers": 48, "experts": 128, "top_k": 8}
 ATTACH_WAIT_S = 20.0
@@ -69,17 +67,30 @@ def target_argv(kind: str, device: str, sock: str, width: int) -> tuple[list[str
     return argv, env
 
 
-def agent_args(pid: int, state_dir: Path, *, control_socket: str | None) -> argparse.Namespace:
-    """`agent start --pid PID ...` parsed and validated by the agent's own parser."""
-    parser = argparse.ArgumentParser()
-    start_cmd.add_arguments(parser)
-    argv = ["--pid", str(pid), "--metrics-port", "0", "--state-dir", str(state_dir),
-            "--metrics-experts", str(SHAPE["experts"])]
+def agent_argv(pid: int, state_dir: Path, metrics_port: int, *, control_socket: str | None,
+               kernel: bool) -> list[str]:
+    """`agent start --pid PID` with traces to files, /metrics, every expert's series, and the policy
+    in dry run against the runtime's control socket (off for the transformers server)."""
+    argv = [sys.executable, "-m", "moescope.agent", "start", "--pid", str(pid), "--state-dir", str(state_dir),
+            "--metrics-port", str(metrics_port), "--metrics-experts", str(SHAPE["experts"]), "--interval", "0.5"]
+    if not kernel:
+        argv.append("--no-collector.ingress")
     argv += (["--dry-run", "--control-socket", control_socket, "--policy-audit", str(state_dir / "audit.jsonl"),
               "--policy-state-dir", str(state_dir / "policy")] if control_socket else ["--no-policy"])
-    args = parser.parse_args(argv)
-    start_cmd._validate(args)
-    return args
+    return argv
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        return str(response.read().decode())
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def runtime_steps(ctl: Control) -> int:
@@ -120,8 +131,6 @@ def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
 
 
 def check_target(kind: str, report: Report, children: Children, args: argparse.Namespace) -> None:
-    from prometheus_client import generate_latest
-
     tmp = Path(tempfile.mkdtemp(prefix=f"moescope-agent-{kind}-"))
     sock = str(tmp / "control.sock")
     argv, env = target_argv(kind, args.device, sock, args.width)
@@ -137,21 +146,20 @@ def check_target(kind: str, report: Report, children: Children, args: argparse.N
     report.check(True, f"{label}: starts ({SHAPE['layers']} layers x {SHAPE['experts']} experts, top-{SHAPE['top_k']})",
                  f"pid {pid}, port {port}, {time.monotonic() - started:.1f} s")
     ctl = Control(sock)
-    agent = agent_args(pid, tmp / "state", control_socket=sock if kind == "runtime" else None)
-    daemon = Daemon()
-    observers = Observers.build(agent, daemon=daemon, config=resolve_export_config(flags_from_args(agent)))
-    observers.attach([pid], probe_names=[])
-    for line in observers.describe():
-        report.add("INFO", f"{label}: agent", line)
-    observers.start()
-    loop = threading.Thread(target=daemon.run, name="daemon", daemon=True)
-    loop.start()
+    metrics_port = free_port()
+    state = tmp / "state"
+    agent = children.start(agent_argv(pid, state, metrics_port, control_socket=sock if kind == "runtime" else None,
+                                      kernel=args.kernel),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert agent.stdout is not None
+    out = LineReader(agent.stdout, on_line=echo("agent"), keep_lines=None)
     load_out = tmp / "load.json"
     try:
-        deadline = time.monotonic() + ATTACH_WAIT_S
-        while not (observers.nvtx and observers.nvtx[0].attached) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        attached = bool(observers.nvtx) and observers.nvtx[0].attached
+        try:
+            out.wait_for(re.compile(rf"^agent: nvtx: attached to the ring of pid {pid}$"), timeout_s=ATTACH_WAIT_S)
+            attached = True
+        except LaunchError:
+            attached = False
         if not report.check(attached, f"{label}: agent attached to the NVTX ring"):
             return
         steps_before = runtime_steps(ctl)
@@ -159,35 +167,40 @@ def check_target(kind: str, report: Report, children: Children, args: argparse.N
             [sys.executable, "-m", "moescope.examples.moe_runtime.loadgen", "--url", f"http://127.0.0.1:{port}",
              "--scenario", "balanced", "--concurrency", "16", "--duration-s", str(args.load_s),
              "--json-out", str(load_out)],
-            stdout=None,
+            stdout=subprocess.DEVNULL,
         )
         load.wait(timeout=args.load_s + 180)
         steps_ran = runtime_steps(ctl) - steps_before
-        time.sleep(1.5)  # the ring's last records: drained at most 500 ms after they are written
         summary = json.loads(load_out.read_text()) if load_out.exists() else {}
         report.check(load.returncode == 0 and summary.get("failures") == 0 and summary.get("requests", 0) > 0,
                      f"{label}: load served, 0 failed requests",
                      f"{summary.get('requests')} requests, {summary.get('failures')} failed, "
-                     f"{summary.get('throughput_rps', summary.get('rps', '?'))} req/s, "
-                     f"latency {summary.get('latency_ms')}")
+                     f"{summary.get('throughput_rps', '?')} req/s, latency {summary.get('latency_ms')}")
+        deadline = time.monotonic() + 10.0
+        while True:  # the ring is drained within 500 ms of a step; /metrics counts it then
+            text = scrape(metrics_port)
+            agent_steps = sum(v for _, v in metric_samples(text, "moescope_steps_total"))
+            if agent_steps >= steps_ran or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
     finally:
-        daemon.stop()
-        loop.join(timeout=30)
-        daemon.close()  # the final drain of the ring
         ctl.close()
-    nvtx_stats = observers.nvtx[0].stats()
-    parser_stats = observers.parsers[0].stats()
-    observers.metrics.refresh()  # what a scrape does first: the per-step sums held back between scrapes
-    text = generate_latest(observers.metrics.registry).decode()
-    policy_attached = observers.policy is not None
-    observers.close()
-    agent_steps = observers.metrics.get("moescope_steps")
-    lost = {k: v for k, v in nvtx_stats.items() if k.startswith("dropped") and v}
-    report.add("INFO", f"{label}: NVTX collector", json.dumps(nvtx_stats)[:600])
-    report.add("INFO", f"{label}: convention parser", json.dumps(parser_stats)[:600])
-    report.check(not lost, f"{label}: 0 NVTX records lost", json.dumps(lost))
+        if agent.poll() is None:
+            agent.send_signal(signal.SIGINT)  #: the agent drains, exports, prints its summary
+        try:
+            agent.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+        out.join(30)
+    lines = out.lines()
+    report.check(agent.returncode == 0, f"{label}: agent exits 0 after SIGINT", f"exit {agent.returncode}")
+    for line in lines:
+        if line.startswith(("agent: summary:", "agent: pipeline:", "agent: nvtx pid", "agent: export:")):
+            report.add("INFO", f"{label}: agent", line[len("agent: "):])
+    nvtx = next((line for line in lines if line.startswith(f"agent: nvtx pid {pid}:")), "")
+    report.check(", drops 0," in nvtx, f"{label}: 0 NVTX records lost", nvtx)
     report.check(steps_ran > 0 and agent_steps == steps_ran, f"{label}: every step reached the agent",
-                 f"server ran {steps_ran} steps while attached, agent counted {agent_steps:.0f}")
+                 f"server ran {steps_ran} steps while attached, /metrics counted {agent_steps:.0f}")
     gini = metric_samples(text, "moescope_expert_load_gini")
     entropy = metric_samples(text, "moescope_router_entropy_normalized")
     gini_values, entropy_values = [v for _, v in gini], [v for _, v in entropy]
@@ -196,7 +209,7 @@ def check_target(kind: str, report: Report, children: Children, args: argparse.N
                  f"{len(gini)} Gini gauges, {len(entropy)} entropy gauges; Gini {_span(gini_values)}, "
                  f"normalised entropy {_span(entropy_values)}")
     routed = sum(v for _, v in metric_samples(text, "moescope_expert_tokens_total"))
-    step_tokens = observers.metrics.get("moescope_step_tokens")
+    step_tokens = sum(v for _, v in metric_samples(text, "moescope_step_tokens_total"))
     expected = step_tokens * SHAPE["layers"] * SHAPE["top_k"]
     report.check(step_tokens > 0 and routed == expected, f"{label}: expert tokens = step tokens x layers x top-k",
                  f"{routed:.0f} routed, {step_tokens:.0f} step tokens -> {expected:.0f}")
@@ -211,8 +224,10 @@ def check_target(kind: str, report: Report, children: Children, args: argparse.N
         links = metric_samples(text, "moescope_nvlink_transmit_bytes_total")
         report.add("INFO", f"{label}: NVLink series", f"{len(links)} (one per active link; none without NVLink)")
     if kind == "runtime":
-        report.check(policy_attached, f"{label}: policy loop attached to the control socket (dry run)")
-    spans = trace_spans(tmp / "state" / "traces")
+        report.check(any(line.startswith("agent: policy: ") and "dry-run" in line for line in lines),
+                     f"{label}: policy loop on the control socket (dry run)",
+                     next((line for line in lines if line.startswith("agent: policy")), "no policy line"))
+    spans = trace_spans(state / "traces")
     report.check(spans.get("moe.step", 0) > 0, f"{label}: step spans in the OTLP-JSON trace files",
                  json.dumps(dict(sorted(spans.items(), key=lambda kv: -kv[1])[:8])))
 
@@ -223,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", action="append", choices=("runtime", "hf"), help="default: both")
     parser.add_argument("--load-s", type=float, default=15.0, help="load generator duration per target")
     parser.add_argument("--width", type=int, default=128, help="model width (routing shape is fixed)")
+    parser.add_argument("--kernel", action="store_true",
+                        help="keep the eBPF ingress probe (a host with bcc and the kernel's headers)")
     args = parser.parse_args(argv)
     report = Report()
     children = Children()

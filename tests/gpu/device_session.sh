@@ -7,7 +7,7 @@
 #   2. tests/gpu/check_gpu.py: the real NVML collector (memory, NVLink per link, PCIe, a CUDA
 #      process's own memory) and the reference runtime on CUDA under load with expert offload /
 #      restore / migrate and FP16 fallback through its control socket;
-#   3. tests/gpu/check_agent_cuda.py: the agent's observers beside the reference runtime and a
+#   3. tests/gpu/check_agent_cuda.py: agent start --no-collector.ingress beside the reference runtime and a
 #      transformers Qwen3-MoE server on CUDA, both at 48 layers x 128 experts, top-8;
 #   4. benchmarks/hf_cuda_cost.py: instrument()'s cost at Qwen3-30B-A3B's shape in bf16;
 #   5. tests/gpu/check_device_routing.py and the fake-NVML unit tests (tests/telemetry);
