@@ -21,7 +21,6 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -396,11 +395,10 @@ class Observers:
         """The pipeline's windows, plus the runtime's queue depths (and its view where NVTX is off):
         the signals the policy's rules read (the others are left NaN / empty)."""
         wanted = self._wanted_signals()
-        mine = self.pipeline.signals(wanted=wanted)
         changes: dict[str, Any] = self._own_signals(wanted)
         if self.stats_signals is None:
             self._pace_host(policy_signal=self.pipeline.memory_source() != "nvml")
-            return replace(mine, **changes) if changes else mine
+            return self.pipeline.signals(wanted=wanted, overrides=changes)
         # The runtime's own routing view is only the fallback where NVTX is off: skip computing it.
         self.stats_signals.with_routing = not self.nvtx
         theirs = self.stats_signals()
@@ -415,7 +413,7 @@ class Observers:
         if runtime_memory:
             changes["device_memory_used_ratio"] = theirs.device_memory_used_ratio
         self._pace_host(policy_signal=not runtime_memory and source != "nvml")
-        return replace(mine, **changes)
+        return self.pipeline.signals(wanted=wanted, overrides=changes)
 
     def _wanted_signals(self) -> frozenset[str] | None:
         """The Signals fields the enabled rules read (None: no policy, every one)."""

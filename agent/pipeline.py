@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 from opentelemetry.util.types import AttributeValue
 
@@ -122,8 +122,9 @@ class Pipeline:
         self.join.expire(flush=flush)
 
     # ------------------------------------------------------------------ reads (the outputs')
-    def signals(self, t_s: float | None = None, *, wanted: Collection[str] | None = None) -> Signals:
-        return self.windows.signals(t_s, wanted=wanted)
+    def signals(self, t_s: float | None = None, *, wanted: Collection[str] | None = None,
+                overrides: Mapping[str, object] | None = None) -> Signals:
+        return self.windows.signals(t_s, wanted=wanted, overrides=overrides)
 
     def panels(self) -> tuple[st.Requests, st.Moe, st.Devices]:
         return self.windows.panels()

@@ -12,7 +12,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
@@ -430,10 +430,13 @@ class WindowsOutput:
         return {}
 
     # ------------------------------------------------------------------ the policy's view
-    def signals(self, t_s: float | None = None, *, wanted: Collection[str] | None = None) -> Signals:
+    def signals(self, t_s: float | None = None, *, wanted: Collection[str] | None = None,
+                overrides: Mapping[str, object] | None = None) -> Signals:
         """The windows now (NaN where there is no data). ``wanted``: the Signals fields to compute
         (the policy's rules' signals; None: every one); the others are left NaN / empty. The policy
-        asks five times a second, and most of its default rules read a few of the twenty."""
+        asks five times a second, and most of its default rules read a few of the twenty.
+        ``overrides``: fields from elsewhere (the runtime's queues), set in the one Signals made
+        (dataclasses.replace on it after was a fifth of an idle policy period)."""
         now = self.clock()
         want = _ALL_SIGNALS if wanted is None else wanted
         values: dict[str, object] = {}
@@ -470,6 +473,8 @@ class WindowsOutput:
                 values["request_ttft_p99_ms"] = phases.ttft_p99(now)
             if "request_tpot_p99_ms" in want:
                 values["request_tpot_p99_ms"] = phases.tpot_p99(now)
+        if overrides:
+            values.update(overrides)
         return Signals(t_s=now / 1e9 if t_s is None else t_s, **values)  # type: ignore[arg-type]
 
     def network_panel(self) -> st.Network:
