@@ -162,7 +162,8 @@ class KernelObservers(Observers):
     def snapshot(self) -> st.Snapshot:
         snapshot = super().snapshot()
         window = self.requests_window
-        return snapshot if window is None else replace(snapshot, requests=window.panel())
+        # no window: --no-collector.ingress; no kernel-timed requests to show (N/A, not a rate of 0)
+        return replace(snapshot, requests=st.Requests() if window is None else window.panel())
 
     def _own_signals(self, wanted: frozenset[str] | None) -> dict[str, Any]:
         window = self.requests_window

@@ -84,6 +84,29 @@ def resolve_state_file(*, state: Path | None, state_dir: Path | None, pid: int |
     return agents[0].path, agents[0].pid
 
 
+FRESH_AFTER_S = 1.0  # a snapshot older than this may be an idle write: wait for the one our open asks for
+FRESH_WAIT_S = 2.0  # at most this long (the publisher writes within milliseconds of a reader's open)
+
+
+def fresh_snapshot(path: Path, snapshot: Snapshot, *, wait_s: float = FRESH_WAIT_S) -> Snapshot:
+    """The agent writes its state every 10 s while nobody reads it, and at once when someone opens
+    the file (agent/state.py, PeriodicPublisher): a snapshot older than a second is followed by the
+    fresh one our open asked for, within `wait_s`; an agent that writes none by then (an old agent,
+    one with no inotify) is shown as read, its age on screen."""
+    if time.time() - snapshot.taken_unix_s <= FRESH_AFTER_S:
+        return snapshot
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        try:
+            newer = read_snapshot(path)
+        except errors.SourceUnavailable:  # mid-replace, or the agent just exited: keep what we have
+            continue
+        if newer.seq != snapshot.seq or newer.taken_unix_s > snapshot.taken_unix_s:
+            return newer
+    return snapshot
+
+
 def _terminate(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # run_live restores the terminal on its way out
 
@@ -92,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     if args.interval <= 0:
         raise errors.UsageError("--interval must be > 0")
     path, agent_pid = resolve_state_file(state=args.state, state_dir=args.state_dir, pid=args.pid)
-    first = read_snapshot(path)  # fail fast (exit 9) before taking over the screen
+    first = fresh_snapshot(path, read_snapshot(path))  # fail fast (exit 9) before taking over the screen
     if args.once or not sys.stdout.isatty():  # a pipe or file gets one frame, not a redraw loop
         console = Console()
         console.print(Dashboard(first, now_unix_s=time.time(), fit_height=console.is_terminal))

@@ -24,6 +24,7 @@ from tests.e2e.harness import (
     free_port,
     get_stats,
     metric_samples,
+    run_cli,
     runtime_argv,
     scrape,
     spans_from_otlp_json,
@@ -62,6 +63,7 @@ def test_without_kernel_timing_the_steps_are_traced_on_their_own(tmp_path: Path)
             if seen >= ran or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
+        top = run_cli(["top", "--once", "--state-dir", str(state)])
         rc = agent.interrupt_and_wait()
     finally:
         agent.kill_group()
@@ -70,6 +72,13 @@ def test_without_kernel_timing_the_steps_are_traced_on_their_own(tmp_path: Path)
     assert any(re.match(r"^agent: summary: kernel timing off \(--no-collector\.ingress\)", line)
                for line in agent.out), agent.text()
     assert not any("open connections seeded" in line or "network signals" in line for line in agent.err), agent.text()
+    # the live view: the MoE panel from NVTX, no request numbers (N/A, not 0 req/s), no ingress probe
+    assert top.returncode == 0, top
+    lines = top.stdout.splitlines()
+    assert re.search(r"MoE routing · 2 layers · E=8", top.stdout), top.stdout
+    assert lines[1].startswith("probes ") and "nvtx" in lines[1] and "ingress" not in lines[1], top.stdout
+    row = next(i for i, line in enumerate(lines) if "req/s" in line)
+    assert lines[row + 1].count("N/A") == 7, top.stdout
     spans = spans_from_otlp_json(state / "traces")
     steps = [s for s in spans if s.name == "moe.step"]
     assert len(steps) == ran and not [s for s in spans if s.kind == SERVER_KIND]

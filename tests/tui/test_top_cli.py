@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from moescope.agent.state import StatePublisher
+from moescope.agent.top_cmd import FRESH_AFTER_S
 
 from .conftest import FIXTURES, load_fixture
 
@@ -96,6 +99,18 @@ def test_once_prints_a_frame_of_the_running_agent(driver: tuple[Path, int]) -> N
     assert "DRY-RUN" in result.stdout and "MoE routing · 48 layers · E=16384" in result.stdout
     # not a terminal: natural heights, nothing hidden
     assert "hidden" not in result.stdout and "L47" in result.stdout
+
+
+def test_once_shows_the_snapshot_its_open_asked_for_not_the_idle_one(driver: tuple[Path, int]) -> None:
+    """Nobody read the driver's file, so it wrote once (seq 1, rate 1001) and sleeps up to its idle
+    10 s; `--once` opens the file (the publisher wakes and writes at once) and shows that write,
+    not the snapshot that may be ten seconds old."""
+    state_dir, _pid = driver
+    time.sleep(FRESH_AFTER_S + 0.5)  # older than what is shown as read
+    result = agent_top("--once", "--state-dir", str(state_dir))
+    assert result.returncode == 0, result.stderr
+    rates = re.findall(r"│\s+(\d+)\.0\s+48\.0", result.stdout)
+    assert rates and int(rates[0]) >= 1002, result.stdout
 
 
 def test_pid_chooses_among_several_agents(driver: tuple[Path, int]) -> None:
