@@ -212,7 +212,7 @@ class Observers:
         lines to say (one per part that could not follow, and what did)."""
         first_note = len(self.notes)
         self.targets.append(st.Target(pid=pid, comm=read_comm(pid) or "?"))
-        parts = ["ingress"]
+        parts = ["ingress"] if "ingress" in self.probes else []  # (the probe follows it in agent/start.py)
         enabled = enabled_collectors(self.args)
         if "nvtx" in enabled:
             before = len(self.nvtx)
@@ -226,7 +226,7 @@ class Observers:
             self._attach_policy_soft(pid)
             parts.append("policy" if self.policy is not None else "policy (waiting for its control socket)")
         lines = self.notes[first_note:]
-        lines.append(f"following pid {pid}: {', '.join(parts)}")
+        lines.append(f"following pid {pid}: {', '.join(parts) or 'nothing (no source could follow it)'}")
         return lines
 
     def _attach_policy_soft(self, pid: int) -> None:

@@ -332,9 +332,10 @@ class TargetFollower:
                 self.live.append(target)
                 self.reattached += 1
                 self.waiting.pop(port, None)
+                seeded_text = f"; {seeded} open connections seeded" if self.probe is not None else ""
                 print(f"agent: re-attached to {target.describe()} listening on port {port}, "
-                      f"{(now_ns - gone_ns) / 1e9:.1f} s after the previous target exited; "
-                      f"{seeded} open connections seeded", file=sys.stderr, flush=True)
+                      f"{(now_ns - gone_ns) / 1e9:.1f} s after the previous target exited{seeded_text}",
+                      file=sys.stderr, flush=True)
                 try:
                     lines = self.observers.reattach(target.pid)
                 except Exception:  # e.g. it exited already: the next tick reaps it; never end the agent
