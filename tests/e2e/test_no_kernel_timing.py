@@ -33,6 +33,12 @@ from tests.e2e.harness import (
 )
 
 
+def runtime_argv_on(port: int) -> list[str]:
+    """The test runtime on a fixed port (the harness's asks for any free one)."""
+    argv = runtime_argv()
+    return [*argv[:argv.index("--port") + 1], str(port), *argv[argv.index("--port") + 2:]]
+
+
 def no_bcc_env(tmp_path: Path) -> dict[str, str]:
     """The test's environment with a `bcc` package first on the path that cannot be imported."""
     shadow = tmp_path / "shadow" / "bcc"
@@ -85,6 +91,34 @@ def test_without_kernel_timing_the_steps_are_traced_on_their_own(tmp_path: Path)
     assert len({s.trace_id for s in steps}) == ran and all(s.parent_span_id is None for s in steps)
     layers = [s for s in spans if s.name == "moe.layer"]
     assert len(layers) == ran * LAYERS
+
+
+def test_a_restarted_port_server_is_followed_without_kernel_timing(tmp_path: Path) -> None:
+    """--port without the probe: the agent waits for the next server on the port and follows it with
+    what it has (telemetry here: the servers run without the NVTX variable), claiming no probe."""
+    port = free_port()
+    env = no_bcc_env(tmp_path)
+    first = Proc(runtime_argv_on(port), env=env)
+    agent: Proc | None = None
+    second: Proc | None = None
+    try:
+        wait_runtime_ready(first)
+        agent = Proc(agent_argv(state_dir=tmp_path / "state", extra=[
+            "--no-collector.ingress", "--no-policy", "--metrics-port", "0", "--port", str(port)]), env=env)
+        agent.wait_for_line(rf"^agent: observing pid {first.pid} .*without kernel timing", stream="err")
+        first.stop()
+        agent.wait_for_line(rf"^agent: target pid {first.pid} .*exited; waiting for a process listening on port {port}",
+                            stream="err")
+        second = Proc(runtime_argv_on(port), env=env)
+        line = agent.wait_for_line(rf"^agent: re-attached to pid {second.pid} .*$", stream="err")
+        following = agent.wait_for_line(rf"^agent: following pid {second.pid}: .*$", stream="err")
+        assert agent.interrupt_and_wait() == 0, agent.text()
+    finally:
+        for proc in (agent, second, first):
+            if proc is not None:
+                proc.kill_group()
+    assert line[0].endswith("s after the previous target exited"), line[0]
+    assert following[0] == f"agent: following pid {second.pid}: telemetry", following[0]
 
 
 def test_bcc_missing_names_the_way_to_run_without_kernel_timing(tmp_path: Path) -> None:
