@@ -133,10 +133,6 @@ def _find_indices(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.
     return None, _UNKNOWN
 
 
-def _cuda_flag(block: MoeBlock) -> bool:
-    return any(p.is_cuda for p in block.experts.parameters())
-
-
 def _cuda_index(block: MoeBlock) -> int:
     """The device index of a CUDA layer's experts (-1 for a host layer)."""
     return next((p.get_device() for p in block.experts.parameters() if p.is_cuda), -1)
@@ -492,7 +488,8 @@ class Instrumentation:
         self._index_place: list[int | str] = [_UNKNOWN] * layers
         # where the experts live, read once (instrument after moving the model to its device):
         # CUDA layers are always deferred, CPU layers unless defer=False
-        self._cuda = [_cuda_flag(b) for b in self.blocks]
+        self._device_index = [_cuda_index(b) for b in self.blocks]  # its CUDA device (-1: a host layer)
+        self._cuda = [index >= 0 for index in self._device_index]
         self._any_cuda = any(self._cuda)
         self._deferred = [defer or cuda for cuda in self._cuda]
         # per layer, after its first call on a deferred host layer: a fast path keeps the scores and
@@ -504,10 +501,9 @@ class Instrumentation:
         self._router_outputs: list[object] = [None] * layers  # a _SLOW layer's router output, until its experts call
         self._experts_handles: dict[int, _Wrapped] = {}
         self._events: list[tuple[Any, Any]] = []  # CUDA event pairs, one per experts call of a step, reused
-        # a CUDA layer's device index, and each device's current stream looked up once a step (the
-        # events are recorded on it: Event.record() with no stream looks it up per call, ~20 Python
-        # calls, ~30 µs a layer on the host of a host-bound decode step)
-        self._device_index = [_cuda_index(b) for b in self.blocks]
+        # each device's current stream, looked up once a step (the events are recorded on it:
+        # Event.record() with no stream looks it up per call, ~20 Python calls, ~30 µs a layer on the
+        # host of a host-bound decode step)
         self._streams: dict[int, Any] = {}
         self._zeros = {b.num_experts: np.zeros(b.num_experts, dtype=np.int64) for b in self.blocks}
         # moe/v2.2 compact steps (deferred layers only): per layout (layer, E) of a step, its held vectors
@@ -717,7 +713,6 @@ class Instrumentation:
         """A CUDA layer's experts call after its first: the scores and indices kept for the step end,
         the call timed by the step's next CUDA event pair on its device's current stream. Anything
         unexpected (no scores from the router, no index tensor) goes the slow way, which learns again."""
-        step = self._step
         pair = stream = None
         try:
             found = self._scores[layer]
@@ -728,20 +723,11 @@ class Instrumentation:
                 indices = kwargs.get(place)
             if found is not None and isinstance(indices, torch.Tensor) and not indices.is_floating_point():
                 self._scores[layer] = None
-                calls = step.calls
-                step.pending.append((calls, layer, found, indices))
-                step.calls = calls + 1
-                step.pending_elements += found.numel()
-                if step.pending_elements > _PENDING_ELEMENTS_CUDA:  # a long prefill: reduce now, hold less
-                    self._reduce_pending()
-                events = self._events
-                if calls == len(events):
-                    events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                pair = self._event_pair(self._keep(layer, found, indices))
                 device = self._device_index[layer]
                 stream = self._streams.get(device)
                 if stream is None:
                     stream = self._streams[device] = torch.cuda.current_stream(device)
-                pair = events[calls]
                 pair[0].record(stream)
         except Exception as exc:  # noqa: BLE001 - never into the model
             self._failed("experts", exc)
@@ -753,6 +739,25 @@ class Instrumentation:
             return original(*args, **kwargs)
         finally:
             pair[1].record(stream)
+
+    def _keep(self, layer: int, scores: torch.Tensor, indices: torch.Tensor) -> int:
+        """A deferred layer call's tensors kept for the step end (the step reduced early past its
+        limit); the call's index in the step (its CUDA event pair's)."""
+        step = self._step
+        call = step.calls
+        step.pending.append((call, layer, scores, indices))
+        step.calls = call + 1
+        step.pending_elements += scores.numel()
+        if step.pending_elements > (_PENDING_ELEMENTS_CUDA if self._cuda[layer] else _PENDING_ELEMENTS):
+            self._reduce_pending()  # a long prefill: reduce now, hold less
+        return call
+
+    def _event_pair(self, call: int) -> tuple[Any, Any]:
+        """The step's `call`-th CUDA event pair (made at the first step that has that many calls)."""
+        events = self._events
+        if call == len(events):
+            events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+        return events[call]
 
     def _take_router_fast(self, layer: int, output: object, indices: torch.Tensor) -> None:
         """After a deferred host layer's first call: if its router returned the very index tensor the
@@ -879,20 +884,13 @@ class Instrumentation:
             self._top_k[layer] = int(indices.shape[-1])
         self._index_place[layer] = place
         if self._deferred[layer]:
-            step = self._step
-            step.pending.append((step.calls, layer, scores, indices))
-            step.pending_elements += scores.numel()
-            if step.pending_elements > (_PENDING_ELEMENTS_CUDA if self._cuda[layer] else _PENDING_ELEMENTS):
-                self._reduce_pending()  # a long prefill: reduce now, hold less
+            call = self._keep(layer, scores, indices)
             if self._cuda[layer]:  # device time from a reused CUDA event pair
-                if step.calls == len(self._events):
-                    self._events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
-                self._events[step.calls][0].record()
+                self._event_pair(call)[0].record()
                 self._experts_open[layer] = True
                 self._mode[layer] = _CUDA_FAST  # its later calls: _experts_cuda_fast
             else:
                 self._take_router_fast(layer, router_output, indices)  # later calls: a fast path
-            step.calls += 1
             return
         self._stats["layers"] += 1
         flat_np = indices.detach().numpy().ravel()

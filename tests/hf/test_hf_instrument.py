@@ -409,7 +409,6 @@ def test_cuda_layers_take_their_fast_path_after_the_first_call(reduce_early: boo
         return f"stream-{len(lookups)}"
 
     FakeCudaEvent.records = []
-    monkeypatch.setattr(emit, "_cuda_flag", lambda block: True)
     monkeypatch.setattr(emit, "_cuda_index", lambda block: 0)
     monkeypatch.setattr(torch.cuda, "Event", FakeCudaEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
