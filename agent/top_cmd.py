@@ -115,7 +115,9 @@ def run(args: argparse.Namespace) -> int:
     if args.interval <= 0:
         raise errors.UsageError("--interval must be > 0")
     path, agent_pid = resolve_state_file(state=args.state, state_dir=args.state_dir, pid=args.pid)
-    first = fresh_snapshot(path, read_snapshot(path))  # fail fast (exit 9) before taking over the screen
+    first = read_snapshot(path)  # fail fast (exit 9) before taking over the screen
+    if agent_pid is not None and pid_exists(agent_pid):  # a running agent's file (not a saved snapshot)
+        first = fresh_snapshot(path, first)
     if args.once or not sys.stdout.isatty():  # a pipe or file gets one frame, not a redraw loop
         console = Console()
         console.print(Dashboard(first, now_unix_s=time.time(), fit_height=console.is_terminal))

@@ -439,6 +439,8 @@ class WindowsOutput:
         (dataclasses.replace on it after was a fifth of an idle policy period)."""
         now = self.clock()
         want = _ALL_SIGNALS if wanted is None else wanted
+        if overrides:  # not computed here only to be replaced (the kernel's request p99, the runtime's memory)
+            want = frozenset(want).difference(overrides)
         values: dict[str, object] = {}
         with self._lock:
             routing = self._routing

@@ -524,3 +524,27 @@ def test_rates_stay_bounded_without_a_live_view() -> None:
         rate.add(t)
     assert len(rate.times) == 1_001  # the last window_ns (inclusive), not all 100 000
     assert rate.rate(99_999) == pytest.approx(1_001 / 1e-6)
+
+
+def test_overrides_are_set_and_not_computed_by_the_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A field handed in (the kernel's request p99, the runtime's queues and memory) is the one in the
+    Signals, and the windows do not compute their own value of it only to have it replaced."""
+    from moescope.latency import SlidingQuantile
+
+    pipeline = Pipeline(spans=None, clock=FakeClock(), window_ns=WINDOW_NS)
+    asked: list[object] = []
+    p99 = SlidingQuantile.p99
+
+    def counted(self: SlidingQuantile, now_ns: int) -> float:
+        asked.append(self)
+        return p99(self, now_ns)
+
+    monkeypatch.setattr(SlidingQuantile, "p99", counted)
+    overrides = {"request_p99_ms": 12.5, "expert_queue_tokens": {(0, 3): 60.0}, "device_memory_used_ratio": 0.25}
+    sig = pipeline.signals(wanted=None, overrides=overrides)
+    assert (sig.request_p99_ms, dict(sig.expert_queue_tokens), sig.device_memory_used_ratio) == (
+        12.5, {(0, 3): 60.0}, 0.25)
+    request_window = pipeline.windows._request_latency_ms
+    assert request_window not in asked and len(asked) >= 2  # step and expert-load p99s still computed
+    pipeline.signals(wanted=None)
+    assert request_window in asked
