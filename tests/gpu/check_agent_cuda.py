@@ -33,17 +33,19 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "gpu"))
+sys.path.insert(0, str(REPO / "tests"))  # the e2e harness's own imports (otlp_receiver)
 
 from check_gpu import Children, Control, Report, echo  # noqa: E402
 
 from moescope.collectors.nvtx import injection_env  # noqa: E402
 from moescope.examples.moe_runtime.launch import LaunchError, LineReader, launch, runtime_argv  # noqa: E402
+from tests.e2e.harness import free_port, scrape, spans_from_otlp_json  # noqa: E402
 
 SHAPE = {"layers": 48, "experts": 128, "top_k": 8}
 ATTACH_WAIT_S = 20.0
@@ -80,39 +82,8 @@ def agent_argv(pid: int, state_dir: Path, metrics_port: int, *, control_socket: 
     return argv
 
 
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
-        return str(response.read().decode())
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def runtime_steps(ctl: Control) -> int:
     return int(ctl.call("stats", fields=[])["result"]["counters"]["steps"])
-
-
-def trace_spans(traces_dir: Path) -> dict[str, int]:
-    """Span name -> count over every OTLP-JSON line the file exporter wrote."""
-    counts: dict[str, int] = {}
-    for path in sorted(traces_dir.rglob("*")):
-        if not path.is_file():
-            continue
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                doc = json.loads(line)
-            except ValueError:
-                continue
-            for rs in doc.get("resourceSpans", []):
-                for ss in rs.get("scopeSpans", []):
-                    for span in ss.get("spans", []):
-                        counts[span.get("name", "?")] = counts.get(span.get("name", "?"), 0) + 1
-    return counts
 
 
 def _span(values: list[float]) -> str:
@@ -227,7 +198,7 @@ def check_target(kind: str, report: Report, children: Children, args: argparse.N
         report.check(any(line.startswith("agent: policy: ") and "dry-run" in line for line in lines),
                      f"{label}: policy loop on the control socket (dry run)",
                      next((line for line in lines if line.startswith("agent: policy")), "no policy line"))
-    spans = trace_spans(state / "traces")
+    spans = Counter(span.name for span in spans_from_otlp_json(state / "traces"))
     report.check(spans.get("moe.step", 0) > 0, f"{label}: step spans in the OTLP-JSON trace files",
                  json.dumps(dict(sorted(spans.items(), key=lambda kv: -kv[1])[:8])))
 
