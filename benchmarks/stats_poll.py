@@ -11,7 +11,8 @@ what matters here), a few requests so the counters are not all zero, then `--pol
 `RuntimeStatsSignals` + `RuntimeStatsSource` (what the agent runs, with routing off as beside NVTX)
 timed by the agent's thread CPU and the runtime's process CPU, alternating whole / narrowed; then
 one narrowed run with requests going (busy queues: the agent's side and the reply's size; the
-runtime's CPU is its serving then).
+runtime's CPU is its serving then). A third arm, `page`, reads the runtime's stats page between
+calls (moescope/stats_page.py: one `pread`, no call), idle and under load.
 
     .venv/bin/python -m benchmarks.stats_poll [--shapes reference,qwen3-30b-a3b,deepseek-v3] [--pairs 3]
 
@@ -46,11 +47,12 @@ SHAPES: dict[str, tuple[int, int, int]] = {  # layers, experts, top-k
     "deepseek-v3": (58, 256, 8),
 }
 BAR_MS_PER_POLL = 2.0
-MODES = ("whole", "narrowed")
+# page: narrowed stats once, then the runtime's stats page (moescope/stats_page.py) between calls
+MODES = ("whole", "narrowed", "page")
 
 
 def poll_cost(socket_path: Path, runtime_pid: int, *, mode: str, polls: int) -> dict[str, float]:
-    signals = RuntimeStatsSignals(socket_path, timeout_s=30.0)
+    signals = RuntimeStatsSignals(socket_path, timeout_s=30.0, use_page=mode == "page")
     signals.with_routing = False  # as the agent runs it beside NVTX
     if mode == "whole":
         signals.narrowed = False  # (as against a runtime that does not take narrowed stats)
@@ -66,8 +68,14 @@ def poll_cost(socket_path: Path, runtime_pid: int, *, mode: str, polls: int) -> 
         own, rt = time.thread_time() - own0, cpu_s(runtime_pid) - rt0
         if signals.poll_errors:
             raise RuntimeError(f"{signals.poll_errors} failed polls")
-        if (mode == "narrowed") != bool(signals.narrowed):
+        if (mode != "whole") != bool(signals.narrowed):
             raise RuntimeError(f"{mode}: the poller read narrowed={signals.narrowed}")
+        if (mode == "page") != (signals.page_periods >= polls - 1):  # (a refresh may fall in the run)
+            raise RuntimeError(f"{mode}: {signals.page_periods} of {polls} polls read the stats page")
+        if mode == "page":
+            assert signals.page is not None
+            return {"agent_ms_per_poll": 1000.0 * own / polls, "runtime_ms_per_poll": 1000.0 * rt / polls,
+                    "reply_bytes": float(signals.page.size)}
         assert signals._conn is not None  # noqa: SLF001 - the reply's size, once, on the poller's connection
         held = signals.last_state.placement_version if signals.last_state is not None else None
         reply = signals._conn.call("stats", {"fields": list(NARROW_FIELDS), "placement_since": held}) \
@@ -130,16 +138,19 @@ def one_shape(shape: str, *, pairs: int, polls: int, workdir: Path) -> dict[str,
                 runs[mode].append(poll_cost(sock, launched.popen.pid, mode=mode, polls=polls))
         # under load: the agent's side and the reply (the runtime's CPU is mostly serving then)
         with Load(launched.banner.http_port):
-            busy = poll_cost(sock, launched.popen.pid, mode="narrowed", polls=polls)
+            busy = {mode: poll_cost(sock, launched.popen.pid, mode=mode, polls=polls)
+                    for mode in ("narrowed", "page")}
     finally:
         stop_group(launched.popen)
     out: dict[str, Any] = {"shape": shape, "layers": layers, "experts": experts, "runs": runs}
     for mode in MODES:
         for metric in ("agent_ms_per_poll", "runtime_ms_per_poll", "reply_bytes"):
             out[f"{mode}_{metric}"] = statistics.median(r[metric] for r in runs[mode])
-    out["narrowed_busy_agent_ms_per_poll"] = busy["agent_ms_per_poll"]
-    out["narrowed_busy_reply_bytes"] = busy["reply_bytes"]
-    worst = max(out["narrowed_agent_ms_per_poll"], out["narrowed_runtime_ms_per_poll"], busy["agent_ms_per_poll"])
+    for mode, run in busy.items():
+        out[f"{mode}_busy_agent_ms_per_poll"] = run["agent_ms_per_poll"]
+        out[f"{mode}_busy_reply_bytes"] = run["reply_bytes"]
+    worst = max(out["narrowed_agent_ms_per_poll"], out["narrowed_runtime_ms_per_poll"],
+                out["narrowed_busy_agent_ms_per_poll"])
     out["bar_met"] = worst <= BAR_MS_PER_POLL
     return out
 
@@ -172,7 +183,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"runtime {result['narrowed_runtime_ms_per_poll']:.2f} ms; under load "
                   f"{result['narrowed_busy_reply_bytes'] / 1e3:.0f} KB, agent "
                   f"{result['narrowed_busy_agent_ms_per_poll']:.2f} ms (bar {BAR_MS_PER_POLL} each: "
-                  f"{'met' if result['bar_met'] else 'missed'})", flush=True)
+                  f"{'met' if result['bar_met'] else 'missed'}); "
+                  f"stats page {result['page_reply_bytes'] / 1e3:.0f} KB, "
+                  f"agent {result['page_agent_ms_per_poll']:.3f} / "
+                  f"runtime {result['page_runtime_ms_per_poll']:.3f} ms, "
+                  f"under load agent {result['page_busy_agent_ms_per_poll']:.3f} ms", flush=True)
     met = all(r["bar_met"] for r in results)
     path = write_result("stats_poll", {"pairs": args.pairs, "polls": args.polls, "bar_ms_per_poll": BAR_MS_PER_POLL,
                                        "bar_met": met, "shapes": results})

@@ -7,11 +7,13 @@ blocking and runs on the engine's worker threads, never on the evaluation thread
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
 import math
 import os
+import select
 import socket
 import threading
 import time
@@ -23,6 +25,7 @@ from typing import Any
 from moescope.agent.policy.audit import CommandResult
 from moescope.agent.policy.rules import Intent, RuleSpec, Target
 from moescope.errors import ControlError
+from moescope.stats_page import PageSnapshot
 
 PROTOCOL = "moescope-control/1"
 MAX_REPLY_BYTES = 64 * 1024 * 1024  # a stats reply grows with layers x experts
@@ -85,6 +88,15 @@ class ControlConnection:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+    def peer_gone(self) -> bool:
+        """Whether the runtime closed this connection (it exited, or let us go), seen without a call:
+        a zero-wait poll. Not connected counts as gone."""
+        if self._sock is None:
+            return True
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN | select.POLLRDHUP)
+        return bool(poller.poll(0))  # readable between calls: end of stream (or stray bytes: not ours)
 
     def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -186,6 +198,11 @@ _SPARSE = {"queue_depth_sparse": "queue_depth", "penalty_sparse": "penalty"}
 
 
 @functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=8)
+def _all_experts(layers: int, experts: int) -> tuple[Expert, ...]:
+    return tuple(itertools.product(range(layers), range(experts)))
+
+
 def _expert_keys(layer: int, count: int) -> tuple[Expert, ...]:
     """The (layer, expert) keys of one layer's per-expert list: the same tuples every poll."""
     return tuple((layer, expert) for expert in range(count))
@@ -296,6 +313,30 @@ class RuntimeState:
             )
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise CommandFailed(f"stats reply missing or malformed field: {exc}", outcome="protocol-error") from None
+
+    def with_page(self, page: PageSnapshot, *, routing: bool) -> RuntimeState:
+        """This state with a stats page's queues and penalties (tokens and entropy too with
+        ``routing``): what a narrowed `stats` call would have returned while the page's version
+        stands still. Queues and penalties as narrowed replies carry them: the entries not 0."""
+        experts = self.experts
+        queue = page.queue_depth.ravel()
+        busy = queue.nonzero()[0].tolist()
+        penalty = page.penalty.ravel()
+        penalised = penalty.nonzero()[0].tolist()
+        tokens: dict[Expert, int] = {}
+        entropy: dict[int, float] = {}
+        if routing:
+            assert len(page.tokens) == self.layers, "a page read without routing"
+            tokens = dict(zip(_all_experts(self.layers, experts), page.tokens.ravel().tolist()))
+            entropy = dict(enumerate(page.entropy_bits.tolist()))
+        return dataclasses.replace(
+            self,
+            queue_depth={divmod(i, experts): v for i, v in zip(busy, queue[busy].tolist())},
+            penalty={divmod(i, experts): v for i, v in zip(penalised, penalty[penalised].tolist())},
+            tokens=tokens,
+            entropy_bits=entropy,
+            last_step_tokens={},
+        )
 
     def same_view(self, other: RuntimeState) -> bool:
         """Whether what the agent's spans and live view show from a state (precision and residency

@@ -17,6 +17,13 @@ per-layer queues and penalties every period (tokens and entropy while routing is
 per-expert placement only after the runtime's placement_version moved. A runtime that refuses the
 arguments gets whole stats.
 
+A runtime that names a stats page in its reply (`stats_page`: moescope/stats_page.py, the reference
+runtime's default) is read from the page in the periods between: one `pread`, no call, no wake-up
+of the runtime. The socket is asked again when the page's version moved (placement, precision or a
+pool changed), when the connection shows the runtime gone, and at least every
+``PAGE_REFRESH_S``. A page that cannot be opened or goes wrong is counted (``page_errors``), logged
+once, and the socket serves every period of that connection.
+
 A failed poll yields a snapshot with no data (every rule holds its state) and is counted.
 """
 
@@ -24,9 +31,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +43,7 @@ from moescope.agent.policy.actuator import PLACEMENT_FIELDS, CommandFailed, Cont
 from moescope.agent.policy.rules import Signals
 from moescope.agent.routing_health import LayerRouting, RoutingHealthWindow, normalised_router_entropy
 from moescope.collectors.registry import SourceHealth
+from moescope.stats_page import LAYOUT_NAME, PageSnapshot, StatsPageError, StatsPageReader
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +51,9 @@ log = logging.getLogger(__name__)
 # only the runtime's own routing view needs (NVTX off)
 NARROW_FIELDS = ("queue_depth_sparse", "penalty_sparse")  # the non-zero entries only
 ROUTING_FIELDS = ("tokens", "entropy_bits")
+# With a stats page, `stats` over the socket at least this often: the rest of the reply (memory,
+# model) is held between, and a runtime that stopped answering shows up within it.
+PAGE_REFRESH_S = 5.0
 
 
 class RuntimeStatsSignals:
@@ -52,6 +65,7 @@ class RuntimeStatsSignals:
         window_s: float = 10.0,
         sticky_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
+        use_page: bool = True,
     ) -> None:
         self.socket_path = Path(socket_path)
         self.timeout_s = timeout_s
@@ -74,25 +88,92 @@ class RuntimeStatsSignals:
         # Whether the runtime answers narrowed stats (None: not asked yet; False: it refused them)
         self.narrowed: bool | None = None
         self._placement_held = False  # last_state's placement is this connection's runtime's
+        self.page: StatsPageReader | None = None
+        self.page_periods = 0  # periods read from the stats page alone
+        self.page_errors = 0  # pages refused or gone wrong (the socket serves instead)
+        self.use_page = use_page  # False: every period over the socket (benchmarks compare the two)
+        self._page_tried = False  # this connection's runtime's page was tried (once per connection)
+        self._page_version: int | None = None  # the page version last_state is up to date with
+        self._socket_read_s = -math.inf  # when `stats` was last read over the socket
 
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
         # the next connection may reach another runtime (a restart on the same socket path): its
-        # placement is read whole and whether it takes narrowed stats is asked again
+        # placement is read whole, whether it takes narrowed stats is asked again, its page opened anew
         self.narrowed = None
         self._placement_held = False
+        self._close_page()
+        self._page_tried = False
 
-    def _read(self) -> RuntimeState:
+    def _close_page(self) -> None:
+        if self.page is not None:
+            self.page.close()
+            self.page = None
+        self._page_version = None
+
+    def _page_error(self, exc: StatsPageError) -> None:
+        self.page_errors += 1
+        if self.page_errors == 1:
+            log.warning("policy: %s; reading `stats` over the socket (counting further page errors)", exc)
+        self._close_page()
+
+    def _read_page(self) -> PageSnapshot | None:
+        page = self.page
+        if page is None:
+            return None
+        try:
+            return page.read(routing=self.with_routing)
+        except StatsPageError as exc:
+            self._page_error(exc)
+            return None
+
+    def _open_page(self, result: dict[str, Any], state: RuntimeState) -> None:
+        """The page a `stats` reply names, opened once per connection: owned by the control
+        socket's owner, of the reply's shape and pid. Not named: nothing to do."""
+        self._page_tried = True
+        named = result.get("stats_page")
+        if named is None:
+            return
+        try:
+            if (not isinstance(named, dict) or named.get("layout") != LAYOUT_NAME
+                    or not isinstance(named.get("path"), str)):
+                raise StatsPageError(f"stats page {named!r}: not a {LAYOUT_NAME} page")
+            pid = result.get("pid")
+            if not isinstance(pid, int) or isinstance(pid, bool):
+                raise StatsPageError("stats page: the reply carries no pid")
+            self.page = StatsPageReader.open(named["path"], layers=state.layers, experts=state.experts, pid=pid,
+                                             owner_uid=os.stat(self.socket_path).st_uid)
+        except (StatsPageError, OSError) as exc:
+            self._page_error(exc if isinstance(exc, StatsPageError) else StatsPageError(f"stats page: {exc}"))
+
+    def _read(self, now_s: float) -> RuntimeState:
+        page = self._read_page()
+        held = self.last_state
+        conn = self._conn
+        if (page is not None and held is not None and page.version == self._page_version
+                and now_s - self._socket_read_s < PAGE_REFRESH_S and conn is not None and not conn.peer_gone()):
+            self.page_periods += 1
+            return held.with_page(page, routing=self.with_routing)
+        if conn is not None and conn.peer_gone():
+            self.close()  # the runtime went (or let this connection go): a fresh connection, its page anew
+            page = None
         if self._conn is None:
             self._conn = ControlConnection(self.socket_path, timeout_s=self.timeout_s)
         try:
-            if self.narrowed is not False:
-                state = self._read_narrowed(self._conn)
-                if state is not None:
-                    return state
-            return RuntimeState.from_stats(self._conn.call("stats"))
+            narrowed = self._read_narrowed(self._conn) if self.narrowed is not False else None
+            if narrowed is not None:
+                result, state = narrowed
+            else:
+                result = self._conn.call("stats")
+                state = RuntimeState.from_stats(result)
+            self._socket_read_s = now_s
+            # the version read before this call: a change since makes the next period call again
+            self._page_version = page.version if page is not None else None
+            if self.use_page and not self._page_tried:
+                self._open_page(result, state)
+            return state
         except CommandFailed:
             self.close()  # a fresh connection next period
             raise
@@ -100,12 +181,13 @@ class RuntimeStatsSignals:
             if self._conn is not None:
                 self._conn.results.clear()  # a long-lived connection keeps no history
 
-    def _read_narrowed(self, conn: ControlConnection) -> RuntimeState | None:
+    def _read_narrowed(self, conn: ControlConnection) -> tuple[dict[str, Any], RuntimeState] | None:
         """`stats` narrowed to what a period needs: queues and penalties (tokens and entropy too
         while routing is read here), the placement only when its version moved since the held one.
         At 48 layers x 128 experts the whole reply is ~400 KB and ~20 ms for each side to build and
         read; narrowed it is the queues'. None when the runtime refuses the arguments (an older
-        moescope-control/1 runtime: unknown arguments are an error there): whole stats from then on."""
+        moescope-control/1 runtime: unknown arguments are an error there): whole stats from then on.
+        Returns the reply with its state."""
         held = self.last_state
         fields = list(NARROW_FIELDS + (ROUTING_FIELDS if self.with_routing else ()))
         args: dict[str, object] = {"fields": fields}
@@ -124,13 +206,13 @@ class RuntimeStatsSignals:
         self.narrowed = True
         state = RuntimeState.from_stats(result, previous=held if self._placement_held else None)
         self._placement_held = state.placement_version is not None
-        return state
+        return result, state
 
     def __call__(self) -> Signals:
         now_s = self.clock()
         self.polls += 1
         try:
-            state = self._read()
+            state = self._read(now_s)
         except CommandFailed as exc:
             self.poll_errors += 1
             self.last_read_ok, self.last_read_error = False, str(exc)
@@ -251,8 +333,12 @@ class RuntimeStatsSource:
     def stats(self) -> dict[str, int]:
         # "records": every state taken from the poller (the live view's rate of this source), also
         # those equal to the previous one and so not emitted again ("records_unchanged").
+        # "page_periods": periods read from the runtime's stats page without a call; "page_errors":
+        # pages refused or gone wrong (the socket served instead)
+        signals = self.signals
         return {"records": self.emitted + self.unchanged, "records_unchanged": self.unchanged,
-                "polls_failed": self.signals.poll_errors}
+                "polls_failed": signals.poll_errors, "page_periods": signals.page_periods,
+                "page_errors": signals.page_errors}
 
     def close(self) -> None:
         return None

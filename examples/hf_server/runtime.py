@@ -152,6 +152,10 @@ class HfRuntime:
             "expert_bytes_fp32": elements * 4,
         }
 
+    def close(self) -> None:
+        """Nothing to remove: no stats page here (device memory moves with every step on a GPU, so a
+        poller reads `stats` over the socket each period)."""
+
     def stats_dict(self, *, fields: list[object] | None = None, placement_since: int | None = None) -> dict[str, Any]:
         # placement here is each layer's precision (the experts never move): it changes with set_precision
         version = self._precision_changes

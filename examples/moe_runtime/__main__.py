@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="CUDA with an NVTX tool attached: synchronise the device before closing each "
                           "moe.expert.ffn and moe.step range, so they measure GPU time (costs throughput)")
     net.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    net.add_argument("--no-stats-page", action="store_true",
+                     help="do not publish the stats page (the per-period part of `stats` in a shared-memory "
+                          "file that a policy reads without a control-socket call; docs/control-protocol.md)")
     net.add_argument("-v", "--verbose", action="count", default=0)
     model = p.add_argument_group("model")
     model.add_argument("--layers", type=int, default=d.layers)
@@ -120,6 +123,7 @@ def options_from_args(args: argparse.Namespace) -> RuntimeOptions:
         nvtx_routing=args.nvtx_routing,
         sync_ranges=args.sync_ranges,
         torch_threads=args.threads,
+        stats_page=not args.no_stats_page,
     )
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import os
 from typing import Any
 
+import numpy as np
 import torch
 
 from moescope.errors import ConfigError
@@ -24,6 +25,7 @@ from moescope.examples.moe_runtime.stats import (
 )
 from moescope.examples.moe_runtime.tokenizer import ByteTokenizer
 from moescope.moe_nvtx import DEFAULT_CONVENTION, Instrumentation, make_instrumentation
+from moescope.stats_page import LAYOUT_NAME, StatsPageWriter
 
 PROTOCOL = "moescope-control/1"
 MODEL_NAME = "moescope-reference-moe"  # stats "model": what the agent labels gen_ai.request.model with
@@ -50,6 +52,8 @@ class RuntimeOptions:
     nvtx_routing: str = "layer"  # v2: a moe.routing vector per layer, or one moe.step.routing per step
     sync_ranges: bool = False  # CUDA: synchronise before closing ffn/step ranges (true GPU time)
     torch_threads: int | None = None
+    # the per-period part of `stats` in a shared-memory file (moescope/stats_page.py); the CLI's default
+    stats_page: bool = False
 
 
 class Runtime:
@@ -96,6 +100,9 @@ class Runtime:
         self.model = MoEModel(cfg, store=self.store, stats=self.stats, instrumentation=self.ins,
                               sync_ranges=options.sync_ranges)
         self.tokenizer = ByteTokenizer(vocab=cfg.vocab)
+        self.page = StatsPageWriter(layers=cfg.layers, experts=cfg.experts) if options.stats_page else None
+        if self.page is not None:
+            self.stats.attach_page(self.page, version_key=self._version_key)
         self.engine = BatchEngine(model=self.model, stats=self.stats, instrumentation=self.ins,
                                   max_batch_size=options.max_batch_size, max_wait_ms=options.max_wait_ms,
                                   max_waiting=options.max_waiting)
@@ -114,7 +121,21 @@ class Runtime:
     def max_tokens_limit(self) -> int:
         return self.options.max_tokens_limit
 
+    def close(self) -> None:
+        """Remove the stats page (the server's last step on the way out)."""
+        if self.page is not None:
+            self.page.close()
+
     # ----- stats -----
+
+    def _version_key(self) -> object:
+        # what `stats` outside the page depends on: the placement (precision too) and the pools' sizes
+        return self.store.placement_version, tuple(self.store.capacity.items())
+
+    def _changed(self) -> None:
+        """After a command that moved experts, precision or a pool: a stats page poller reads `stats` again."""
+        if self.page is not None:
+            self.page.touch(self._version_key())
 
     def stats_dict(self, *, fields: list[object] | None = None, placement_since: int | None = None) -> dict[str, Any]:
         """The `stats` result (docs/control-protocol.md); `fields` / `placement_since` narrow its
@@ -143,7 +164,7 @@ class Runtime:
         counters = dict(snap["counters"])
         counters["migrations"] = self.store.migrations
         counters["precision_changes"] = self.store.precision_changes
-        return {
+        reply: dict[str, Any] = {
             "protocol": PROTOCOL,
             "pid": os.getpid(),
             "model": MODEL_NAME,
@@ -162,6 +183,9 @@ class Runtime:
             "counters": counters,
             "queue": self.engine.queue_sizes(),
         }
+        if self.page is not None:
+            reply["stats_page"] = {"path": str(self.page.path), "layout": LAYOUT_NAME, "bytes": self.page.size}
+        return reply
 
     # ----- commands (args already type-checked by the control layer) -----
 
@@ -169,13 +193,22 @@ class Runtime:
         return {"protocol": PROTOCOL, "pid": os.getpid(), "uid": os.getuid()}
 
     def cmd_migrate_expert(self, *, layer: int, expert: int, device: str, dtype: str | None = None) -> MoveResult:
-        return self.store.migrate(layer, expert, device=device, dtype=dtype)
+        try:
+            return self.store.migrate(layer, expert, device=device, dtype=dtype)
+        finally:
+            self._changed()
 
     def cmd_offload_expert(self, *, layer: int, expert: int, dtype: str = "fp16") -> MoveResult:
-        return self.store.offload(layer, expert, dtype=dtype)
+        try:
+            return self.store.offload(layer, expert, dtype=dtype)
+        finally:
+            self._changed()
 
     def cmd_restore_expert(self, *, layer: int, expert: int, device: str | None = None) -> MoveResult:
-        return self.store.restore(layer, expert, device=device)
+        try:
+            return self.store.restore(layer, expert, device=device)
+        finally:
+            self._changed()
 
     def cmd_set_precision(self, *, precision: str, experts: list[list[int]] | None = None) -> dict[str, Any]:
         pairs = None
@@ -185,7 +218,10 @@ class Runtime:
                 if not (isinstance(item, list) and len(item) == 2 and all(_is_int(v) for v in item)):
                     raise CommandError(f"experts must be a list of [layer, expert] int pairs, got {item!r}")
                 pairs.append((item[0], item[1]))
-        return self.store.set_precision(precision, pairs)
+        try:
+            return self.store.set_precision(precision, pairs)
+        finally:
+            self._changed()
 
     def cmd_set_router_penalty(self, *, expert: int, penalty: float, layer: int | None = None) -> dict[str, Any]:
         if not 0 <= expert < self.cfg.experts:
@@ -197,14 +233,23 @@ class Runtime:
             raise CommandError(f"layer {layer} out of range 0..{self.cfg.layers - 1}")
         layers = list(range(self.cfg.layers)) if layer is None else [layer]
         self.model.set_penalty(layers=layers, expert=expert, penalty=float(penalty))
+        if self.page is not None:
+            self.page.publish_penalty(np.asarray(self.model.penalties(), dtype=np.float64))
         return {"layers": layers, "expert": expert, "penalty": float(penalty)}
 
     def cmd_prefetch(self, *, count: int = 1, layer: int | None = None, device: str | None = None) -> dict[str, Any]:
         hotness, cumulative = self.stats.hotness_lists()
-        return self.store.prefetch(count=count, layer=layer, device=device, hotness=hotness, cumulative=cumulative)
+        try:
+            return self.store.prefetch(count=count, layer=layer, device=device, hotness=hotness,
+                                       cumulative=cumulative)
+        finally:
+            self._changed()
 
     def cmd_set_resident_capacity(self, *, device: str, experts: int) -> dict[str, Any]:
-        return self.store.set_capacity(device, experts)
+        try:
+            return self.store.set_capacity(device, experts)
+        finally:
+            self._changed()
 
     def cmd_stats(self, *, fields: list[object] | None = None, placement_since: int | None = None) -> dict[str, Any]:
         return self.stats_dict(fields=fields, placement_since=placement_since)

@@ -64,6 +64,7 @@ class ServedRuntime(Protocol):
     @property
     def max_tokens_limit(self) -> int: ...
     def stats_dict(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -380,6 +381,7 @@ def serve(runtime: ServedRuntime, *, prog: str, host: str, port: int, control_so
         http.server_close()
         control.close()
         stopped = runtime.engine.stop(timeout_s=ENGINE_STOP_TIMEOUT_S)
+        runtime.close()
     if not stopped:
         # the model thread is still inside a step: finalizing the interpreter under a daemon thread
         # in a torch call aborts the process ("terminate called without an active exception")

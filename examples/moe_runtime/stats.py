@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TypedDict
 
 import numpy as np
 
 from moescope.errors import UsageError
+from moescope.stats_page import StatsPageWriter
 
 # Hotness (for prefetch) halves every this many steps of a layer.
 HOTNESS_HALF_LIFE_STEPS = 32
@@ -85,17 +87,45 @@ class RuntimeStats:
             "streams": 0, "stream_disconnects": 0, "requests_cancelled": 0,
         }
         self._batch_requests_total = 0
+        # The stats page (moescope/stats_page.py), which then holds queue_depth, tokens and
+        # entropy_bits; version_key says what the rest of `stats` depends on (placement, capacity):
+        # the page's version moves with it.
+        self.page: StatsPageWriter | None = None
+        self.version_key: Callable[[], object] = lambda: None
+        self._queue_clear = True  # queue_depth is all 0 (idle() has nothing to write)
+
+    def attach_page(self, page: StatsPageWriter, *, version_key: Callable[[], object]) -> None:
+        """Keep queue depths, tokens and entropy in the page's arrays from now on: every write of
+        them is one page update, seen by a reader as it happens (a prefill's queues while it runs)."""
+        with self._lock:
+            page.begin()
+            try:
+                page.queue_depth[...] = self.queue_depth
+                page.tokens[...] = self.tokens
+                page.entropy_bits[...] = self.entropy_bits
+            finally:
+                page.end(version_key())
+            self.queue_depth, self.tokens, self.entropy_bits = page.queue_depth, page.tokens, page.entropy_bits
+            self.page, self.version_key = page, version_key
 
     def record_routing(self, *, layer: int, demand: np.ndarray, dropped: np.ndarray,
                        rerouted_in: np.ndarray, entropy_bits: float, capacity: int) -> None:
         with self._lock:
-            self.tokens[layer] += demand
+            page = self.page
+            if page is not None:
+                page.begin()
+            try:
+                self.tokens[layer] += demand
+                self.queue_depth[layer] = demand
+                self.entropy_bits[layer] = entropy_bits
+            finally:
+                if page is not None:
+                    page.end()
+            self._queue_clear = False
             self.dropped[layer] += dropped
             self.rerouted_in[layer] += rerouted_in
-            self.queue_depth[layer] = demand
             self.last_step_tokens[layer] = demand
             self.hotness[layer] = self.hotness[layer] * self._decay + demand
-            self.entropy_bits[layer] = entropy_bits
             self.capacity[layer] = capacity
 
     def record_load(self, *, layer: int, expert: int, bytes_moved: int) -> None:
@@ -114,6 +144,8 @@ class RuntimeStats:
             if requests > 1:
                 c["multi_request_steps"] += 1
             self._batch_requests_total += requests
+            if self.page is not None:
+                self.page.note_version(self.version_key())
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -122,7 +154,17 @@ class RuntimeStats:
     def idle(self) -> None:
         """Nothing is queued for any expert when no request is running."""
         with self._lock:
-            self.queue_depth[:] = 0
+            if self._queue_clear:
+                return  # (called every 0.5 s while idle)
+            page = self.page
+            if page is not None:
+                page.begin()
+            try:
+                self.queue_depth[:] = 0
+            finally:
+                if page is not None:
+                    page.end()
+            self._queue_clear = True
 
     def hotness_lists(self) -> tuple[list[list[float]], list[list[int]]]:
         with self._lock:

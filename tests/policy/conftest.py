@@ -12,6 +12,7 @@ import pytest
 from policy_helpers import REPO, RuntimeProc, StartRuntime
 
 from moescope.examples.moe_runtime.launch import LaunchError, launch, runtime_argv
+from moescope.stats_page import default_directory, sweep_stale_pages
 
 # Small enough for 2 shared cores: 2 layers x 8 experts of 24 KiB (fp32) each.
 SMALL_MODEL = ("--layers", "2", "--experts", "8", "--d-model", "32", "--d-ff", "64", "--n-heads", "2")
@@ -49,4 +50,5 @@ def start_runtime() -> Iterator[StartRuntime]:
     finally:
         for rt in started:
             rt.kill()
+        sweep_stale_pages(default_directory())  # the stats pages of the runtimes killed here
         shutil.rmtree(workdir, ignore_errors=True)

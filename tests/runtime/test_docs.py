@@ -22,8 +22,15 @@ def test_control_protocol_doc_matches_code() -> None:
         section = text.split(f"### `{cmd}`", 1)[1].split("\n### ", 1)[0]
         for arg in spec:
             assert f'"{arg}"' in section, (cmd, arg)
-    stats = Runtime(RuntimeOptions(model=ModelConfig(d_model=32, d_ff=32, layers=1, experts=4, n_heads=2),
-                                   nvtx=False)).stats_dict()
+    runtime = Runtime(RuntimeOptions(model=ModelConfig(d_model=32, d_ff=32, layers=1, experts=4, n_heads=2),
+                                     nvtx=False, stats_page=True))
+    try:
+        stats = runtime.stats_dict()
+    finally:
+        runtime.close()
+    assert "stats_page" in stats
+    for key in stats["stats_page"]:
+        assert f'"{key}"' in text, ("stats_page", key)
     for key in stats:
         assert f'"{key}"' in text, key
     for group in ("config", "counters", "queue", "memory", "precision"):

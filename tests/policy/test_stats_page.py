@@ -1,0 +1,327 @@
+"""The runtime's stats page (moescope/stats_page.py): what the reference runtime writes equals its
+`stats` reply; the policy's poller reads it between socket calls and calls again when it must; and
+a reader refuses or survives every bad page (links, FIFOs, other owners, wrong shapes, pages cut
+short under it, a writer stuck mid-update) with a one-line error, never a hang or a crash."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import struct
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from policy_helpers import StartRuntime
+
+from moescope.agent.policy.actuator import RuntimeState
+from moescope.agent.policy.stats_source import PAGE_REFRESH_S, RuntimeStatsSignals
+from moescope.examples.moe_runtime.stats import RuntimeStats
+from moescope.stats_page import (
+    LAYOUT_NAME,
+    PageSnapshot,
+    StatsPageError,
+    StatsPageReader,
+    StatsPageWriter,
+    page_bytes,
+    sweep_stale_pages,
+)
+
+
+def open_reader(writer: StatsPageWriter, **overrides: Any) -> StatsPageReader:
+    want: dict[str, Any] = {"layers": writer.layers, "experts": writer.experts, "pid": os.getpid(),
+                            "owner_uid": os.getuid()}
+    want.update(overrides)
+    return StatsPageReader.open(str(writer.path), **want)
+
+
+def read(reader: StatsPageReader) -> PageSnapshot:
+    snap = reader.read()
+    assert snap is not None, "the page was mid-update on every try"
+    return snap
+
+
+@pytest.fixture
+def writer(tmp_path: Path) -> Any:
+    made = StatsPageWriter(layers=3, experts=5, directory=tmp_path)
+    yield made
+    made.close()
+
+
+def write(writer: StatsPageWriter, version_key: object = None, **arrays: np.ndarray) -> None:
+    """One update, as the runtime makes them: its arrays written between begin() and end()."""
+    writer.begin()
+    for name, values in arrays.items():
+        getattr(writer, name)[...] = values
+    writer.end(version_key)
+
+
+def test_a_page_reads_back_what_was_written(writer: StatsPageWriter) -> None:
+    rng = np.random.default_rng(7)
+    queue, tokens = rng.integers(0, 90, (3, 5)), rng.integers(0, 10**12, (3, 5))
+    entropy, penalty = rng.random(3) * 4, np.round(rng.random((3, 5)), 3)
+    write(writer, ("a",), queue_depth=queue, tokens=tokens, entropy_bits=entropy)
+    writer.publish_penalty(penalty)
+    reader = open_reader(writer)
+    try:
+        snap = read(reader)
+        assert snap.updates == 2 and snap.version == 1
+        assert np.array_equal(snap.queue_depth, queue) and np.array_equal(snap.tokens, tokens)
+        assert np.array_equal(snap.entropy_bits, entropy) and np.array_equal(snap.penalty, penalty)
+        write(writer, ("a",), queue_depth=queue)
+        writer.note_version(("a",))
+        assert read(reader).version == 1 and read(reader).updates == 3  # the same key: the version stands
+        write(writer, queue_depth=np.zeros((3, 5)))
+        writer.note_version(("b",))
+        after = read(reader)
+        assert after.version == 2 and not after.queue_depth.any() and np.array_equal(after.tokens, tokens)
+        assert np.array_equal(snap.queue_depth, queue)  # a snapshot keeps its values past the next read
+        short = reader.read(routing=False)  # header, queues and penalties only
+        assert short is not None and short.tokens.shape == (0, 5) and short.entropy_bits.shape == (0,)
+        assert np.array_equal(short.penalty, penalty) and short.version == after.version
+        writer.touch(("b",))
+        assert read(reader).version == 3  # a command always moves it
+    finally:
+        reader.close()
+    assert page_bytes(3, 5) == os.path.getsize(writer.path) == 64 + 24 * 15 + 8 * 3
+
+
+def test_a_reader_survives_the_page_changing_under_it(writer: StatsPageWriter) -> None:
+    reader = open_reader(writer)
+    try:
+        with open(writer.path, "r+b") as f:
+            f.seek(24)
+            f.write(struct.pack("<Q", 7))  # odd seq: a writer stopped mid-update
+        assert reader.read() is None  # gives up for this period, no spin
+        with open(writer.path, "r+b") as f:
+            f.seek(24)
+            f.write(struct.pack("<Q", 8))
+            f.seek(16)
+            f.write(struct.pack("<I", 4))  # the header says another shape now
+        with pytest.raises(StatsPageError, match="header changed"):
+            read(reader)
+        os.truncate(writer.path, 100)  # cut short: a short read (a mapping would SIGBUS here)
+        with pytest.raises(StatsPageError, match="cut short"):
+            read(reader)
+    finally:
+        reader.close()
+    with pytest.raises(StatsPageError, match="closed"):
+        read(reader)
+
+
+def test_bad_pages_are_refused_in_one_line(writer: StatsPageWriter, tmp_path: Path) -> None:
+    def refused(path: Path | str, match: str, **overrides: Any) -> None:
+        want: dict[str, Any] = {"layers": 3, "experts": 5, "pid": os.getpid(), "owner_uid": os.getuid()}
+        want.update(overrides)
+        with pytest.raises(StatsPageError, match=match) as info:
+            StatsPageReader.open(str(path), **want)
+        assert "\n" not in str(info.value)
+
+    link = tmp_path / "link"
+    link.symlink_to(writer.path)
+    refused(link, "cannot open")  # never followed through a link
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    refused(fifo, "not a regular file")  # opened without blocking, then refused
+    refused(writer.path, "owned by uid", owner_uid=os.getuid() + 1)
+    refused(writer.path, "bytes, want", experts=6)
+    refused(writer.path, "of pid", pid=os.getpid() + 1)
+    refused(tmp_path / "absent", "cannot open")
+    refused(writer.path, "byte cap", layers=10_000, experts=10_000)
+    other = tmp_path / "not-a-page"
+    other.write_bytes(b"\0" * page_bytes(3, 5))
+    refused(other, "not a moescope-stats-page/1 page")
+
+
+def test_pages_of_killed_writers_are_swept(tmp_path: Path) -> None:
+    dead = tmp_path / "moescope-stats-999999999-abc"  # no such pid
+    dead.write_bytes(b"x")
+    mine = StatsPageWriter(layers=1, experts=1, directory=tmp_path)  # sweeps as it starts
+    try:
+        assert not dead.exists() and mine.path.exists()
+        assert sweep_stale_pages(tmp_path) == 0  # a live writer's page stays
+    finally:
+        mine.close()
+    assert not mine.path.exists()
+
+
+def page_of(stats: dict[str, Any]) -> StatsPageReader:
+    named = stats["stats_page"]
+    assert named["layout"] == LAYOUT_NAME and named["bytes"] == page_bytes(2, 8)
+    return StatsPageReader.open(named["path"], layers=2, experts=8, pid=stats["pid"], owner_uid=os.getuid())
+
+
+def test_the_runtime_page_equals_its_stats(start_runtime: StartRuntime) -> None:
+    rt = start_runtime()
+    stats = rt.stats()
+    reader = page_of(stats)
+    try:
+        version = read(reader).version
+        for prompt in ("hello world", "mixture of experts"):
+            rt.complete(prompt)
+        rt.call("set_router_penalty", {"layer": 1, "expert": 2, "penalty": 0.3})
+        stats, snap = rt.stats(), read(reader)
+        for row in stats["layers"]:
+            layer = row["layer"]
+            assert snap.tokens[layer].tolist() == row["tokens"]
+            assert snap.queue_depth[layer].tolist() == row["queue_depth"]
+            assert snap.penalty[layer].tolist() == row["penalty"]
+            assert snap.entropy_bits[layer] == row["entropy_bits"]
+        assert snap.tokens.sum() > 0 and snap.penalty[1, 2] == 0.3
+        assert snap.version == version  # steps and penalties leave the version alone
+        rt.call("migrate_expert", {"layer": 0, "expert": 1, "device": "cpu"})
+        assert read(reader).version > version  # a command that may move experts moves it
+        path = Path(stats["stats_page"]["path"])
+        rt.proc.send_signal(signal.SIGTERM)  # a clean exit removes the page
+        rt.proc.wait(timeout=60)
+        assert not path.exists()
+    finally:
+        reader.close()
+
+
+def test_the_poller_reads_the_page_between_calls(start_runtime: StartRuntime) -> None:
+    rt = start_runtime()
+    now = {"t": 100.0}
+    source = RuntimeStatsSignals(rt.socket_path, timeout_s=10.0, clock=lambda: now["t"])
+    try:
+        source()  # the first call names the page
+        now["t"] = 100.2
+        source()  # the version it read before the call: up to date from here
+        assert source.page is not None and source.page_periods == 0
+        for prompt in ("hello world", "mixture of experts", "zzzz"):
+            rt.complete(prompt)
+        rt.call("set_router_penalty", {"layer": 0, "expert": 5, "penalty": 0.3})
+        now["t"] = 101.0
+        from_page = source()
+        assert source.page_periods == 1 and source.polls == 3
+        # the same signals as a poller without the page, one call after the same baseline
+        calls = RuntimeStatsSignals(rt.socket_path, timeout_s=10.0, clock=lambda: now["t"], use_page=False)
+        try:
+            held = source.last_state
+            assert held is not None
+            by_call = RuntimeState.from_stats(rt.stats(), previous=None)
+            assert held.penalty == {(0, 5): 0.3} == {k: v for k, v in by_call.penalty.items() if v}
+            assert held.tokens == by_call.tokens and held.entropy_bits == by_call.entropy_bits
+            assert held.queue_depth == {k: v for k, v in by_call.queue_depth.items() if v}
+        finally:
+            calls.close()
+        assert from_page.expert_queue_tokens == {(0, 5): 0.0}  # penalised: reported so its rule can clear
+        assert set(from_page.expert_load_gini) == {0, 1}
+        assert all(0 <= g <= 1 for g in from_page.expert_load_gini.values())
+        now["t"] = 101.0 + PAGE_REFRESH_S  # a refresh is due: the socket again
+        source()
+        assert source.page_periods == 1
+        rt.call("offload_expert", {"layer": 1, "expert": 3})
+        now["t"] += 0.2
+        source()  # the version moved: the socket again, and the placement with it
+        state = source.last_state
+        assert source.page_periods == 1 and state is not None and state.offloaded_by_policy() == [(1, 3)]
+        now["t"] += 0.2
+        source()
+        assert source.page_periods == 2
+        rt.kill()  # SIGKILL: the page stays on disk, the connection shows the runtime gone
+        now["t"] += 0.2
+        gone = source()
+        assert source.poll_errors == 1 and math.isnan(gone.device_memory_used_ratio) and source.page is None
+    finally:
+        source.close()
+
+
+class PageRewriter:
+    """A runtime in front of the real one whose `stats` replies name another page (hostile or
+    broken runtimes): everything else passes through."""
+
+    def __init__(self, path: Path, upstream: str, page: object) -> None:
+        self.upstream, self.page = upstream, page
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._server.bind(str(path))
+        self._server.listen(4)
+        self._server.settimeout(0.2)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            with conn, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as up:
+                up.connect(self.upstream)
+                up_reader = up.makefile("rb")
+                for line in conn.makefile("rb"):
+                    up.sendall(line)
+                    reply = json.loads(up_reader.readline())
+                    if reply.get("ok") and "stats_page" in reply.get("result", {}):
+                        reply["result"]["stats_page"] = self.page
+                    conn.sendall(json.dumps(reply).encode() + b"\n")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+        self._server.close()
+
+
+@pytest.mark.parametrize("page", [
+    {"path": "/etc/passwd", "layout": LAYOUT_NAME, "bytes": 1},  # another owner, another size
+    {"path": "/dev/zero", "layout": LAYOUT_NAME, "bytes": 1},  # not a regular file
+    {"path": 7, "layout": LAYOUT_NAME},
+    "a string",
+    {"path": "/tmp/x", "layout": "moescope-stats-page/9"},
+])
+def test_a_bad_page_named_by_a_runtime_is_counted_and_the_socket_serves(
+        start_runtime: StartRuntime, page: object) -> None:
+    rt = start_runtime()
+    front = PageRewriter(rt.workdir / "front.sock", rt.socket_path, page)
+    now = {"t": 100.0}
+    source = RuntimeStatsSignals(rt.workdir / "front.sock", timeout_s=10.0, clock=lambda: now["t"])
+    source.with_routing = False
+    try:
+        for _ in range(4):
+            source()
+            now["t"] += 0.2
+        assert source.page_errors == 1 and source.page is None  # tried once per connection
+        assert source.page_periods == 0 and source.poll_errors == 0
+        rt.call("set_router_penalty", {"layer": 1, "expert": 4, "penalty": 0.3})
+        assert source().expert_queue_tokens == {(1, 4): 0.0}  # read over the socket
+    finally:
+        source.close()
+        front.close()
+
+
+def test_the_runtime_stats_write_the_page_as_they_change(tmp_path: Path) -> None:
+    # A reader sees a layer's queues as soon as the layer routed, not at the step's end: a prefill's
+    # queues are there while it runs (the queue rule missed every hotspot when the page was written
+    # once a step). The stats' own arrays are the page's.
+    placement = {"version": 0}
+    stats = RuntimeStats(layers=2, experts=4)
+    stats.record_routing(layer=1, demand=np.array([1, 0, 0, 2]), dropped=np.zeros(4, dtype=np.int64),
+                         rerouted_in=np.zeros(4, dtype=np.int64), entropy_bits=1.5, capacity=4)
+    page = StatsPageWriter(layers=2, experts=4, directory=tmp_path)
+    stats.attach_page(page, version_key=lambda: placement["version"])
+    reader = open_reader(page)
+    try:
+        assert read(reader).tokens[1].tolist() == [1, 0, 0, 2]  # what was counted before the page
+        version = read(reader).version
+        stats.record_routing(layer=0, demand=np.array([0, 70, 0, 3]), dropped=np.zeros(4, dtype=np.int64),
+                             rerouted_in=np.zeros(4, dtype=np.int64), entropy_bits=0.25, capacity=4)
+        mid_step = read(reader)
+        assert mid_step.queue_depth.tolist() == [[0, 70, 0, 3], [1, 0, 0, 2]]
+        assert mid_step.entropy_bits.tolist() == [0.25, 1.5] and mid_step.tokens[0].tolist() == [0, 70, 0, 3]
+        stats.record_step(requests=1, prefill_tokens=4, decode_tokens=1)
+        assert read(reader).version == version  # the placement did not move
+        placement["version"] = 1  # (an on-demand load cached into a pool)
+        stats.record_step(requests=1, prefill_tokens=0, decode_tokens=1)
+        assert read(reader).version == version + 1
+        stats.idle()
+        assert not read(reader).queue_depth.any() and read(reader).tokens.sum() == 76
+        assert stats.snapshot()["queue_depth"] == [[0] * 4, [0] * 4]
+    finally:
+        reader.close()
+        page.close()
