@@ -373,7 +373,8 @@ class Observers:
         socket_path = getattr(actuator, "socket_path", None) or self.args.control_socket
         if socket_path:
             # Queue depth per expert is the runtime's own number (control-socket stats).
-            self.stats_signals = RuntimeStatsSignals(socket_path, timeout_s=engine.config.command_timeout_ms / 1000.0)
+            self.stats_signals = RuntimeStatsSignals(socket_path, timeout_s=engine.config.command_timeout_ms / 1000.0,
+                                                     runtime_pid=pid)
             # ... and what it reads (precision, residency) reaches spans and the live view as records
             self.runtime_stats = RuntimeStatsSource(self.stats_signals, emit=self.daemon.emit)
             self.daemon.add_source(self.runtime_stats)

@@ -135,7 +135,7 @@ def run_loop(args: argparse.Namespace) -> int:
 
     audit.add_hook(show)
     engine = PolicyEngine(config, audit=audit, actuator=actuator, dry_run=args.dry_run, state_path=args.state_file)
-    source = RuntimeStatsSignals(socket_path, timeout_s=config.command_timeout_ms / 1000.0)
+    source = RuntimeStatsSignals(socket_path, timeout_s=config.command_timeout_ms / 1000.0, runtime_pid=args.pid)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     print(f"policy: {len(engine.rules)} rules on {socket_path}{' (dry run: nothing is sent)' if args.dry_run else ''}; "

@@ -66,6 +66,7 @@ class RuntimeStatsSignals:
         sticky_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
         use_page: bool = True,
+        runtime_pid: int | None = None,
     ) -> None:
         self.socket_path = Path(socket_path)
         self.timeout_s = timeout_s
@@ -92,6 +93,9 @@ class RuntimeStatsSignals:
         self.page_periods = 0  # periods read from the stats page alone
         self.page_errors = 0  # pages refused or gone wrong (the socket serves instead)
         self.use_page = use_page  # False: every period over the socket (benchmarks compare the two)
+        # The runtime's pid as this process sees it, where known: its page is opened through
+        # /proc/PID/root, since a runtime in a container names a path in its own mount namespace.
+        self.runtime_pid = runtime_pid
         self._page_tried = False  # this connection's runtime's page was tried (once per connection)
         self._page_version: int | None = None  # the page version last_state is up to date with
         self._socket_read_s = -math.inf  # when `stats` was last read over the socket
@@ -143,7 +147,10 @@ class RuntimeStatsSignals:
             pid = result.get("pid")
             if not isinstance(pid, int) or isinstance(pid, bool):
                 raise StatsPageError("stats page: the reply carries no pid")
-            self.page = StatsPageReader.open(named["path"], layers=state.layers, experts=state.experts, pid=pid,
+            path = named["path"]
+            if self.runtime_pid is not None and path.startswith("/"):
+                path = f"/proc/{self.runtime_pid}/root{path}"
+            self.page = StatsPageReader.open(path, layers=state.layers, experts=state.experts, pid=pid,
                                              owner_uid=os.stat(self.socket_path).st_uid)
         except (StatsPageError, OSError) as exc:
             self._page_error(exc if isinstance(exc, StatsPageError) else StatsPageError(f"stats page: {exc}"))

@@ -6,7 +6,9 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,3 +153,44 @@ class RuntimeProc:
 
 
 StartRuntime = Callable[..., RuntimeProc]
+
+
+class ControlProxy:
+    """A control socket in front of a real runtime's: ``answer(request)`` may answer a request itself
+    (a reply object) or pass it on (None); ``rewrite(request, reply)`` edits what the runtime replied.
+    Stands in for runtimes that differ from the reference one (older, hostile, broken)."""
+
+    def __init__(self, path: Path, upstream: str, *,
+                 answer: Callable[[dict[str, Any]], dict[str, Any] | None] = lambda request: None,
+                 rewrite: Callable[[dict[str, Any], dict[str, Any]], None] = lambda request, reply: None) -> None:
+        self.upstream, self.answer, self.rewrite = upstream, answer, rewrite
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._server.bind(str(path))
+        self._server.listen(4)
+        self._server.settimeout(0.2)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            with conn, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as up:
+                up.connect(self.upstream)
+                up_reader = up.makefile("rb")
+                for line in conn.makefile("rb"):
+                    request = json.loads(line)
+                    reply = self.answer(request)
+                    if reply is None:
+                        up.sendall(line)
+                        reply = json.loads(up_reader.readline())
+                        self.rewrite(request, reply)
+                    conn.sendall(json.dumps(reply).encode() + b"\n")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+        self._server.close()

@@ -5,19 +5,16 @@ short under it, a writer stuck mid-update) with a one-line error, never a hang o
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
-import socket
 import struct
-import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from policy_helpers import StartRuntime
+from policy_helpers import ControlProxy, StartRuntime
 
 from moescope.agent.policy.actuator import RuntimeState
 from moescope.agent.policy.stats_source import PAGE_REFRESH_S, RuntimeStatsSignals
@@ -187,12 +184,14 @@ def test_the_runtime_page_equals_its_stats(start_runtime: StartRuntime) -> None:
 def test_the_poller_reads_the_page_between_calls(start_runtime: StartRuntime) -> None:
     rt = start_runtime()
     now = {"t": 100.0}
-    source = RuntimeStatsSignals(rt.socket_path, timeout_s=10.0, clock=lambda: now["t"])
+    # through /proc/PID/root, as the agent opens it (a runtime in a container names its own path)
+    source = RuntimeStatsSignals(rt.socket_path, timeout_s=10.0, clock=lambda: now["t"], runtime_pid=rt.proc.pid)
     try:
         source()  # the first call names the page
         now["t"] = 100.2
         source()  # the version it read before the call: up to date from here
         assert source.page is not None and source.page_periods == 0
+        assert source.page.path.startswith(f"/proc/{rt.proc.pid}/root/")
         for prompt in ("hello world", "mixture of experts", "zzzz"):
             rt.complete(prompt)
         rt.call("set_router_penalty", {"layer": 0, "expert": 5, "penalty": 0.3})
@@ -232,42 +231,6 @@ def test_the_poller_reads_the_page_between_calls(start_runtime: StartRuntime) ->
         source.close()
 
 
-class PageRewriter:
-    """A runtime in front of the real one whose `stats` replies name another page (hostile or
-    broken runtimes): everything else passes through."""
-
-    def __init__(self, path: Path, upstream: str, page: object) -> None:
-        self.upstream, self.page = upstream, page
-        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._server.bind(str(path))
-        self._server.listen(4)
-        self._server.settimeout(0.2)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._server.accept()
-            except TimeoutError:
-                continue
-            with conn, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as up:
-                up.connect(self.upstream)
-                up_reader = up.makefile("rb")
-                for line in conn.makefile("rb"):
-                    up.sendall(line)
-                    reply = json.loads(up_reader.readline())
-                    if reply.get("ok") and "stats_page" in reply.get("result", {}):
-                        reply["result"]["stats_page"] = self.page
-                    conn.sendall(json.dumps(reply).encode() + b"\n")
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5.0)
-        self._server.close()
-
-
 @pytest.mark.parametrize("page", [
     {"path": "/etc/passwd", "layout": LAYOUT_NAME, "bytes": 1},  # another owner, another size
     {"path": "/dev/zero", "layout": LAYOUT_NAME, "bytes": 1},  # not a regular file
@@ -278,7 +241,11 @@ class PageRewriter:
 def test_a_bad_page_named_by_a_runtime_is_counted_and_the_socket_serves(
         start_runtime: StartRuntime, page: object) -> None:
     rt = start_runtime()
-    front = PageRewriter(rt.workdir / "front.sock", rt.socket_path, page)
+    def name_another_page(request: dict[str, Any], reply: dict[str, Any]) -> None:
+        if reply.get("ok") and "stats_page" in reply.get("result", {}):
+            reply["result"]["stats_page"] = page
+
+    front = ControlProxy(rt.workdir / "front.sock", rt.socket_path, rewrite=name_another_page)
     now = {"t": 100.0}
     source = RuntimeStatsSignals(rt.workdir / "front.sock", timeout_s=10.0, clock=lambda: now["t"])
     source.with_routing = False

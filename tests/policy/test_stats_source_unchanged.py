@@ -6,12 +6,10 @@ moescope-control/1 runtime): whole-state equality decides."""
 
 from __future__ import annotations
 
-import json
-import socket
-import threading
 from pathlib import Path
+from typing import Any
 
-from policy_helpers import StartRuntime
+from policy_helpers import ControlProxy, StartRuntime
 
 from moescope.agent.policy.stats_source import RuntimeStatsSignals, RuntimeStatsSource
 
@@ -51,48 +49,25 @@ def test_states_showing_the_same_are_counted_not_re_emitted(start_runtime: Start
         signals.close()
 
 
-class OlderRuntime:
+class OlderRuntime(ControlProxy):
     """A moescope-control/1 runtime from before narrowed stats, over the real one: a command with
     arguments it does not know is refused (as the protocol says), everything else is passed on."""
 
     def __init__(self, path: Path, upstream: str) -> None:
-        self.upstream = upstream
         self.refused = 0
-        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._server.bind(str(path))
-        self._server.listen(4)
-        self._server.settimeout(0.2)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        super().__init__(path, upstream, answer=self._refuse_arguments, rewrite=self._no_version)
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._server.accept()
-            except TimeoutError:
-                continue
-            with conn, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as up:
-                up.connect(self.upstream)
-                reader, up_reader = conn.makefile("rb"), up.makefile("rb")
-                for line in reader:
-                    request = json.loads(line)
-                    if request.get("cmd") == "stats" and request.get("args"):
-                        self.refused += 1
-                        reply = {"id": request.get("id"), "ok": False, "elapsed_ms": 0.0,
-                                 "error": f"stats: unknown argument(s) {sorted(request['args'])}; accepted: []"}
-                        conn.sendall(json.dumps(reply).encode() + b"\n")
-                        continue
-                    up.sendall(line)
-                    reply = json.loads(up_reader.readline())
-                    if request.get("cmd") == "stats" and reply.get("ok"):
-                        del reply["result"]["placement_version"]  # (newer than this runtime, too)
-                    conn.sendall(json.dumps(reply).encode() + b"\n")
+    def _refuse_arguments(self, request: dict[str, Any]) -> dict[str, Any] | None:
+        if request.get("cmd") != "stats" or not request.get("args"):
+            return None
+        self.refused += 1
+        return {"id": request.get("id"), "ok": False, "elapsed_ms": 0.0,
+                "error": f"stats: unknown argument(s) {sorted(request['args'])}; accepted: []"}
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5.0)
-        self._server.close()
+    @staticmethod
+    def _no_version(request: dict[str, Any], reply: dict[str, Any]) -> None:
+        if request.get("cmd") == "stats" and reply.get("ok"):
+            del reply["result"]["placement_version"]  # (newer than this runtime, too)
 
 
 def test_a_runtime_without_narrowed_stats_gets_whole_stats(start_runtime: StartRuntime) -> None:
