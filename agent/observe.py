@@ -529,6 +529,11 @@ class Observers:
         if self.policy is not None or self._closed_audit_records:
             current = len(self.policy.audit.recent()) if self.policy is not None else 0
             lines.append(f"policy: {current + self._closed_audit_records} audit records")
+        signals = self.stats_signals
+        if signals is not None and signals.polls:
+            page = f", {signals.page_errors} stats page errors" if signals.page_errors else ""
+            lines.append(f"runtime reads: {signals.polls}, {signals.page_periods} of them from its stats page, "
+                         f"{signals.poll_errors} failed{page}")
         return lines
 
     def snapshot(self) -> st.Snapshot:

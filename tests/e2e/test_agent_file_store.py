@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -119,6 +120,13 @@ def test_files_hold_every_request_and_step(bpf: None, file_run: FileRun, file_re
     assert {"main", "ms-policy", "ms-export-file"} <= set(s.threads), file_run.output
     assert s.threads["main"] > 0 and all(cpu >= 0 for cpu in s.threads.values())
     assert s.rounds > 0 and 0 <= s.early_rounds <= s.rounds
+    # the policy read the runtime's queues from its stats page between control-socket calls, the
+    # page opened through /proc/PID/root as the agent opens it (docs/control-protocol.md "Stats page")
+    reads = re.search(r"^agent: runtime reads: (\d+), (\d+) of them from its stats page, (\d+) failed$",
+                      file_run.output, re.M)
+    assert reads is not None, file_run.output
+    total, from_page, failed = map(int, reads.groups())
+    assert failed == 0 and 0 < from_page < total, file_run.output
     print(f"\ne2e file store: {len(file_report.servers)} server spans ({len(file_report.completions)} joined, "
           f"{len(policy)} policy spans), {len(file_report.owner_steps)} owner steps, "
           f"{len(file_report.linked_steps)} step links, {len(file_run.spans)} spans")
