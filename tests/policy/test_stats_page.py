@@ -292,3 +292,20 @@ def test_the_runtime_stats_write_the_page_as_they_change(tmp_path: Path) -> None
     finally:
         reader.close()
         page.close()
+
+
+def test_a_runtime_without_its_page_is_read_over_the_socket(start_runtime: StartRuntime) -> None:
+    rt = start_runtime("--no-stats-page")
+    assert "stats_page" not in rt.stats()
+    now = {"t": 100.0}
+    source = RuntimeStatsSignals(rt.socket_path, timeout_s=10.0, clock=lambda: now["t"], runtime_pid=rt.proc.pid)
+    source.with_routing = False
+    try:
+        rt.call("set_router_penalty", {"layer": 0, "expert": 1, "penalty": 0.3})
+        for _ in range(3):
+            signals = source()
+            now["t"] += 0.2
+        assert source.page is None and source.page_periods == 0 and source.page_errors == 0
+        assert signals.expert_queue_tokens == {(0, 1): 0.0} and source.poll_errors == 0
+    finally:
+        source.close()
