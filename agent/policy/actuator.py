@@ -198,11 +198,6 @@ _SPARSE = {"queue_depth_sparse": "queue_depth", "penalty_sparse": "penalty"}
 
 
 @functools.lru_cache(maxsize=4096)
-@functools.lru_cache(maxsize=8)
-def _all_experts(layers: int, experts: int) -> tuple[Expert, ...]:
-    return tuple(itertools.product(range(layers), range(experts)))
-
-
 def _expert_keys(layer: int, count: int) -> tuple[Expert, ...]:
     """The (layer, expert) keys of one layer's per-expert list: the same tuples every poll."""
     return tuple((layer, expert) for expert in range(count))
@@ -327,7 +322,8 @@ class RuntimeState:
         entropy: dict[int, float] = {}
         if routing:
             assert len(page.tokens) == self.layers, "a page read without routing"
-            tokens = dict(zip(_all_experts(self.layers, experts), page.tokens.ravel().tolist()))
+            keys = itertools.chain.from_iterable(_expert_keys(layer, experts) for layer in range(self.layers))
+            tokens = dict(zip(keys, page.tokens.ravel().tolist()))
             entropy = dict(enumerate(page.entropy_bits.tolist()))
         return dataclasses.replace(
             self,

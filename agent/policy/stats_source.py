@@ -156,16 +156,14 @@ class RuntimeStatsSignals:
             self._page_error(exc if isinstance(exc, StatsPageError) else StatsPageError(f"stats page: {exc}"))
 
     def _read(self, now_s: float) -> RuntimeState:
-        page = self._read_page()
+        if self._conn is not None and self._conn.peer_gone():
+            self.close()  # the runtime went (or let this connection go): a fresh connection, its page anew
+        page = self._read_page()  # (a page is open only while its connection is)
         held = self.last_state
-        conn = self._conn
         if (page is not None and held is not None and page.version == self._page_version
-                and now_s - self._socket_read_s < PAGE_REFRESH_S and conn is not None and not conn.peer_gone()):
+                and now_s - self._socket_read_s < PAGE_REFRESH_S):
             self.page_periods += 1
             return held.with_page(page, routing=self.with_routing)
-        if conn is not None and conn.peer_gone():
-            self.close()  # the runtime went (or let this connection go): a fresh connection, its page anew
-            page = None
         if self._conn is None:
             self._conn = ControlConnection(self.socket_path, timeout_s=self.timeout_s)
         try:

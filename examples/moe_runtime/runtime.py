@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 import torch
@@ -31,6 +33,26 @@ PROTOCOL = "moescope-control/1"
 MODEL_NAME = "moescope-reference-moe"  # stats "model": what the agent labels gen_ai.request.model with
 # Default budget: everything resident uses this share of it.
 DEFAULT_BUDGET_USED_SHARE = 0.8
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _moves_stats(command: Callable[Concatenate[Runtime, _P], _R]) -> Callable[Concatenate[Runtime, _P], _R]:
+    """A command that may change what `stats` says outside the stats page (placement, precision, a
+    pool): the page's version moves after it, failed too (it may have done part), so a poller reads
+    `stats` again."""
+
+    @functools.wraps(command)
+    def run(self: Runtime, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return command(self, *args, **kwargs)
+        finally:
+            if self.page is not None:
+                self.page.touch(self._version_key())
+
+    return run
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -132,11 +154,6 @@ class Runtime:
         # what `stats` outside the page depends on: the placement (precision too) and the pools' sizes
         return self.store.placement_version, tuple(self.store.capacity.items())
 
-    def _changed(self) -> None:
-        """After a command that moved experts, precision or a pool: a stats page poller reads `stats` again."""
-        if self.page is not None:
-            self.page.touch(self._version_key())
-
     def stats_dict(self, *, fields: list[object] | None = None, placement_since: int | None = None) -> dict[str, Any]:
         """The `stats` result (docs/control-protocol.md); `fields` / `placement_since` narrow its
         per-layer part to what a poller needs (at 48 layers x 128 experts the whole reply is ~400 KB)."""
@@ -192,24 +209,19 @@ class Runtime:
     def cmd_ping(self) -> dict[str, Any]:
         return {"protocol": PROTOCOL, "pid": os.getpid(), "uid": os.getuid()}
 
+    @_moves_stats
     def cmd_migrate_expert(self, *, layer: int, expert: int, device: str, dtype: str | None = None) -> MoveResult:
-        try:
-            return self.store.migrate(layer, expert, device=device, dtype=dtype)
-        finally:
-            self._changed()
+        return self.store.migrate(layer, expert, device=device, dtype=dtype)
 
+    @_moves_stats
     def cmd_offload_expert(self, *, layer: int, expert: int, dtype: str = "fp16") -> MoveResult:
-        try:
-            return self.store.offload(layer, expert, dtype=dtype)
-        finally:
-            self._changed()
+        return self.store.offload(layer, expert, dtype=dtype)
 
+    @_moves_stats
     def cmd_restore_expert(self, *, layer: int, expert: int, device: str | None = None) -> MoveResult:
-        try:
-            return self.store.restore(layer, expert, device=device)
-        finally:
-            self._changed()
+        return self.store.restore(layer, expert, device=device)
 
+    @_moves_stats
     def cmd_set_precision(self, *, precision: str, experts: list[list[int]] | None = None) -> dict[str, Any]:
         pairs = None
         if experts is not None:
@@ -218,10 +230,7 @@ class Runtime:
                 if not (isinstance(item, list) and len(item) == 2 and all(_is_int(v) for v in item)):
                     raise CommandError(f"experts must be a list of [layer, expert] int pairs, got {item!r}")
                 pairs.append((item[0], item[1]))
-        try:
-            return self.store.set_precision(precision, pairs)
-        finally:
-            self._changed()
+        return self.store.set_precision(precision, pairs)
 
     def cmd_set_router_penalty(self, *, expert: int, penalty: float, layer: int | None = None) -> dict[str, Any]:
         if not 0 <= expert < self.cfg.experts:
@@ -237,19 +246,14 @@ class Runtime:
             self.page.publish_penalty(np.asarray(self.model.penalties(), dtype=np.float64))
         return {"layers": layers, "expert": expert, "penalty": float(penalty)}
 
+    @_moves_stats
     def cmd_prefetch(self, *, count: int = 1, layer: int | None = None, device: str | None = None) -> dict[str, Any]:
         hotness, cumulative = self.stats.hotness_lists()
-        try:
-            return self.store.prefetch(count=count, layer=layer, device=device, hotness=hotness,
-                                       cumulative=cumulative)
-        finally:
-            self._changed()
+        return self.store.prefetch(count=count, layer=layer, device=device, hotness=hotness, cumulative=cumulative)
 
+    @_moves_stats
     def cmd_set_resident_capacity(self, *, device: str, experts: int) -> dict[str, Any]:
-        try:
-            return self.store.set_capacity(device, experts)
-        finally:
-            self._changed()
+        return self.store.set_capacity(device, experts)
 
     def cmd_stats(self, *, fields: list[object] | None = None, placement_since: int | None = None) -> dict[str, Any]:
         return self.stats_dict(fields=fields, placement_since=placement_since)
