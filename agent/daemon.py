@@ -32,9 +32,15 @@ DEFAULT_PERIOD_NS = 50_000_000  # drain period while busy: bounds ring occupancy
 # moe/v1 at Qwen3-30B-A3B depth and 20 steps/s (~360k records/s), the heaviest producer measured.
 # ~6.8k events/s is 1024 a round at 150 ms: the reference load (~14 steps/s, ~500 NVTX records/s)
 # stays quiet, nginx at 40k requests/s or a production-shape producer does not.
+# A thread that wakes on its own period anyway (the policy loop, every 200 ms) can take the peeks
+# over (lend_peeks / outside_peek): on this VM a wake-up of an idle Python thread costs ~0.3-0.5 ms
+# of CPU whatever it does, and the loop's six peeks a second were half its idle cost. A period up to
+# OUTSIDE_PEEK_MAX_NS is accepted: the ingress ring holds 238 ms at its rate hint (a power of two of
+# pages), 208 ms of it above the mark; the moe/v2 rings hold seconds at production shapes.
 QUIET_EVENTS_PER_S = 6_800
 DEFAULT_IDLE_PERIOD_NS = 1_000_000_000
 PEEK_PERIOD_NS = 150_000_000
+OUTSIDE_PEEK_MAX_NS = 200_000_000
 
 STOP_SIGNAL = "signal"
 STOP_DURATION = "duration"
@@ -72,11 +78,19 @@ class Daemon:
         self.tick_hooks: list[TickHook] = []
         self._stop = threading.Event()
         self._stop_reason: str | None = None
+        # The loop's only sleep: set by stop() and by an outside peek that found a backlog.
+        self._wake = threading.Event()
+        # Held for a whole round and by an outside peek (never waited on by the latter): the
+        # sources' rings are opened and closed inside rounds only.
+        self._round_lock = threading.Lock()
+        self._outside_period_ns = 0  # a thread peeks for the loop this often (0: the loop peeks)
+        self._outside_backlog = False  # an outside peek found a backlog: the round is due now
         self.ticks = 0
         self.records = 0
         self.sink_errors = 0
         self.poll_errors = 0
         self.peeks = 0  # looks at the sources' backlogs between two rounds
+        self.outside_peeks = 0  # ... of them, the ones another thread made (lend_peeks)
         self.early_rounds = 0  # rounds brought forward by a backlogged source
         # Main-loop CPU (thread time) per source poll and per tick hook, in ns: where the agent's
         # own cost goes, for its summary (a source's poll includes the sinks it feeds).
@@ -112,9 +126,14 @@ class Daemon:
         if self._stop_reason is None:
             self._stop_reason = reason
         self._stop.set()
+        self._wake.set()
 
     def tick(self) -> str | None:
         """One round: poll every source, then run the hooks. Returns a stop reason or None."""
+        with self._round_lock:
+            return self._tick()
+
+    def _tick(self) -> str | None:
         now_ns = self._clock()
         cpu = self.cpu_ns
         t0 = time.thread_time_ns()
@@ -146,9 +165,10 @@ class Daemon:
         return ", ".join(f"{name} {ns / 1e9:.2f} s" for name, ns in parts if ns >= 5_000_000)
 
     def rounds_line(self) -> str:
-        """`31 rounds (2 brought forward by a filling ring), 180 peeks`: how the loop paced itself."""
+        """`31 rounds (2 brought forward by a filling ring), 180 peeks (150 by another thread)`:
+        how the loop paced itself."""
         return (f"{self.ticks} rounds ({self.early_rounds} brought forward by a filling ring), "
-                f"{self.peeks} peeks")
+                f"{self.peeks} peeks ({self.outside_peeks} by another thread)")
 
     def next_period_ns(self) -> int:
         """The period after the round just run: the base when it was busy (more than
@@ -171,6 +191,35 @@ class Daemon:
                 self.poll_errors += 1
                 log.debug("a source's backlog check failed", exc_info=True)
         return False
+
+    def lend_peeks(self, period_ns: int) -> bool:
+        """Another thread will call outside_peek() every `period_ns` from now on, and the loop stops
+        peeking itself. Refused (False: the loop keeps its own peeks) past OUTSIDE_PEEK_MAX_NS, which
+        the rings are sized for."""
+        if not 0 < period_ns <= OUTSIDE_PEEK_MAX_NS:
+            return False
+        self._outside_period_ns = period_ns
+        return True
+
+    def take_back_peeks(self) -> None:
+        """The lending thread stops: the loop peeks itself again, from its next wait."""
+        self._outside_period_ns = 0
+        self._wake.set()  # a wait planned without peeks is cut short
+
+    def outside_peek(self) -> bool:
+        """A peek at the sources' backlogs from another thread (see lend_peeks); a backlog wakes the
+        loop for a round now. Never waits: while a round runs (it drains anyway) nothing is read."""
+        if not self._backlogs or not self._round_lock.acquire(blocking=False):
+            return False
+        try:
+            self.outside_peeks += 1
+            found = self.backlogged()
+        finally:
+            self._round_lock.release()
+        if found:
+            self._outside_backlog = True
+            self._wake.set()
+        return found
 
     def run(self, *, duration_ns: int | None = None) -> str:
         """Tick every period (longer while quiet) until stopped, past the duration, or a hook
@@ -195,24 +244,37 @@ class Daemon:
         """Wait for the next round, peeking at the sources' backlogs every peek period on the way;
         returns when the round is due (brought forward to now by a backlogged source), or stopped."""
         due_ns = tick_ns if deadline_ns is None else min(tick_ns, deadline_ns)
-        peek_period_ns = self.peek_period_ns if self._backlogs else due_ns  # no source to peek at: one wait
         while now_ns < due_ns:
-            if self._stop.wait((min(due_ns, now_ns + peek_period_ns) - now_ns) / 1e9):
+            # no source to peek at, or another thread peeking: one wait until the round
+            own_peeks = bool(self._backlogs) and not self._outside_period_ns
+            wait_ns = min(due_ns - now_ns, self.peek_period_ns) if own_peeks else due_ns - now_ns
+            woken = self._wake.wait(wait_ns / 1e9)
+            if self._stop.is_set():
                 break
             now_ns = self._clock()
-            if now_ns < due_ns and self._backlogs and self.backlogged():
-                self.early_rounds += 1
-                self.current_period_ns = self.period_ns  # busy again: the base until quiet
-                return now_ns
+            if woken:
+                self._wake.clear()
+                if self._outside_backlog:  # an outside peek found a ring filling
+                    return self._bring_forward(now_ns)
+                continue  # peeks handed back: plan the rest of the wait again
+            if own_peeks and now_ns < due_ns and self.backlogged():
+                return self._bring_forward(now_ns)
         return tick_ns
+
+    def _bring_forward(self, now_ns: int) -> int:
+        self._outside_backlog = False
+        self.early_rounds += 1
+        self.current_period_ns = self.period_ns  # busy again: the base until quiet
+        return now_ns
 
     def close(self) -> None:
         """Close every source (each flushes into the sinks). Errors are logged, never raised."""
-        for source in self.sources:
-            try:
-                source.close()
-            except Exception:
-                log.exception("source %s failed to close", source.name)
+        with self._round_lock:  # not under an outside peek
+            for source in self.sources:
+                try:
+                    source.close()
+                except Exception:
+                    log.exception("source %s failed to close", source.name)
 
     def stats(self) -> dict[str, dict[str, int]]:
         result: dict[str, dict[str, int]] = {
@@ -222,6 +284,7 @@ class Daemon:
                 "sink_errors": self.sink_errors,
                 "poll_errors": self.poll_errors,
                 "peeks": self.peeks,
+                "outside_peeks": self.outside_peeks,
                 "early_rounds": self.early_rounds,
             }
         }

@@ -250,9 +250,7 @@ class Observers:
             self.daemon.add_tick_hook(self._retry_policy)
 
     def _stop_policy(self) -> None:
-        if self.policy_loop is not None:
-            self.policy_loop.stop()
-            self.policy_loop = None
+        self._stop_policy_loop()
         if self.policy is not None:
             self._closed_audit_records += len(self.policy.audit.recent())
             self.policy.close()
@@ -389,8 +387,20 @@ class Observers:
 
         assert self.policy is not None
         self.policy.start()
-        self.policy_loop = PolicyLoop(self.policy, self.policy_signals, period_s=self.policy.config.sample_period_s)
+        period_s = self.policy.config.sample_period_s
+        # The policy thread wakes every period anyway: it peeks at the rings for the main loop,
+        # which then sleeps until its round (or until a peek finds a ring filling).
+        peeks = self.daemon.lend_peeks(int(period_s * 1e9))
+        self.policy_loop = PolicyLoop(self.policy, self.policy_signals, period_s=period_s,
+                                      after_period=self.daemon.outside_peek if peeks else None)
         self.policy_loop.start()
+
+    def _stop_policy_loop(self) -> None:
+        if self.policy_loop is not None:
+            self.policy_loop.stop()
+            if self.policy_loop.after_period is not None:
+                self.daemon.take_back_peeks()
+            self.policy_loop = None
 
     def policy_signals(self) -> Signals:
         """The pipeline's windows, plus the runtime's queue depths (and its view where NVTX is off):
@@ -486,8 +496,7 @@ class Observers:
 
     def close(self) -> None:
         """Stop in dependency order; one deadline for the trace export."""
-        if self.policy_loop is not None:
-            self.policy_loop.stop()
+        self._stop_policy_loop()
         if self.policy is not None:
             self.policy.close()
         if self.stats_signals is not None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import mmap
 import os
 import signal
 import sys
@@ -93,7 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ingress.add_argument(
         "--ingress-rate-hint", metavar="N", default=str(loader.DEFAULT_RATE_HINT_PER_S),
         help=f"requests/s the per-request ring is sized for: it holds {loader.RING_HOLD_S:g} s of records "
-             f"(default {loader.DEFAULT_RATE_HINT_PER_S}: 2 MiB)",
+             f"(default {loader.DEFAULT_RATE_HINT_PER_S}: "
+             f"{loader.ring_pages_for(loader.DEFAULT_RATE_HINT_PER_S) * mmap.PAGESIZE >> 20} MiB)",
     )
     ingress.add_argument("--ingress-ring-pages", metavar="N", default="0",
                          help="ring size in pages, a power of two (overrides --ingress-rate-hint)")

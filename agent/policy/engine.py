@@ -408,13 +408,25 @@ class PolicyEngine:
 
 class PolicyLoop:
     """Calls engine.evaluate(source()) every period on its own thread (drift-free schedule).
-    A source that raises or returns None is counted and skipped; the loop never stops on bad data."""
+    A source that raises or returns None is counted and skipped; the loop never stops on bad data.
+    `after_period`, where given, runs after each evaluation on the same wake-up (the agent's main
+    loop lends it its ring peeks: one thread woken per period, not two); its failures are counted
+    apart and never stop the loop."""
 
-    def __init__(self, engine: PolicyEngine, source: Callable[[], Signals | None], *, period_s: float) -> None:
+    def __init__(
+        self,
+        engine: PolicyEngine,
+        source: Callable[[], Signals | None],
+        *,
+        period_s: float,
+        after_period: Callable[[], object] | None = None,
+    ) -> None:
         self.engine = engine
         self.source = source
         self.period_s = period_s
+        self.after_period = after_period
         self.source_errors = 0
+        self.after_errors = 0
         self.skipped = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="moescope-policy-loop", daemon=True)
@@ -436,6 +448,13 @@ class PolicyLoop:
                 self.source_errors += 1
                 if self.source_errors == 1:
                     log.exception("policy: evaluation failed: %s (counting further failures)", exc)
+            if self.after_period is not None:
+                try:
+                    self.after_period()
+                except Exception as exc:
+                    self.after_errors += 1
+                    if self.after_errors == 1:
+                        log.exception("policy: the after-period hook failed: %s (counting further failures)", exc)
             next_s += self.period_s
             now_s = time.monotonic()
             if next_s < now_s:  # fell behind: skip the missed periods rather than bursting

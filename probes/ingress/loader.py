@@ -235,10 +235,12 @@ def decode_events(events: np.ndarray, *, peer_cache: dict[tuple[int, bytes], str
     ]
 
 
-DEFAULT_RATE_HINT_PER_S = 100_000  # sizes the ring: 2 MiB (the size before the hint existed)
-# The ring holds this long at the hinted rate: four 50 ms drain periods, so a drain that runs up to
-# 150 ms late (a long tick, a busy CPU) still loses nothing.
-RING_HOLD_S = 0.2
+DEFAULT_RATE_HINT_PER_S = 100_000  # sizes the ring: 4 MiB (ring_pages_for)
+# The ring holds at least this long at the hinted rate: a quiet agent drains it once a peek finds it
+# past BACKLOG_FILL (an eighth), and the peeks come up to 200 ms apart when the policy thread makes
+# them (daemon.OUTSIDE_PEEK_MAX_NS): 0.2 s / (1 - 1/8). At the default hint the power-of-two
+# rounding makes it 4 MiB, 0.40 s (0.2 s, 2 MiB, before the policy thread peeked).
+RING_HOLD_S = 0.23
 # `agent start`'s per-request records handed on per second before the sampling rule applies
 # (sampling.py); every request is counted in the kernel aggregate whatever this is.
 DEFAULT_RECORDS_PER_S = 200  # a kept record costs ~80 us (join, span, export): 200/s is ~1.6 % of a CPU

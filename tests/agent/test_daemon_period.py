@@ -8,7 +8,14 @@ from collections.abc import Sequence
 
 import pytest
 
-from moescope.agent.daemon import DEFAULT_IDLE_PERIOD_NS, PEEK_PERIOD_NS, QUIET_EVENTS_PER_S, STOP_DURATION, Daemon
+from moescope.agent.daemon import (
+    DEFAULT_IDLE_PERIOD_NS,
+    OUTSIDE_PEEK_MAX_NS,
+    PEEK_PERIOD_NS,
+    QUIET_EVENTS_PER_S,
+    STOP_DURATION,
+    Daemon,
+)
 from moescope.collectors.registry import SourceHealth
 
 BASE_NS = 50_000_000
@@ -71,7 +78,7 @@ def test_busy_is_what_all_sources_handled_together() -> None:
 
 
 class Clock:
-    """Monotonic ns that moves only when the loop waits (its stop event's wait is patched)."""
+    """Monotonic ns that moves only when the loop waits (its wake event's wait is patched)."""
 
     def __init__(self) -> None:
         self.now_ns = 0
@@ -104,13 +111,32 @@ class BackloggedSource(ScriptedSource):
         return self.backlog_from_ns is not None and self.clock.now_ns >= self.backlog_from_ns
 
 
-def run_for(daemon: Daemon, clock: Clock, duration_ns: int) -> str:
+def run_for(daemon: Daemon, clock: Clock, duration_ns: int, *, outside_every_ns: int = 0,
+            outside_until_ns: int | None = None) -> str:
+    """Run the loop on the test's clock; with `outside_every_ns`, another thread's peeks (the
+    policy's) land every that often while the loop sleeps, until `outside_until_ns` where that
+    thread stops and hands the peeks back."""
+    next_outside = [outside_every_ns]
+    if outside_every_ns:
+        assert daemon.lend_peeks(outside_every_ns)
+
     def wait(timeout_s: float | None = None) -> bool:
         assert timeout_s is not None  # the loop never waits without a bound
-        clock.now_ns += max(1, round(timeout_s * 1e9))
+        end_ns = clock.now_ns + max(1, round(timeout_s * 1e9))
+        while next_outside[0] and next_outside[0] <= end_ns:
+            clock.now_ns, next_outside[0] = next_outside[0], next_outside[0] + outside_every_ns
+            if outside_until_ns is not None and clock.now_ns >= outside_until_ns:
+                next_outside[0] = 0
+                daemon.take_back_peeks()
+                if daemon._wake.is_set():  # the hand-back cuts the loop's wait short
+                    return True
+                break
+            if daemon.outside_peek():
+                return True
+        clock.now_ns = end_ns
         return False
 
-    daemon._stop.wait = wait  # type: ignore[method-assign,assignment]  # the loop's only sleep
+    daemon._wake.wait = wait  # type: ignore[method-assign,assignment]  # the loop's only sleep
     return daemon.run(duration_ns=duration_ns)
 
 
@@ -126,7 +152,8 @@ def test_a_quiet_loop_peeks_between_rounds_and_a_backlog_brings_the_round_forwar
     assert early and early[0] - 2_600_000_000 <= PEEK_PERIOD_NS  # at the first peek past the fill
     assert daemon.early_rounds == 1 and daemon.peeks == len(source.checks) > 0
     # what `agent start` says of it at exit
-    assert daemon.rounds_line() == f"{daemon.ticks} rounds (1 brought forward by a filling ring), {daemon.peeks} peeks"
+    assert daemon.rounds_line() == (f"{daemon.ticks} rounds (1 brought forward by a filling ring), "
+                                    f"{daemon.peeks} peeks (0 by another thread)")
     looks = sorted(source.checks + source.polls)  # never longer than a peek period without a look
     assert max(b - a for a, b in zip(looks, looks[1:])) <= PEEK_PERIOD_NS
     # with the peeks the rounds themselves stay rare: ~1 s apart once quiet
@@ -165,3 +192,75 @@ def test_an_idle_period_below_the_base_is_refused() -> None:
     assert Daemon(period_ns=BASE_NS, idle_period_ns=BASE_NS).idle_period_ns == BASE_NS  # fixed period
     with pytest.raises(ValueError, match="peek_period_ns"):
         Daemon(period_ns=BASE_NS, peek_period_ns=0)
+
+
+def test_a_thread_lending_its_wake_ups_makes_the_peeks_and_the_loop_sleeps_until_its_rounds() -> None:
+    clock = Clock()
+    daemon = Daemon(period_ns=BASE_NS, clock=clock)
+    source = BackloggedSource(clock, backlog_from_ns=2_650_000_000)
+    daemon.add_source(source)
+    policy_period_ns = 200_000_000
+    assert run_for(daemon, clock, 4_000_000_000, outside_every_ns=policy_period_ns) == STOP_DURATION
+    # every look at the ring between rounds was the other thread's, on its own period
+    assert daemon.peeks == daemon.outside_peeks == len(source.checks) > 0
+    assert all(t % policy_period_ns == 0 for t in source.checks)
+    # the quiet rounds kept their pace; the fill at 2.65 s was seen by the 2.8 s peek and drained then
+    assert [t for t in source.polls if t < 2_650_000_000] == [0, 100_000_000, 300_000_000, 700_000_000,
+                                                             1_500_000_000, 2_500_000_000]
+    assert 2_800_000_000 in source.polls and daemon.early_rounds == 1
+    assert daemon.rounds_line().endswith(f"{daemon.peeks} peeks ({daemon.peeks} by another thread)")
+
+
+def test_peeks_handed_back_are_the_loops_own_again_at_once() -> None:
+    clock = Clock()
+    daemon = Daemon(period_ns=BASE_NS, clock=clock)
+    source = BackloggedSource(clock, backlog_from_ns=None)
+    daemon.add_source(source)
+    run_for(daemon, clock, 4_000_000_000, outside_every_ns=200_000_000, outside_until_ns=2_000_000_000)
+    outside, own = daemon.outside_peeks, daemon.peeks - daemon.outside_peeks
+    assert outside == 9 and own > 0  # 0.2 .. 1.8 s by the other thread, then the loop's own
+    # from the hand-back at 2 s (the loop asleep until its 2.5 s round) never a peek period without a look
+    looks = sorted([2_000_000_000, *(t for t in source.checks + source.polls if t > 2_000_000_000)])
+    assert max(b - a for a, b in zip(looks, looks[1:])) <= PEEK_PERIOD_NS
+
+
+def test_a_lender_slower_than_the_rings_allow_is_refused() -> None:
+    daemon = Daemon(period_ns=BASE_NS)
+    assert not daemon.lend_peeks(OUTSIDE_PEEK_MAX_NS + 1) and not daemon.lend_peeks(0)
+    assert daemon.lend_peeks(OUTSIDE_PEEK_MAX_NS)
+
+
+def test_an_outside_peek_during_a_round_reads_nothing_and_never_waits() -> None:
+    clock = Clock()
+    daemon = Daemon(period_ns=BASE_NS, clock=clock)
+    source = BackloggedSource(clock, backlog_from_ns=0)
+    daemon.add_source(source)
+    assert daemon.lend_peeks(200_000_000)
+    seen: list[bool] = []
+    def hook(now_ns: int) -> None:
+        seen.append(daemon.outside_peek())
+
+    daemon.add_tick_hook(hook)
+    daemon.tick()  # the hook runs inside the round: the rings may be changing under it
+    assert seen == [False] and source.checks == [] and daemon.outside_peeks == 0
+    source.backlog_from_ns = 0  # (the round drained it) filling again
+    assert daemon.outside_peek() and source.checks == [0]  # between rounds: read, and the loop woken
+    assert daemon._wake.is_set()
+
+
+def test_stop_wakes_a_loop_asleep_until_its_round() -> None:
+    import threading
+    import time
+
+    daemon = Daemon(period_ns=BASE_NS, idle_period_ns=60_000_000_000)
+    daemon.add_source(BackloggedSource(Clock(), backlog_from_ns=None))
+    assert daemon.lend_peeks(200_000_000)  # no own peeks: one long wait per round
+    daemon.next_period_ns = lambda: 60_000_000_000  # type: ignore[method-assign]
+    result: list[str] = []
+    thread = threading.Thread(target=lambda: result.append(daemon.run()))
+    thread.start()
+    while daemon.ticks == 0:
+        time.sleep(0.01)
+    daemon.stop()
+    thread.join(10.0)
+    assert not thread.is_alive() and result == ["signal"]

@@ -300,6 +300,8 @@ class AgentSummary:
     threads: dict[str, float]  # CPU seconds by thread name ("agent: CPU by thread:")
     rounds: int  # the main loop's rounds, and those a filling ring brought forward ("agent: main loop:")
     early_rounds: int
+    peeks: int  # the looks at the rings between rounds, and those the policy thread made for the loop
+    outside_peeks: int
 
 
 def parse_summary(stdout_lines: list[str]) -> AgentSummary:
@@ -310,7 +312,8 @@ def parse_summary(stdout_lines: list[str]) -> AgentSummary:
     )
     e = re.search(r"agent: export: (.*)$", text, re.M)
     t = re.search(r"agent: CPU by thread: (.*)$", text, re.M)
-    r = re.search(r"agent: main loop: (\d+) rounds \((\d+) brought forward by a filling ring\), \d+ peeks$", text, re.M)
+    r = re.search(r"agent: main loop: (\d+) rounds \((\d+) brought forward by a filling ring\), "
+                  r"(\d+) peeks \((\d+) by another thread\)$", text, re.M)
     assert m and p and e and t and r, f"summary lines missing:\n{text}"
     threads = {name: float(cpu) for name, cpu in re.findall(r"(\S+) (\d+\.\d+) s", t.group(1))}
     export = {k: int(v) for k, v in re.findall(r"(\w+) (\d+)", e.group(1))}
@@ -319,7 +322,8 @@ def parse_summary(stdout_lines: list[str]) -> AgentSummary:
         requests=int(m.group(1)), unanswered=int(m.group(2)), drops=int(m.group(3)),
         pipeline_requests=int(p.group(1)), pipeline_joined=int(p.group(2)), pipeline_steps=int(p.group(3)),
         pipeline_unjoined=int(p.group(4)), pipeline_spans=int(p.group(5)), nvtx_drops=nvtx, export=export,
-        threads=threads, rounds=int(r.group(1)), early_rounds=int(r.group(2)),
+        threads=threads, rounds=int(r.group(1)), early_rounds=int(r.group(2)), peeks=int(r.group(3)),
+        outside_peeks=int(r.group(4)),
     )
 
 

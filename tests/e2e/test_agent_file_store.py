@@ -120,6 +120,8 @@ def test_files_hold_every_request_and_step(bpf: None, file_run: FileRun, file_re
     assert {"main", "ms-policy", "ms-export-file"} <= set(s.threads), file_run.output
     assert s.threads["main"] > 0 and all(cpu >= 0 for cpu in s.threads.values())
     assert s.rounds > 0 and 0 <= s.early_rounds <= s.rounds
+    # once the policy ran (every 200 ms), its thread made the main loop's peeks at the rings
+    assert 0 < s.outside_peeks <= s.peeks, file_run.output
     # the policy read the runtime's queues from its stats page between control-socket calls, the
     # page opened through /proc/PID/root as the agent opens it (docs/control-protocol.md "Stats page")
     reads = re.search(r"^agent: runtime reads: (\d+), (\d+) of them from its stats page, (\d+) failed$",

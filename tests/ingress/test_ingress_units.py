@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from moescope import errors
-from moescope.agent.daemon import Daemon
+from moescope.agent.daemon import OUTSIDE_PEEK_MAX_NS, Daemon
+from moescope.collectors.registry import BACKLOG_FILL
 from moescope.probes.ingress import aggregate, loader, procnet
 from moescope.probes.ingress.aggregate import RequestTotals
 from moescope.probes.ingress.sampling import RecordSampler
@@ -167,15 +168,17 @@ def test_bad_options_are_usage_errors() -> None:
 
 
 def test_ring_is_sized_from_the_rate_hint() -> None:
-    # 0.2 s of records at the hinted rate, rounded up to a power of two of pages
-    assert loader.IngressOptions().ring_pages() == 512  # 100k/s: 2 MiB, the size before the hint
+    # 0.23 s of records at the hinted rate (a peek every 200 ms finds it under its mark, an
+    # eighth, and drains it before it is full), rounded up to a power of two of pages
+    assert loader.RING_HOLD_S * (1 - BACKLOG_FILL) >= OUTSIDE_PEEK_MAX_NS / 1e9
+    assert loader.IngressOptions().ring_pages() == 1024  # 100k/s: 4 MiB
     assert loader.IngressOptions(rate_hint_per_s=1).ring_pages() == 1
-    for rate in (1000, 30_000, 250_000):
+    for rate in (1000, 30_000, 100_000, 250_000):
         pages = loader.IngressOptions(rate_hint_per_s=rate).ring_pages()
         held = pages * mmap.PAGESIZE // loader.EVENT_SLOT_BYTES
-        assert pages & (pages - 1) == 0 and rate * 0.2 <= held < 2 * rate * 0.2 + 64
+        assert pages & (pages - 1) == 0 and rate * 0.23 <= held < 2 * rate * 0.23 + 64
     assert loader.IngressOptions(rate_hint_per_s=1, ringbuf_pages=8).ring_pages() == 8
-    assert "-DRINGBUF_PAGES=64" in loader.cflags(loader.IngressOptions(rate_hint_per_s=12_000))
+    assert "-DRINGBUF_PAGES=128" in loader.cflags(loader.IngressOptions(rate_hint_per_s=12_000))
 
 
 def test_histogram_buckets_percentiles_and_prometheus_mapping() -> None:

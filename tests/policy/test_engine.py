@@ -273,3 +273,31 @@ def test_policy_loop_runs_on_its_own_thread_and_survives_a_failing_source() -> N
         loop.stop()
     assert loop.source_errors == 1 and loop.skipped >= 1
     assert [(r.rule, r.outcome) for r in audit.recent()] == [("slo_latency", "alert")]
+
+
+def test_policy_loop_runs_its_after_period_hook_on_each_wake_up_and_survives_its_failures() -> None:
+    engine = PolicyEngine(only("slo_latency"), audit=AuditLog(), dry_run=True)
+    evaluated: list[int] = []
+    hooked: list[int] = []
+    done = threading.Event()
+
+    def source() -> Signals:
+        evaluated.append(len(evaluated))
+        return Signals(t_s=len(evaluated) * PERIOD_S, request_p99_ms=10.0)
+
+    def after() -> None:  # the main loop's ring peek, in the agent
+        hooked.append(len(evaluated))
+        if len(hooked) == 2:
+            raise OSError("a ring went away")
+        if len(hooked) >= 6:
+            done.set()
+
+    loop = PolicyLoop(engine, source, period_s=0.001, after_period=after)
+    loop.start()
+    try:
+        assert done.wait(60)
+    finally:
+        loop.stop()
+    # after each evaluation, on the same wake-up; one failure counted, apart from the source's
+    assert hooked[:6] == [1, 2, 3, 4, 5, 6]
+    assert loop.after_errors == 1 and loop.source_errors == 0
