@@ -8,11 +8,11 @@ nobody. The runtime names the page in its `stats` reply (docs/control-protocol.m
 the poller reads it each period and asks the socket again only when the page's `version` moved
 (placement, precision or capacity changed) or a refresh is due.
 
-Layout ``moescope-stats-page/1`` (little-endian; every field 8-byte aligned):
+Layout ``moescope-stats-page/2`` (little-endian; every field 8-byte aligned):
 
     offset  field
     0       magic           8 bytes  b"MOESTAT1"
-    8       layout          u32      1
+    8       layout          u32      2
     12      header_bytes    u32      64
     16      layers          u32      L
     20      experts         u32      E
@@ -20,11 +20,20 @@ Layout ``moescope-stats-page/1`` (little-endian; every field 8-byte aligned):
     32      version         u64      bumped when anything of `stats` outside this page may have changed
     40      updates         u64      updates written (layers routed, idles, penalties, versions)
     48      pid             i64      the writer's pid
-    56      reserved        u64      0
+    56      peak_bucket     u64      the newest peak bucket written: CLOCK_MONOTONIC ns // 200 ms
     64      queue_depth     i64[L*E] tokens routed to each expert by its layer's latest routing (0 when idle)
             penalty         f64[L*E] the router penalty set on each expert
+            queue_peak      i64[2*L*E] the deepest queue_depth of each expert in a 200 ms bucket:
+                                     bucket b in half b % 2 (layout 2)
             tokens          i64[L*E] tokens routed to each expert since start (cumulative)
             entropy_bits    f64[L]   each layer's latest mean token router entropy
+
+Peaks: a queue is a step's, and a prefill's (hundreds of tokens on one expert) lasts one step, so a
+poller reading `queue_depth` every 200 ms saw it by chance. The writer keeps the deepest value per
+expert per 200 ms bucket of CLOCK_MONOTONIC (``PEAK_BUCKET_NS``), the current bucket and the one
+before; a reader at bucket r takes both halves when the newest written is r, only that half when it
+is r - 1, nothing when older (``held_peak``). A queue is thus seen for 200-400 ms after it was
+routed: by every poller reading at least every 200 ms, and by at most two consecutive 200 ms polls.
 
 A reader copies the file with one `pread` and reads `seq` again after it: equal and even, the copy
 is one update's (seqlock). Every 8-byte value is written whole, so a copy that races an update on a
@@ -42,6 +51,7 @@ import stat
 import struct
 import tempfile
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,12 +60,15 @@ import numpy as np
 
 from moescope.procfs import pid_exists
 
-LAYOUT_NAME = "moescope-stats-page/1"
+LAYOUT_NAME = "moescope-stats-page/2"
 MAGIC = b"MOESTAT1"
-LAYOUT = 1
+LAYOUT = 2
 HEADER_BYTES = 64
-_HEADER = struct.Struct("<8sIIIIQQQqQ")  # magic, layout, header_bytes, layers, experts, seq, version, updates, pid, 0
+# magic, layout, header_bytes, layers, experts, seq, version, updates, pid, peak_bucket
+_HEADER = struct.Struct("<8sIIIIQQQqQ")
 _SEQ_OFFSET = 24
+_PEAK_BUCKET_OFFSET = 56
+PEAK_BUCKET_NS = 200_000_000  # the queue peaks' bucket: the policy's sample period (DESIGN.md)
 MAX_PAGE_BYTES = 64 << 20  # a reader refuses larger pages: ~2.8 M experts, far past any model
 READ_TRIES = 3  # copies a read makes while the writer is mid-update before it gives up for the period
 FILE_PREFIX = "moescope-stats-"  # then the writer's pid, "-", a random part
@@ -66,7 +79,32 @@ class StatsPageError(Exception):
 
 
 def page_bytes(layers: int, experts: int) -> int:
-    return HEADER_BYTES + 24 * layers * experts + 8 * layers
+    return HEADER_BYTES + 40 * layers * experts + 8 * layers
+
+
+def peak_bucket(now_ns: int) -> int:
+    """The peak bucket of a CLOCK_MONOTONIC time (time.monotonic_ns())."""
+    return now_ns // PEAK_BUCKET_NS
+
+
+def roll_peaks(peaks: np.ndarray, written: int, bucket: int) -> None:
+    """Make ``peaks`` ([2, ...], bucket b in half b % 2, the newest written ``written``) ready for
+    a write in ``bucket``: the half it reuses is cleared, both after a gap of two buckets or more."""
+    if bucket == written + 1:
+        peaks[bucket & 1] = 0
+    elif bucket != written:
+        peaks[...] = 0
+
+
+def held_peak(peaks: np.ndarray, written: int, now_bucket: int) -> np.ndarray:
+    """The deepest value of each entry over the current bucket and the one before (a new array):
+    both halves when the newest written is ``now_bucket`` (or ahead of it: another clock), that half
+    when it is the one before, zeros when older."""
+    if written >= now_bucket:
+        return np.maximum(peaks[0], peaks[1])
+    if written == now_bucket - 1:
+        return peaks[written & 1].copy()
+    return np.zeros_like(peaks[0])
 
 
 def default_directory() -> Path:
@@ -75,7 +113,7 @@ def default_directory() -> Path:
 
 
 class StatsPageWriter:
-    """The runtime's side: creates the page (mode 0600, a fresh name). Its four arrays are numpy
+    """The runtime's side: creates the page (mode 0600, a fresh name). Its arrays are numpy
     views of the page: the runtime keeps its own counters in them (``RuntimeStats.attach_page``),
     so an update costs the seq words around it, not a copy. Every update is made between
     ``begin()`` and ``end()`` (one lock: a step's layers and the control thread's penalties)."""
@@ -97,11 +135,14 @@ class StatsPageWriter:
         finally:
             os.close(fd)
         n, shape = layers * experts, (layers, experts)
-        self._words = np.frombuffer(mapped, dtype="<u8", count=3, offset=_SEQ_OFFSET)  # seq, version, updates
+        # seq, version, updates, pid, peak_bucket
+        self._words = np.frombuffer(mapped, dtype="<u8", count=5, offset=_SEQ_OFFSET)
         self.queue_depth = np.frombuffer(mapped, dtype="<i8", count=n, offset=HEADER_BYTES).reshape(shape)
         self.penalty = np.frombuffer(mapped, dtype="<f8", count=n, offset=HEADER_BYTES + 8 * n).reshape(shape)
-        self.tokens = np.frombuffer(mapped, dtype="<i8", count=n, offset=HEADER_BYTES + 16 * n).reshape(shape)
-        self.entropy_bits = np.frombuffer(mapped, dtype="<f8", count=layers, offset=HEADER_BYTES + 24 * n)
+        self.queue_peak = np.frombuffer(mapped, dtype="<i8", count=2 * n,
+                                        offset=HEADER_BYTES + 16 * n).reshape((2, *shape))
+        self.tokens = np.frombuffer(mapped, dtype="<i8", count=n, offset=HEADER_BYTES + 32 * n).reshape(shape)
+        self.entropy_bits = np.frombuffer(mapped, dtype="<f8", count=layers, offset=HEADER_BYTES + 40 * n)
         self._lock = threading.Lock()
         self._seq = self._version = self._updates = 0
         self._version_key: object = None
@@ -128,6 +169,10 @@ class StatsPageWriter:
             self._words[0] = self._seq
         finally:
             self._lock.release()
+
+    def set_peak_bucket(self, bucket: int) -> None:
+        """Inside an update: the newest bucket the peaks hold (see ``roll_peaks``)."""
+        self._words[4] = bucket
 
     def publish_penalty(self, penalty: np.ndarray) -> None:
         self.begin()
@@ -191,6 +236,7 @@ class PageSnapshot:
     updates: int
     queue_depth: np.ndarray  # int64 [L, E]
     penalty: np.ndarray  # float64 [L, E]
+    queue_peak: np.ndarray  # int64 [L, E]: held_peak at the read's time (the deepest in 200-400 ms)
     tokens: np.ndarray  # int64 [L, E] (read without routing: [0, E], nothing)
     entropy_bits: np.ndarray  # float64 [L] (read without routing: [0])
 
@@ -242,13 +288,13 @@ class StatsPageReader:
 
     def read(self, *, routing: bool = True) -> PageSnapshot | None:
         """One consistent update (None: the writer was mid-update on every try); without ``routing``
-        only the header, queues and penalties are copied (two thirds less to copy, and to race with
+        only the header, queues, penalties and peaks are copied (a fifth less to copy, and to race with
         a writer in the middle of a step). StatsPageError when the page went wrong (cut short, its
         header changed)."""
         fd = self._fd
         if fd < 0:
             raise StatsPageError(f"stats page {self.path}: closed")
-        length = self.size if routing else HEADER_BYTES + 16 * self.layers * self.experts
+        length = self.size if routing else HEADER_BYTES + 32 * self.layers * self.experts
         buf = memoryview(self._buf)[:length]
         for _ in range(READ_TRIES):
             try:
@@ -258,15 +304,15 @@ class StatsPageReader:
                 raise StatsPageError(f"stats page {self.path}: read failed: {exc.strerror}") from None
             if got != length or got_seq != 8:
                 raise StatsPageError(f"stats page {self.path}: cut short ({got} of {length} bytes)")
-            seq, version, updates = struct.unpack_from("<QQQ", buf, _SEQ_OFFSET)
+            seq, version, updates, _, written = struct.unpack_from("<QQQqQ", buf, _SEQ_OFFSET)
             if seq & 1 or self._seq != buf[_SEQ_OFFSET:_SEQ_OFFSET + 8]:
                 continue  # mid-update, or an update landed during the copy
             if bytes(buf[:8]) != MAGIC or struct.unpack_from("<II", buf, 16) != (self.layers, self.experts):
                 raise StatsPageError(f"stats page {self.path}: its header changed")
-            return self._snapshot(version, updates, length)
+            return self._snapshot(version, updates, length, written)
         return None
 
-    def _snapshot(self, version: int, updates: int, length: int) -> PageSnapshot:
+    def _snapshot(self, version: int, updates: int, length: int, written: int) -> PageSnapshot:
         n, layers = self.layers * self.experts, self.layers
         shape = (layers, self.experts)
         data = np.frombuffer(self._buf, dtype=np.uint8, count=length - HEADER_BYTES, offset=HEADER_BYTES)
@@ -277,8 +323,10 @@ class StatsPageReader:
             updates=updates,
             queue_depth=arrays[:8 * n].view("<i8").reshape(shape),
             penalty=arrays[8 * n:16 * n].view("<f8").reshape(shape),
-            tokens=arrays[16 * n:24 * n].view("<i8").reshape(shape if routing else (0, self.experts)),
-            entropy_bits=arrays[24 * n:].view("<f8"),  # (empty without routing)
+            queue_peak=held_peak(arrays[16 * n:32 * n].view("<i8").reshape((2, *shape)), written,
+                                 peak_bucket(time.monotonic_ns())),
+            tokens=arrays[32 * n:40 * n].view("<i8").reshape(shape if routing else (0, self.experts)),
+            entropy_bits=arrays[40 * n:].view("<f8"),  # (empty without routing)
         )
 
     def close(self) -> None:

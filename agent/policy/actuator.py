@@ -191,10 +191,11 @@ class ControlConnection:
 # The per-layer `stats` fields that say where each expert is and at which precision: they change
 # only when placement does, which `placement_version` tells (docs/control-protocol.md).
 PLACEMENT_FIELDS = ("device", "tier", "dtype", "precision", "offloaded")
-_PER_EXPERT = ("tokens", "last_step_tokens", "queue_depth", "penalty", "device", "tier", "dtype", "precision")
+_PER_EXPERT = ("tokens", "last_step_tokens", "queue_depth", "queue_peak", "penalty", "device", "tier", "dtype",
+               "precision")
 # Per-layer fields a narrowed reply may send instead: the non-zero entries as [expert, value] pairs
 # (an expert left out is 0)
-_SPARSE = {"queue_depth_sparse": "queue_depth", "penalty_sparse": "penalty"}
+_SPARSE = {"queue_depth_sparse": "queue_depth", "queue_peak_sparse": "queue_peak", "penalty_sparse": "penalty"}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -228,6 +229,9 @@ class RuntimeState:
     # the runtime's placement_version these placement fields are from (None: it reports none, or
     # they are not held: the next narrowed poll asks for them)
     placement_version: int | None = None
+    # the deepest queue_depth of the last 200-400 ms (a runtime's optional `queue_peak`: a prefill's
+    # queue lasts one step, which a 200 ms poll of queue_depth sees by chance); empty: not reported
+    queue_peak: dict[Expert, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_stats(cls, result: Mapping[str, Any], *, previous: RuntimeState | None = None) -> RuntimeState:
@@ -294,6 +298,7 @@ class RuntimeState:
                 tokens=per["tokens"],
                 last_step_tokens=per["last_step_tokens"],
                 queue_depth=per["queue_depth"],
+                queue_peak=per["queue_peak"],
                 entropy_bits=entropy_bits,
                 penalty=per["penalty"],
                 device=per["device"],
@@ -316,6 +321,8 @@ class RuntimeState:
         experts = self.experts
         queue = page.queue_depth.ravel()
         busy = queue.nonzero()[0].tolist()
+        peak = page.queue_peak.ravel()
+        peaked = peak.nonzero()[0].tolist()
         penalty = page.penalty.ravel()
         penalised = penalty.nonzero()[0].tolist()
         tokens: dict[Expert, int] = {}
@@ -328,6 +335,7 @@ class RuntimeState:
         return dataclasses.replace(
             self,
             queue_depth={divmod(i, experts): v for i, v in zip(busy, queue[busy].tolist())},
+            queue_peak={divmod(i, experts): v for i, v in zip(peaked, peak[peaked].tolist())},
             penalty={divmod(i, experts): v for i, v in zip(penalised, penalty[penalised].tolist())},
             tokens=tokens,
             entropy_bits=entropy,

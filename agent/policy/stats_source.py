@@ -5,8 +5,11 @@ This source needs only the control socket, so the policy can run on any runtime 
 moescope-control/1 — and on the reference runtime before, or without, the NVTX pipeline:
 
 - device_memory_used_ratio: the worst device's `used_ratio`;
-- expert_queue_tokens: `queue_depth` per (layer, expert); an expert stays reported (0 included)
-  for `sticky_s` after it was last non-zero or penalised, so a rule that fired on it sees it clear;
+- expert_queue_tokens: per (layer, expert) the deepest of `queue_depth` and `queue_peak` (the
+  deepest queue of the last 200-400 ms, where the runtime reports it: a prefill's queue lasts one
+  step, which a 200 ms poll of `queue_depth` alone saw by chance); an expert stays reported (0
+  included) for `sticky_s` after it was last non-zero or penalised, so a rule that fired on it sees
+  it clear;
 - expert_load_gini: Gini of the tokens routed per expert in the last `window_s` (deltas of the
   cumulative `tokens`), per layer, via moescope.agent.routing_health;
 - router_entropy_ratio: the token-weighted mean over `window_s` of `entropy_bits` / log2 E, per layer;
@@ -49,7 +52,7 @@ log = logging.getLogger(__name__)
 
 # The per-layer stats fields every period reads (the queue rule, its stickiness), and those that
 # only the runtime's own routing view needs (NVTX off)
-NARROW_FIELDS = ("queue_depth_sparse", "penalty_sparse")  # the non-zero entries only
+NARROW_FIELDS = ("queue_depth_sparse", "queue_peak_sparse", "penalty_sparse")  # the non-zero entries only
 ROUTING_FIELDS = ("tokens", "entropy_bits")
 # With a stats page, `stats` over the socket at least this often: the rest of the reply (memory,
 # model) is held between, and a runtime that stopped answering shows up within it.
@@ -272,17 +275,19 @@ class RuntimeStatsSignals:
         # A penalised expert is reported too, so a penalty taken over at start sees its queue clear.
         # (Two C-driven passes: at 48 layers x 128 experts a loop testing both per expert was 2.5 ms.)
         busy = [key for key, depth in state.queue_depth.items() if depth > 0]
+        busy += [key for key, peak in state.queue_peak.items() if peak > 0]
         busy += [key for key, penalty in state.penalty.items() if penalty > 0]
         for key in busy:
             self._last_busy_s[key] = now_s
         queue: dict[tuple[int, int], float] = {}
         depth = state.queue_depth  # (narrowed: only the non-zero entries; an expert left out is 0)
+        peak = state.queue_peak
         for key, last_s in list(self._last_busy_s.items()):
             layer, expert = key
             if now_s - last_s > self.sticky_s or not (0 <= layer < state.layers and 0 <= expert < state.experts):
                 del self._last_busy_s[key]
                 continue
-            queue[key] = float(depth.get(key, 0))
+            queue[key] = float(max(depth.get(key, 0), peak.get(key, 0)))
         return queue
 
     @staticmethod

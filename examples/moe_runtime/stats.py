@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import TypedDict
 
 import numpy as np
 
 from moescope.errors import UsageError
-from moescope.stats_page import StatsPageWriter
+from moescope.stats_page import StatsPageWriter, held_peak, peak_bucket, roll_peaks
 
 # Hotness (for prefetch) halves every this many steps of a layer.
 HOTNESS_HALF_LIFE_STEPS = 32
@@ -19,12 +20,12 @@ HOTNESS_HALF_LIFE_STEPS = 32
 # runtime's descriptive layer keys (the transformers server's module, experts, top_k, shared) are
 # always sent. The placement fields come too while `placement_since` is not the runtime's
 # placement_version: a poller reads the large, rarely changing part only after it changed.
-LAYER_FIELDS = ("tokens", "dropped", "rerouted_in", "queue_depth", "last_step_tokens", "penalty", "device",
-                "tier", "dtype", "precision", "offloaded", "loads", "entropy_bits", "capacity")
+LAYER_FIELDS = ("tokens", "dropped", "rerouted_in", "queue_depth", "queue_peak", "last_step_tokens", "penalty",
+                "device", "tier", "dtype", "precision", "offloaded", "loads", "entropy_bits", "capacity")
 PLACEMENT_FIELDS = ("device", "tier", "dtype", "precision", "offloaded")
 # Sent only when named: a per-expert field's entries that are not 0, as [expert, value] pairs (a
 # poller at 58 x 256 experts reads the few busy queues instead of 14848 zeros)
-SPARSE_FIELDS = {"queue_depth_sparse": "queue_depth", "penalty_sparse": "penalty"}
+SPARSE_FIELDS = {"queue_depth_sparse": "queue_depth", "queue_peak_sparse": "queue_peak", "penalty_sparse": "penalty"}
 
 
 def sparse_pairs(values: list[int] | list[float]) -> list[list[int | float]]:
@@ -56,6 +57,7 @@ class StatsSnapshot(TypedDict):
     dropped: list[list[int]]
     rerouted_in: list[list[int]]
     queue_depth: list[list[int]]
+    queue_peak: list[list[int]]  # the deepest queue_depth in the last 200-400 ms (stats_page.held_peak)
     last_step_tokens: list[list[int]]
     loads: list[list[int]]
     entropy_bits: list[float]
@@ -73,6 +75,9 @@ class RuntimeStats:
         self.dropped = np.zeros(shape, dtype=np.int64)
         self.rerouted_in = np.zeros(shape, dtype=np.int64)
         self.queue_depth = np.zeros(shape, dtype=np.int64)
+        # the deepest queue_depth per 200 ms bucket, this one and the one before (stats_page.roll_peaks)
+        self.queue_peak = np.zeros((2, *shape), dtype=np.int64)
+        self._peak_bucket = 0  # the newest bucket queue_peak holds
         self.last_step_tokens = np.zeros(shape, dtype=np.int64)
         self.loads = np.zeros(shape, dtype=np.int64)
         self.hotness = np.zeros(shape, dtype=np.float64)
@@ -101,11 +106,14 @@ class RuntimeStats:
             page.begin()
             try:
                 page.queue_depth[...] = self.queue_depth
+                page.queue_peak[...] = self.queue_peak
+                page.set_peak_bucket(self._peak_bucket)
                 page.tokens[...] = self.tokens
                 page.entropy_bits[...] = self.entropy_bits
             finally:
                 page.end(version_key())
-            self.queue_depth, self.tokens, self.entropy_bits = page.queue_depth, page.tokens, page.entropy_bits
+            self.queue_depth, self.queue_peak = page.queue_depth, page.queue_peak
+            self.tokens, self.entropy_bits = page.tokens, page.entropy_bits
             self.page, self.version_key = page, version_key
 
     def record_routing(self, *, layer: int, demand: np.ndarray, dropped: np.ndarray,
@@ -117,6 +125,14 @@ class RuntimeStats:
             try:
                 self.tokens[layer] += demand
                 self.queue_depth[layer] = demand
+                bucket = peak_bucket(time.monotonic_ns())
+                if bucket != self._peak_bucket:
+                    roll_peaks(self.queue_peak, self._peak_bucket, bucket)
+                    self._peak_bucket = bucket
+                    if page is not None:
+                        page.set_peak_bucket(bucket)
+                held = self.queue_peak[bucket & 1, layer]
+                np.maximum(held, demand, out=held)
                 self.entropy_bits[layer] = entropy_bits
             finally:
                 if page is not None:
@@ -181,6 +197,7 @@ class RuntimeStats:
                 "dropped": self.dropped.tolist(),
                 "rerouted_in": self.rerouted_in.tolist(),
                 "queue_depth": self.queue_depth.tolist(),
+                "queue_peak": held_peak(self.queue_peak, self._peak_bucket, peak_bucket(time.monotonic_ns())).tolist(),
                 "last_step_tokens": self.last_step_tokens.tolist(),
                 "loads": self.loads.tolist(),
                 "entropy_bits": self.entropy_bits.tolist(),

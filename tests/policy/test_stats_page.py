@@ -21,6 +21,7 @@ from moescope.agent.policy.stats_source import PAGE_REFRESH_S, RuntimeStatsSigna
 from moescope.examples.moe_runtime.stats import RuntimeStats
 from moescope.stats_page import (
     LAYOUT_NAME,
+    PEAK_BUCKET_NS,
     PageSnapshot,
     StatsPageError,
     StatsPageReader,
@@ -85,7 +86,7 @@ def test_a_page_reads_back_what_was_written(writer: StatsPageWriter) -> None:
         assert read(reader).version == 3  # a command always moves it
     finally:
         reader.close()
-    assert page_bytes(3, 5) == os.path.getsize(writer.path) == 64 + 24 * 15 + 8 * 3
+    assert page_bytes(3, 5) == os.path.getsize(writer.path) == 64 + 40 * 15 + 8 * 3
 
 
 def test_a_reader_survives_the_page_changing_under_it(writer: StatsPageWriter) -> None:
@@ -132,7 +133,7 @@ def test_bad_pages_are_refused_in_one_line(writer: StatsPageWriter, tmp_path: Pa
     refused(writer.path, "byte cap", layers=10_000, experts=10_000)
     other = tmp_path / "not-a-page"
     other.write_bytes(b"\0" * page_bytes(3, 5))
-    refused(other, "not a moescope-stats-page/1 page")
+    refused(other, "not a moescope-stats-page/2 page")
 
 
 def test_pages_of_killed_writers_are_swept(tmp_path: Path) -> None:
@@ -209,7 +210,12 @@ def test_the_poller_reads_the_page_between_calls(start_runtime: StartRuntime) ->
             assert held.queue_depth == {k: v for k, v in by_call.queue_depth.items() if v}
         finally:
             calls.close()
-        assert from_page.expert_queue_tokens == {(0, 5): 0.0}  # penalised: reported so its rule can clear
+        # penalised: reported so its rule can clear; and each queue the deepest of the latest one and
+        # the peak held from the last 200-400 ms (the prompts' queues, as the runtime goes idle)
+        assert (0, 5) in from_page.expert_queue_tokens
+        assert from_page.expert_queue_tokens == {
+            key: float(max(held.queue_depth.get(key, 0), held.queue_peak.get(key, 0)))
+            for key in {(0, 5), *held.queue_depth, *held.queue_peak}}
         assert set(from_page.expert_load_gini) == {0, 1}
         assert all(0 <= g <= 1 for g in from_page.expert_load_gini.values())
         now["t"] = 101.0 + PAGE_REFRESH_S  # a refresh is due: the socket again
@@ -289,6 +295,61 @@ def test_the_runtime_stats_write_the_page_as_they_change(tmp_path: Path) -> None
         stats.idle()
         assert not read(reader).queue_depth.any() and read(reader).tokens.sum() == 76
         assert stats.snapshot()["queue_depth"] == [[0] * 4, [0] * 4]
+    finally:
+        reader.close()
+        page.close()
+
+
+def test_a_queue_is_held_as_a_peak_for_200_to_400_ms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A prefill's queue lasts one step: the next decode step (or idle) overwrites queue_depth within
+    # milliseconds, and a poller every 200 ms saw it by chance. The peak of each 200 ms bucket is
+    # held for the bucket after it too: every 200 ms poll sees it, at most two in a row.
+    from moescope import stats_page
+    from moescope.examples.moe_runtime import stats as runtime_stats
+
+    clock = {"ns": 10 * PEAK_BUCKET_NS + 150_000_000}  # 150 ms into bucket 10
+    fake_time = type("FakeTime", (), {"monotonic_ns": staticmethod(lambda: clock["ns"])})
+    monkeypatch.setattr(runtime_stats, "time", fake_time)
+    monkeypatch.setattr(stats_page, "time", fake_time)
+
+    def route(layer: int, demand: list[int], at_ms: int) -> None:
+        clock["ns"] = at_ms * 1_000_000
+        stats.record_routing(layer=layer, demand=np.array(demand), dropped=np.zeros(4, dtype=np.int64),
+                             rerouted_in=np.zeros(4, dtype=np.int64), entropy_bits=1.0, capacity=8)
+
+    def peak_at(at_ms: int) -> list[list[int]]:
+        clock["ns"] = at_ms * 1_000_000
+        got = read(reader).queue_peak.tolist()
+        assert got == stats.snapshot()["queue_peak"]  # the page and a `stats` call agree
+        return got
+
+    stats = RuntimeStats(layers=2, experts=4)
+    page = StatsPageWriter(layers=2, experts=4, directory=tmp_path)
+    stats.attach_page(page, version_key=lambda: None)
+    reader = open_reader(page)
+    try:
+        route(0, [0, 300, 0, 3], 2150)  # a prefill on expert 1 ...
+        route(0, [0, 2, 0, 1], 2170)  # ... then a decode step
+        assert read(reader).queue_depth[0].tolist() == [0, 2, 0, 1]
+        assert peak_at(2190) == [[0, 300, 0, 3], [0, 0, 0, 0]]
+        stats.idle()  # the runtime went idle: its queues are 0, the peak stands
+        assert not read(reader).queue_depth.any()
+        assert peak_at(2399) == [[0, 300, 0, 3], [0] * 4]  # the next bucket: still held
+        assert peak_at(2400) == [[0] * 4, [0] * 4]  # two buckets on: gone, with nothing written
+        route(1, [5, 0, 0, 0], 2210)  # bucket 11: the bucket-10 half stays
+        assert peak_at(2220) == [[0, 300, 0, 3], [5, 0, 0, 0]]
+        route(1, [0, 0, 7, 0], 2410)  # bucket 12 reuses bucket 10's half: cleared first
+        assert peak_at(2420) == [[0] * 4, [5, 0, 7, 0]]
+        route(0, [1, 1, 1, 1], 4000)  # bucket 20: a gap, both halves cleared
+        assert peak_at(4010) == [[1, 1, 1, 1], [0] * 4]
+        # the poller's state carries the non-zero peaks, as a narrowed `stats` reply does
+        clock["ns"] = 4_010_000_000
+        state = RuntimeState.from_stats({"protocol": "moescope-control/1", "config": {
+            "layers": 2, "experts": 4, "devices": ["cpu"], "primary_device": "cpu"},
+            "layers": [{"layer": 0, "queue_peak_sparse": [[0, 1], [3, 1]]}, {"layer": 1}],
+            "precision": {"default": "fp32"}, "memory": {"devices": {}, "expert_bytes_fp32": 0}})
+        assert state.with_page(read(reader), routing=False).queue_peak == {(0, e): 1 for e in range(4)}
+        assert state.queue_peak == {(0, 0): 1, (0, 3): 1}
     finally:
         reader.close()
         page.close()

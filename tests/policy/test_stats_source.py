@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import pytest
 from policy_helpers import StartRuntime
 
 from moescope.agent.policy.stats_source import RuntimeStatsSignals
+from moescope.stats_page import PEAK_BUCKET_NS
+
+PEAKS_HELD_S = 2 * PEAK_BUCKET_NS / 1e9  # a queue's peak is held 200-400 ms (docs/control-protocol.md)
 
 
 def gini_by_pairs(counts: list[int]) -> float:
@@ -35,6 +39,7 @@ def test_signals_from_runtime_stats(start_runtime: StartRuntime) -> None:
         for prompt in ("hello world", "mixture of experts", "zzzz"):
             rt.complete(prompt)
         rt.call("set_router_penalty", {"layer": 1, "expert": 2, "penalty": 0.3})
+        time.sleep(PEAKS_HELD_S)  # the prompts' queues are held as peaks this long: past them
         now["t"] = 101.0
         second = source()
         after = rt.stats()
@@ -65,6 +70,7 @@ def test_without_routing_only_queues_and_memory_are_read(start_runtime: StartRun
         source()
         rt.complete("hello world")
         rt.call("set_router_penalty", {"layer": 0, "expert": 3, "penalty": 0.3})
+        time.sleep(PEAKS_HELD_S)
         now["t"] = 101.0
         signals = source()
         assert signals.expert_load_gini == {} and signals.router_entropy_ratio == {}
