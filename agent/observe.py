@@ -356,7 +356,7 @@ class Observers:
     def _build_policy(self, pid: int | None) -> None:
         from moescope.agent.policy import publish
         from moescope.agent.policy.actuator import find_control_socket
-        from moescope.agent.policy.stats_source import RuntimeStatsSignals
+        from moescope.agent.policy.stats_source import RuntimeStatsSignals, queue_floor_for
         from moescope.agent.policy.wiring import build_policy
 
         if not self.args.control_socket and pid is not None:
@@ -372,7 +372,7 @@ class Observers:
         if socket_path:
             # Queue depth per expert is the runtime's own number (control-socket stats).
             self.stats_signals = RuntimeStatsSignals(socket_path, timeout_s=engine.config.command_timeout_ms / 1000.0,
-                                                     runtime_pid=pid)
+                                                     runtime_pid=pid, queue_floor=queue_floor_for(engine.rules))
             # ... and what it reads (precision, residency) reaches spans and the live view as records
             self.runtime_stats = RuntimeStatsSource(self.stats_signals, emit=self.daemon.emit)
             self.daemon.add_source(self.runtime_stats)

@@ -26,7 +26,7 @@ from moescope.agent.policy.audit import AuditLog, AuditRecord
 from moescope.agent.policy.config import PolicyConfig, load_policy
 from moescope.agent.policy.engine import PolicyEngine, PolicyLoop
 from moescope.agent.policy.rules import SIGNALS, RuleSpec
-from moescope.agent.policy.stats_source import RuntimeStatsSignals
+from moescope.agent.policy.stats_source import RuntimeStatsSignals, queue_floor_for
 from moescope.errors import ControlError
 
 
@@ -135,7 +135,8 @@ def run_loop(args: argparse.Namespace) -> int:
 
     audit.add_hook(show)
     engine = PolicyEngine(config, audit=audit, actuator=actuator, dry_run=args.dry_run, state_path=args.state_file)
-    source = RuntimeStatsSignals(socket_path, timeout_s=config.command_timeout_ms / 1000.0, runtime_pid=args.pid)
+    source = RuntimeStatsSignals(socket_path, timeout_s=config.command_timeout_ms / 1000.0, runtime_pid=args.pid,
+                                 queue_floor=queue_floor_for(config.rules))
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     print(f"policy: {len(engine.rules)} rules on {socket_path}{' (dry run: nothing is sent)' if args.dry_run else ''}; "

@@ -38,7 +38,8 @@ from typing import Any
 
 from benchmarks.common import REPO, write_result
 from benchmarks.e2e_overhead import cpu_s, stop_group
-from moescope.agent.policy.stats_source import NARROW_FIELDS, RuntimeStatsSignals, RuntimeStatsSource
+from moescope.agent.policy.config import load_policy
+from moescope.agent.policy.stats_source import NARROW_FIELDS, RuntimeStatsSignals, RuntimeStatsSource, queue_floor_for
 from moescope.examples.moe_runtime.launch import LaunchError, launch, runtime_argv
 
 SHAPES: dict[str, tuple[int, int, int]] = {  # layers, experts, top-k
@@ -52,7 +53,9 @@ MODES = ("whole", "narrowed", "page")
 
 
 def poll_cost(socket_path: Path, runtime_pid: int, *, mode: str, polls: int) -> dict[str, float]:
-    signals = RuntimeStatsSignals(socket_path, timeout_s=30.0, use_page=mode == "page")
+    # the queues the default rules can act on, as `agent start` reads them
+    signals = RuntimeStatsSignals(socket_path, timeout_s=30.0, use_page=mode == "page",
+                                  queue_floor=queue_floor_for(load_policy().rules))
     signals.with_routing = False  # as the agent runs it beside NVTX
     if mode == "whole":
         signals.narrowed = False  # (as against a runtime that does not take narrowed stats)

@@ -8,8 +8,12 @@ moescope-control/1 — and on the reference runtime before, or without, the NVTX
 - expert_queue_tokens: per (layer, expert) the deepest of `queue_depth` and `queue_peak` (the
   deepest queue of the last 200-400 ms, where the runtime reports it: a prefill's queue lasts one
   step, which a 200 ms poll of `queue_depth` alone saw by chance); an expert stays reported (0
-  included) for `sticky_s` after it was last non-zero or penalised, so a rule that fired on it sees
-  it clear;
+  included) for `sticky_s` after it was last at or past `queue_floor` or penalised, so a rule that
+  fired on it sees it clear. `queue_floor` (``queue_floor_for(rules)``: the lowest fire or clear
+  threshold of the rules on this signal, all firing upward; else 0, every non-zero queue) keeps the
+  snapshot to the experts a rule can act on: under a production batch nearly every expert of
+  58 x 256 has some queue within 200-400 ms, and a dict of all of them every period was ~1-2 ms;
+  a value under the floor reads as 0 (the same to every such rule: under its clear threshold);
 - expert_load_gini: Gini of the tokens routed per expert in the last `window_s` (deltas of the
   cumulative `tokens`), per layer, via moescope.agent.routing_health;
 - router_entropy_ratio: the token-weighted mean over `window_s` of `entropy_bits` / log2 E, per layer;
@@ -36,14 +40,14 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from moescope.agent.policy.actuator import PLACEMENT_FIELDS, CommandFailed, ControlConnection, RuntimeState
-from moescope.agent.policy.rules import Signals
+from moescope.agent.policy.rules import RuleSpec, Signals, fires_upward
 from moescope.agent.routing_health import LayerRouting, RoutingHealthWindow, normalised_router_entropy
 from moescope.collectors.registry import SourceHealth
 from moescope.stats_page import LAYOUT_NAME, PageSnapshot, StatsPageError, StatsPageReader
@@ -57,6 +61,17 @@ ROUTING_FIELDS = ("tokens", "entropy_bits")
 # With a stats page, `stats` over the socket at least this often: the rest of the reply (memory,
 # model) is held between, and a runtime that stopped answering shows up within it.
 PAGE_REFRESH_S = 5.0
+QUEUE_SIGNAL = "expert_queue_tokens"
+
+
+def queue_floor_for(rules: Iterable[RuleSpec]) -> float:
+    """The smallest queue a rule on expert_queue_tokens can act on: the lowest of their fire and
+    clear thresholds when every one fires upward (a lower value is under each one's clear threshold,
+    as 0 is), else 0 (every non-zero queue is reported)."""
+    specs = [spec for spec in rules if spec.signal == QUEUE_SIGNAL and spec.enabled]
+    if not specs or not all(fires_upward(spec.comparison) for spec in specs):
+        return 0.0
+    return max(0.0, min(min(spec.fire, spec.clear) for spec in specs))
 
 
 class RuntimeStatsSignals:
@@ -70,8 +85,10 @@ class RuntimeStatsSignals:
         clock: Callable[[], float] = time.monotonic,
         use_page: bool = True,
         runtime_pid: int | None = None,
+        queue_floor: float = 0.0,
     ) -> None:
         self.socket_path = Path(socket_path)
+        self.queue_floor = queue_floor  # queues under it are not reported (queue_floor_for)
         self.timeout_s = timeout_s
         self.window_s = window_s
         self.sticky_s = sticky_s
@@ -166,7 +183,7 @@ class RuntimeStatsSignals:
         if (page is not None and held is not None and page.version == self._page_version
                 and now_s - self._socket_read_s < PAGE_REFRESH_S):
             self.page_periods += 1
-            return held.with_page(page, routing=self.with_routing)
+            return held.with_page(page, routing=self.with_routing, queue_floor=self.queue_floor)
         if self._conn is None:
             self._conn = ControlConnection(self.socket_path, timeout_s=self.timeout_s)
         try:
@@ -274,8 +291,9 @@ class RuntimeStatsSignals:
     def _queue(self, state: RuntimeState, now_s: float) -> dict[tuple[int, int], float]:
         # A penalised expert is reported too, so a penalty taken over at start sees its queue clear.
         # (Two C-driven passes: at 48 layers x 128 experts a loop testing both per expert was 2.5 ms.)
-        busy = [key for key, depth in state.queue_depth.items() if depth > 0]
-        busy += [key for key, peak in state.queue_peak.items() if peak > 0]
+        floor = max(self.queue_floor, 1e-9)  # (0: any queue above 0)
+        busy = [key for key, depth in state.queue_depth.items() if depth >= floor]
+        busy += [key for key, peak in state.queue_peak.items() if peak >= floor]
         busy += [key for key, penalty in state.penalty.items() if penalty > 0]
         for key in busy:
             self._last_busy_s[key] = now_s
@@ -287,7 +305,8 @@ class RuntimeStatsSignals:
             if now_s - last_s > self.sticky_s or not (0 <= layer < state.layers and 0 <= expert < state.experts):
                 del self._last_busy_s[key]
                 continue
-            queue[key] = float(max(depth.get(key, 0), peak.get(key, 0)))
+            value = max(depth.get(key, 0), peak.get(key, 0))
+            queue[key] = float(value) if value >= floor else 0.0
         return queue
 
     @staticmethod

@@ -5,6 +5,7 @@ short under it, a writer stuck mid-update) with a one-line error, never a hang o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -17,7 +18,7 @@ import pytest
 from policy_helpers import ControlProxy, StartRuntime
 
 from moescope.agent.policy.actuator import RuntimeState
-from moescope.agent.policy.stats_source import PAGE_REFRESH_S, RuntimeStatsSignals
+from moescope.agent.policy.stats_source import PAGE_REFRESH_S, RuntimeStatsSignals, queue_floor_for
 from moescope.examples.moe_runtime.stats import RuntimeStats
 from moescope.stats_page import (
     LAYOUT_NAME,
@@ -350,6 +351,56 @@ def test_a_queue_is_held_as_a_peak_for_200_to_400_ms(tmp_path: Path, monkeypatch
             "precision": {"default": "fp32"}, "memory": {"devices": {}, "expert_bytes_fp32": 0}})
         assert state.with_page(read(reader), routing=False).queue_peak == {(0, e): 1 for e in range(4)}
         assert state.queue_peak == {(0, 0): 1, (0, 3): 1}
+    finally:
+        reader.close()
+        page.close()
+
+
+def test_queues_under_the_floor_the_rules_can_act_on_are_left_out(tmp_path: Path) -> None:
+    # Under a production batch nearly every expert has some queue within 200-400 ms: the poller
+    # keeps the ones a queue rule can act on (at or past the lowest fire / clear threshold).
+    from moescope.agent.policy.config import load_policy
+    from moescope.agent.policy.rules import RuleSpec
+
+    defaults = load_policy().rules
+    assert queue_floor_for(defaults) == 25.0  # expert_queue_soft_limit: fire > 50, clear < 25
+    queue_rule = next(spec for spec in defaults if spec.signal == "expert_queue_tokens")
+    below: RuleSpec = dataclasses.replace(queue_rule, name="starved", comparison="<", fire=1.0, clear=2.0)
+    assert queue_floor_for([*defaults, below]) == 0.0  # a rule firing low: every queue counts
+    assert queue_floor_for([dataclasses.replace(queue_rule, enabled=False)]) == 0.0
+
+    stats = RuntimeStats(layers=2, experts=4)
+    page = StatsPageWriter(layers=2, experts=4, directory=tmp_path)
+    stats.attach_page(page, version_key=lambda: None)
+    reader = open_reader(page)
+    zeros = np.zeros(4, dtype=np.int64)
+    try:
+        stats.record_routing(layer=0, demand=np.array([3, 60, 24, 25]), dropped=zeros, rerouted_in=zeros,
+                             entropy_bits=1.0, capacity=8)
+        state = RuntimeState.from_stats({"protocol": "moescope-control/1", "config": {
+            "layers": 2, "experts": 4, "devices": ["cpu"], "primary_device": "cpu"},
+            "layers": [{"layer": 0}, {"layer": 1}], "precision": {"default": "fp32"},
+            "memory": {"devices": {}, "expert_bytes_fp32": 0}})
+        poller = RuntimeStatsSignals(tmp_path / "no-socket", timeout_s=1.0, queue_floor=25.0)
+        seen = state.with_page(read(reader), routing=False, queue_floor=25.0)
+        assert seen.queue_depth == {(0, 1): 60, (0, 3): 25} and seen.queue_peak == seen.queue_depth
+        assert poller._queue(seen, 1.0) == {(0, 1): 60.0, (0, 3): 25.0}
+        # expert 1 falls to 10: still reported (sticky), as 0 (under the floor: under the clear threshold)
+        stats.queue_peak[...] = 0
+        stats.record_routing(layer=0, demand=np.array([0, 10, 0, 30]), dropped=zeros, rerouted_in=zeros,
+                             entropy_bits=1.0, capacity=8)
+        later = state.with_page(read(reader), routing=False, queue_floor=25.0)
+        assert poller._queue(later, 2.0) == {(0, 1): 0.0, (0, 3): 30.0}
+        # the same over the socket, where the reply names every non-zero queue
+        by_call = RuntimeState.from_stats({"protocol": "moescope-control/1", "config": {
+            "layers": 2, "experts": 4, "devices": ["cpu"], "primary_device": "cpu"},
+            "layers": [{"layer": 0, "queue_depth_sparse": [[1, 10], [3, 30]], "queue_peak_sparse": [[2, 7]]},
+                       {"layer": 1}], "precision": {"default": "fp32"},
+            "memory": {"devices": {}, "expert_bytes_fp32": 0}})
+        assert poller._queue(by_call, 2.5) == {(0, 1): 0.0, (0, 3): 30.0}
+        # without a floor every queue above 0 is reported, as before
+        assert RuntimeStatsSignals(tmp_path / "no-socket", timeout_s=1.0)._queue(
+            state.with_page(read(reader), routing=False), 3.0) == {(0, 1): 10.0, (0, 3): 30.0}
     finally:
         reader.close()
         page.close()
