@@ -35,8 +35,8 @@ DEFAULT_PERIOD_NS = 50_000_000  # drain period while busy: bounds ring occupancy
 # A thread that wakes on its own period anyway (the policy loop, every 200 ms) can take the peeks
 # over (lend_peeks / outside_peek): on this VM a wake-up of an idle Python thread costs ~0.3-0.5 ms
 # of CPU whatever it does, and the loop's six peeks a second were half its idle cost. A period up to
-# OUTSIDE_PEEK_MAX_NS is accepted: the ingress ring holds 238 ms at its rate hint (a power of two of
-# pages), 208 ms of it above the mark; the moe/v2 rings hold seconds at production shapes.
+# OUTSIDE_PEEK_MAX_NS is accepted: the ingress ring holds at least 200 ms above its mark at its rate
+# hint (probes/ingress/loader.py RING_HOLD_S); the moe/v2 rings hold seconds at production shapes.
 QUIET_EVENTS_PER_S = 6_800
 DEFAULT_IDLE_PERIOD_NS = 1_000_000_000
 PEEK_PERIOD_NS = 150_000_000
@@ -83,7 +83,7 @@ class Daemon:
         # Held for a whole round and by an outside peek (never waited on by the latter): the
         # sources' rings are opened and closed inside rounds only.
         self._round_lock = threading.Lock()
-        self._outside_period_ns = 0  # a thread peeks for the loop this often (0: the loop peeks)
+        self._peeks_lent = False  # another thread peeks for the loop (lend_peeks): the loop does not
         self._outside_backlog = False  # an outside peek found a backlog: the round is due now
         self.ticks = 0
         self.records = 0
@@ -196,14 +196,12 @@ class Daemon:
         """Another thread will call outside_peek() every `period_ns` from now on, and the loop stops
         peeking itself. Refused (False: the loop keeps its own peeks) past OUTSIDE_PEEK_MAX_NS, which
         the rings are sized for."""
-        if not 0 < period_ns <= OUTSIDE_PEEK_MAX_NS:
-            return False
-        self._outside_period_ns = period_ns
-        return True
+        self._peeks_lent = 0 < period_ns <= OUTSIDE_PEEK_MAX_NS
+        return self._peeks_lent
 
     def take_back_peeks(self) -> None:
         """The lending thread stops: the loop peeks itself again, from its next wait."""
-        self._outside_period_ns = 0
+        self._peeks_lent = False
         self._wake.set()  # a wait planned without peeks is cut short
 
     def outside_peek(self) -> bool:
@@ -246,7 +244,7 @@ class Daemon:
         due_ns = tick_ns if deadline_ns is None else min(tick_ns, deadline_ns)
         while now_ns < due_ns:
             # no source to peek at, or another thread peeking: one wait until the round
-            own_peeks = bool(self._backlogs) and not self._outside_period_ns
+            own_peeks = bool(self._backlogs) and not self._peeks_lent
             wait_ns = min(due_ns - now_ns, self.peek_period_ns) if own_peeks else due_ns - now_ns
             woken = self._wake.wait(wait_ns / 1e9)
             if self._stop.is_set():

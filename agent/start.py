@@ -95,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ingress-rate-hint", metavar="N", default=str(loader.DEFAULT_RATE_HINT_PER_S),
         help=f"requests/s the per-request ring is sized for: it holds {loader.RING_HOLD_S:g} s of records "
              f"(default {loader.DEFAULT_RATE_HINT_PER_S}: "
-             f"{loader.ring_pages_for(loader.DEFAULT_RATE_HINT_PER_S) * mmap.PAGESIZE >> 20} MiB)",
+             f"{loader.IngressOptions().ring_pages() * mmap.PAGESIZE >> 20} MiB)",
     )
     ingress.add_argument("--ingress-ring-pages", metavar="N", default="0",
                          help="ring size in pages, a power of two (overrides --ingress-rate-hint)")
