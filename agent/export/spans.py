@@ -109,7 +109,7 @@ class SharedBoundedAttributes(BoundedAttributes):
 
 def shared_attributes(attributes: Mapping[str, Any]) -> SharedAttributes:
     """``attributes`` cleaned as a span stores them, in one object to share between spans."""
-    return SharedAttributes(_span_attributes(attributes))
+    return SharedAttributes(span_attributes(attributes))
 
 
 def clean_attributes(attributes: Mapping[str, Any] | None) -> dict[str, AttributeValue]:
@@ -119,7 +119,7 @@ def clean_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Attribut
     return _clean(attributes, tuples=False)
 
 
-def _span_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
+def span_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
     """``clean_attributes`` as the SDK stores them: sequences as tuples, only non-empty str keys."""
     if not attributes:
         return {}
@@ -246,7 +246,7 @@ class _DirectSpan(trace.Span):
     def set_attributes(self, attributes: Mapping[str, Any]) -> None:
         if self._warn_ended("set_attributes"):
             return
-        self._attributes = self._factory._merge(self._attributes, _span_attributes(attributes))
+        self._attributes = self._factory._merge(self._attributes, span_attributes(attributes))
 
     def add_event(self, name: str, attributes: Mapping[str, Any] | None = None, timestamp: int | None = None) -> None:
         if self._warn_ended("add_event"):
@@ -415,7 +415,7 @@ class SpanFactory:
             context = tuple.__new__(SpanContext, (trace_id, span_id, False, flags, trace_state, True))
         else:
             context = SpanContext(trace_id, span_id, is_remote=False, trace_flags=flags, trace_state=trace_state)
-        attrs: dict[str, Any] | BoundedAttributes = _span_attributes(attributes)
+        attrs: dict[str, Any] | BoundedAttributes = span_attributes(attributes)
         limit = self._limits.max_span_attributes
         if limit is not None and len(attrs) > limit:
             attrs = BoundedAttributes(limit, attrs, immutable=False, max_value_len=None)  # drops the oldest, counted
@@ -581,3 +581,52 @@ class SpanFactory:
             return direct._context
         span = self.start(name, start_ns=start_ns, parent=parent, kind=kind, attributes=attributes, links=links)
         return self.end(span, end_ns=end_ns, events=events, error=error)
+
+    def record_children(self, name: str, *, parent: SpanContext,
+                        children: Iterable[tuple[int, int, dict[str, Any]]]) -> int:
+        """One INTERNAL span named ``name`` under ``parent`` per ``(start_ns, end_ns, attributes)``,
+        each as ``record`` makes it without links, events or error (a step's layer spans); returns
+        how many. ``attributes`` must already be as a span stores them (what ``span_attributes``
+        returns unchanged: Python scalars, arrays as tuples of one type, non-empty str keys, no None
+        and no NaN scalar; tests/export/test_trace_children.py holds the layer builder to that); each
+        dict becomes its span's own. The direct path resolves the parent once and skips the
+        per-span cleaning and keyword handling (~9 µs of a layer span's ~17 on this VM)."""
+        if not (self.direct and self.tracer._is_enabled()):  # type: ignore[attr-defined]
+            made = 0
+            for start_ns, end_ns, attributes in children:
+                self.record(name, start_ns=start_ns, end_ns=end_ns, parent=parent, attributes=attributes)
+                made += 1
+            return made
+        # the parent's trace, as _direct_parts takes it (an invalid parent: each child a new root)
+        valid = parent.is_valid
+        if valid:
+            flags = _SAMPLED_RANDOM if parent.trace_flags.random_trace_id else _SAMPLED
+            trace_id, trace_state = parent.trace_id, parent.trace_state
+        else:
+            flags, trace_state = self._root_flags, _NO_TRACE_STATE
+        span_parent = parent if valid else None
+        new_span_id, new_trace_id = self._ids.generate_span_id, self._ids.generate_trace_id
+        plain, limit = self._plain_contexts, self._limits.max_span_attributes
+        resource, info, scope, on_end = self._resource, self._info, self._scope, self._processor.on_end
+        internal = SpanKind.INTERNAL
+        made = 0
+        for start_ns, end_ns, attrs in children:
+            if not valid:
+                trace_id = new_trace_id()
+            span_id = new_span_id()
+            if plain and 0 < span_id <= _SPAN_ID_MAX and 0 < trace_id <= _TRACE_ID_MAX:
+                context = tuple.__new__(SpanContext, (trace_id, span_id, False, flags, trace_state, True))
+            else:
+                context = SpanContext(trace_id, span_id, is_remote=False, trace_flags=flags, trace_state=trace_state)
+            span_attrs: dict[str, Any] | BoundedAttributes = attrs
+            if limit is not None and len(attrs) > limit:
+                span_attrs = BoundedAttributes(limit, attrs, immutable=True, max_value_len=None)  # counted
+            start_ns, end_ns = int(start_ns), int(end_ns)
+            on_end(ReadableSpan(
+                name=name, context=context, parent=span_parent, resource=resource, attributes=span_attrs,
+                events=(), links=(), kind=internal, instrumentation_info=info, status=_UNSET,
+                start_time=start_ns, end_time=end_ns if end_ns >= start_ns else start_ns,
+                instrumentation_scope=scope,
+            ))
+            made += 1
+        return made

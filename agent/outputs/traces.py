@@ -36,7 +36,14 @@ import numpy as np
 from opentelemetry.trace import SpanContext, SpanKind
 from opentelemetry.util.types import AttributeValue
 
-from moescope.agent.export.spans import SharedAttributes, SpanEvent, SpanFactory, SpanLink, shared_attributes
+from moescope.agent.export.spans import (
+    SharedAttributes,
+    SpanEvent,
+    SpanFactory,
+    SpanLink,
+    shared_attributes,
+    span_attributes,
+)
 from moescope.agent.join import (
     BufferedStep,
     JoinEvent,
@@ -50,7 +57,7 @@ from moescope.agent.join import (
 from moescope.agent.request_phases import PHASES, RequestBreakdown
 from moescope.agent.routing_health import LayerTable, StepsTable
 from moescope.collectors.host import MemorySignal
-from moescope.collectors.moe_convention import LayerEvent, StepEvent
+from moescope.collectors.moe_convention import ROUTER_RANGE, FfnColumns, LayerColumns, LayerEvent, StepEvent
 from moescope.collectors.netsig import NetEventIndex, span_event_fields
 from moescope.latency import SlidingQuantile
 from moescope.probes.ingress.loader import IngressRecord
@@ -396,7 +403,9 @@ class TraceOutput:
         if device_us is not None and b.layer_count and len(device_us) == b.layer_count:
             step_attrs["moe.step.device_time_us"] = float(device_us.sum())
             if with_layers:
-                order = sorted(layer.layer for layer in step.layers)
+                columns = step.columns
+                order = sorted(columns.layer.tolist() if columns is not None
+                               else [layer.layer for layer in step.layers])
                 device_by_layer = dict(zip(order, device_us.tolist(), strict=True))
         off = self.epoch_offset_ns
         ctx = spans.record(
@@ -409,28 +418,78 @@ class TraceOutput:
         )
         n = 1
         if with_layers:
-            folded = self.span_detail == "layer"
-            layers = step.layers
-            times = _experts_time_by_position(layers) if folded else []
-            for position, layer in enumerate(layers):
-                index = layer.layer
-                # one dict per span, in the attribute order the span has always had
-                attrs: Attributes = {"moe.layer": index}
-                health = per_layer.get(index)
-                if health is not None:
-                    attrs.update(health)
-                device = device_by_layer.get(index)
-                if device is not None:
-                    attrs["moe.experts.device_time_us"] = device
-                if folded:
-                    self._fold_layer_attributes(layer, attrs, times[position])
-                    spans.record("moe.layer", start_ns=layer.start_ns + off, end_ns=layer.end_ns + off, parent=ctx,
-                                 attributes=attrs)
-                    n += 1
-                else:
+            if self.span_detail == "layer":
+                n += spans.record_children("moe.layer", parent=ctx,
+                                           children=self._folded_layers(step, per_layer, device_by_layer))
+            else:
+                for layer in step.layers:
+                    attrs = self._layer_head(layer.layer, per_layer, device_by_layer)
                     n += self._layer(layer, parent=ctx, attrs=attrs)
         self._counts["spans"] += n
         return ctx
+
+    @staticmethod
+    def _layer_head(index: int, per_layer: dict[int, Attributes], device_by_layer: dict[int, float]) -> Attributes:
+        """A layer span's first attributes: ``moe.layer``, its routing health, its device time (one
+        dict per span, in the attribute order the span has always had)."""
+        attrs: Attributes = {"moe.layer": index}
+        health = per_layer.get(index)
+        if health is not None:
+            attrs.update(health)
+        device = device_by_layer.get(index)
+        if device is not None:
+            attrs["moe.experts.device_time_us"] = device
+        return attrs
+
+    def _folded_layers(self, step: StepEvent, per_layer: dict[int, Attributes],
+                       device_by_layer: dict[int, float]) -> list[tuple[int, int, Attributes]]:
+        """--span-detail layer: each layer span's (start, end, attributes), the attributes as a span
+        stores them (``SpanFactory.record_children``). A step from the whole-batch parser is read
+        from its columns, with no LayerEvent made; the attributes are the same as from its objects
+        (tests/export/test_trace_children.py)."""
+        columns = step.columns
+        if columns is not None:
+            return self._folded_columns(columns, per_layer, device_by_layer)
+        off = self.epoch_offset_ns
+        layers = step.layers
+        out: list[tuple[int, int, Attributes]] = []
+        for layer, times in zip(layers, _experts_time_by_position(layers), strict=True):
+            attrs = self._layer_head(layer.layer, per_layer, device_by_layer)
+            self._fold_layer_attributes(layer, attrs, times)
+            out.append((layer.start_ns + off, layer.end_ns + off, span_attributes(attrs)))
+        return out
+
+    def _folded_columns(self, c: LayerColumns, per_layer: dict[int, Attributes],
+                        device_by_layer: dict[int, float]) -> list[tuple[int, int, Attributes]]:
+        """``_folded_layers`` of a columnar step: what ``_fold_layer_attributes`` adds for each
+        layer LayerColumns.materialize() would make, read from the arrays."""
+        off = self.epoch_offset_ns
+        precision_of = self._layer_precision
+        times: list[Attributes | None] = (
+            _experts_time_of(c.experts_time_us) if c.experts_time_us is not None else [None] * len(c))
+        ffns = _ffn_lists(c.ffns) if c.ffns is not None else {}
+        out: list[tuple[int, int, Attributes]] = []
+        for i, (index, start, end, kind, r_start, r_end, has_x, x_start, x_end, x_tokens) in enumerate(zip(
+                c.layer.tolist(), c.start_ns.tolist(), c.end_ns.tolist(), c.router_kind.tolist(),
+                c.router_start_ns.tolist(), c.router_end_ns.tolist(), c.has_experts.tolist(),
+                c.experts_start_ns.tolist(), c.experts_end_ns.tolist(), c.experts_tokens.tolist(), strict=True)):
+            attrs = self._layer_head(index, per_layer, device_by_layer)
+            precision = precision_of.get(index)
+            if precision is not None:
+                attrs["moe.precision"] = precision
+            if kind == ROUTER_RANGE:  # (step vectors: no moe.router range, no duration)
+                attrs["moe.layer.router.duration_ms"] = (r_end - r_start) / 1e6
+            ffn = ffns.get(i)
+            if ffn is not None:
+                attrs["moe.layer.ffn.experts"], attrs["moe.layer.ffn.tokens"], attrs["moe.layer.ffn.duration_ms"] = ffn
+            if has_x:
+                attrs["moe.layer.experts.duration_ms"] = (x_end - x_start) / 1e6
+                attrs["moe.layer.experts.tokens"] = x_tokens
+                layer_times = times[i]
+                if layer_times:
+                    attrs.update(layer_times)
+            out.append((start + off, end + off, _as_stored(attrs)))
+        return out
 
     def _layer(self, layer: LayerEvent, *, parent: SpanContext, attrs: Attributes) -> int:
         """--span-detail expert: the layer span (``attrs``: its attributes, ``moe.layer`` first)
@@ -542,6 +601,35 @@ class TraceOutput:
             attrs["moe.layer.load.duration_ms"] = [(load.end_ns - load.start_ns) / 1e6 for load in loads]
 
 
+def _as_stored(attrs: Attributes) -> Attributes:
+    """A layer span's attributes as ``span_attributes`` leaves them, for the values the layer
+    builder makes (Python scalars and lists of one type): a NaN scalar left out, an empty list left
+    out, the others as tuples."""
+    out: Attributes = {}
+    for key, value in attrs.items():
+        if type(value) is list:
+            if value:
+                out[key] = tuple(value)
+        elif value == value:  # not NaN
+            out[key] = value
+    return out
+
+
+def _ffn_lists(ffns: FfnColumns) -> dict[int, tuple[list[int], list[int], list[float]]]:
+    """A columnar step's moe.expert.ffn ranges by layer position: (experts, tokens, durations in ms),
+    in the columns' order, as ``_fold_layer_attributes`` lists them."""
+    out: dict[int, tuple[list[int], list[int], list[float]]] = {}
+    for i, expert, tokens, duration in zip(ffns.layer.tolist(), ffns.expert.tolist(), ffns.tokens.tolist(),
+                                           ((ffns.end_ns - ffns.start_ns) / 1e6).tolist(), strict=True):
+        lists = out.get(i)
+        if lists is None:
+            lists = out[i] = ([], [], [])
+        lists[0].append(expert)
+        lists[1].append(tokens)
+        lists[2].append(duration)
+    return out
+
+
 def _step_links(steps: Sequence[tuple[BufferedStep, SpanLink | None]]) -> tuple[tuple[SpanLink, ...], int]:
     """A phase span's links to its steps that other traces own, and how many of those were left out:
     past MAX_STEP_LINKS the slowest are kept, in time order (``steps``: oldest first)."""
@@ -555,13 +643,16 @@ def _step_links(steps: Sequence[tuple[BufferedStep, SpanLink | None]]) -> tuple[
 def _experts_time_by_position(layers: Sequence[LayerEvent]) -> list[Attributes | None]:
     """``TraceOutput._experts_time_attributes`` of each layer (None: no expert times), the slowest
     experts of every layer wider than MAX_ARRAY_EXPERTS found in one call per width."""
-    out: list[Attributes | None] = [None] * len(layers)
+    return _experts_time_of([None if layer.experts is None else layer.experts.time_us for layer in layers])
+
+
+def _experts_time_of(per_layer: Sequence[np.ndarray | None]) -> list[Attributes | None]:
+    """``_experts_time_by_position`` from each layer's moe.experts.time vector (None: none)."""
+    out: list[Attributes | None] = [None] * len(per_layer)
     wide: dict[int, list[tuple[int, np.ndarray]]] = {}  # E -> (position, times) of layers with E times
-    for position, layer in enumerate(layers):
-        experts = layer.experts
-        if experts is None or experts.time_us is None:
+    for position, time_us in enumerate(per_layer):
+        if time_us is None:
             continue
-        time_us = experts.time_us
         if len(time_us) <= MAX_ARRAY_EXPERTS:
             out[position] = {"moe.layer.experts.time_us": time_us.astype(np.float64).tolist()}
         else:

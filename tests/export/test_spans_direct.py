@@ -88,6 +88,14 @@ def _workload(factory: SpanFactory) -> None:
     factory.record("record-events-over-limits", start_ns=340, end_ns=350,
                    events=[SpanEvent(f"e{i}", 341 + i, memory if i % 2 else {"i": i, "j": 2, "k": 3})
                            for i in range(5)])
+    # record_children (a step's layer spans): attributes already as stored; under a valid parent (one
+    # trace), an invalid one (each child a root of its own), past the attribute limit, end before start
+    parent = factory.record("layers-parent", start_ns=400, end_ns=490, parent=remote)
+    stored = [(410 + i, 420 + i, {"moe.layer": i, "moe.expert.tokens": (i, 2), "h": 0.5, "s": "x", "b": True})
+              for i in range(3)]
+    assert factory.record_children("moe.layer", parent=parent, children=stored) == 3
+    assert factory.record_children("moe.layer", parent=SpanContext(0, 0, False),
+                                   children=[(440, 430, {"a": 1}), (450, 460, {})]) == 2
 
 
 def _fields(span: ReadableSpan) -> dict[str, Any]:
@@ -113,7 +121,7 @@ def test_direct_spans_equal_sdk_spans() -> None:
         _workload(direct)
         _workload(sdk)
         a, b = list(direct_out.get_finished_spans()), list(sdk_out.get_finished_spans())
-        assert len(a) == len(b) == 15
+        assert len(a) == len(b) == 21
         assert [_fields(s) for s in a] == [_fields(s) for s in b]
         assert spans_to_line(a) == spans_to_line(b) == request_to_line(encode_spans(b))
     over = {s.name: s for s in a}["over-limits"]
