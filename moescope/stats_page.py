@@ -67,6 +67,7 @@ HEADER_BYTES = 64
 # magic, layout, header_bytes, layers, experts, seq, version, updates, pid, peak_bucket
 _HEADER = struct.Struct("<8sIIIIQQQqQ")
 _SEQ_OFFSET = 24
+_VERSION_OFFSET = 32  # version, then updates
 _PEAK_BUCKET_OFFSET = 56
 PEAK_BUCKET_NS = 200_000_000  # the queue peaks' bucket: the policy's sample period (DESIGN.md)
 MAX_PAGE_BYTES = 64 << 20  # a reader refuses larger pages: ~2.8 M experts, far past any model
@@ -253,6 +254,10 @@ class StatsPageReader:
         self.size = page_bytes(layers, experts)
         self._buf = bytearray(self.size)
         self._seq = bytearray(8)
+        self._words = bytearray(16)  # version, updates: what a read checks first
+        # the last snapshot returned, while it can stand for the page: (it, routing), kept only when
+        # its held peaks were all 0 (see ``read``)
+        self._last: tuple[PageSnapshot, bool] | None = None
 
     @classmethod
     def open(cls, path: str, *, layers: int, experts: int, pid: int, owner_uid: int | None) -> StatsPageReader:
@@ -290,10 +295,27 @@ class StatsPageReader:
         """One consistent update (None: the writer was mid-update on every try); without ``routing``
         only the header, queues, penalties and peaks are copied (a fifth less to copy, and to race with
         a writer in the middle of a step). StatsPageError when the page went wrong (cut short, its
-        header changed)."""
+        header changed).
+
+        The previous snapshot itself is returned when the page has had no update since it (the same
+        ``version`` and ``updates``: every write moves ``updates``) and its held peaks were all 0: its
+        values are then the page's now (a held peak only falls to 0 as buckets pass). An idle runtime's
+        page is thus checked with one 16-byte read, and a caller may keep what it made of the object."""
         fd = self._fd
         if fd < 0:
             raise StatsPageError(f"stats page {self.path}: closed")
+        last = self._last
+        if last is not None and last[1] == routing:
+            try:
+                got = os.preadv(fd, [self._words], _VERSION_OFFSET)
+            except OSError as exc:
+                raise StatsPageError(f"stats page {self.path}: read failed: {exc.strerror}") from None
+            if got != 16:
+                raise StatsPageError(f"stats page {self.path}: cut short ({got} of 16 header bytes)")
+            version, updates = struct.unpack_from("<QQ", self._words)
+            if version == last[0].version and updates == last[0].updates:
+                return last[0]
+        self._last = None
         length = self.size if routing else HEADER_BYTES + 32 * self.layers * self.experts
         buf = memoryview(self._buf)[:length]
         for _ in range(READ_TRIES):
@@ -309,7 +331,10 @@ class StatsPageReader:
                 continue  # mid-update, or an update landed during the copy
             if bytes(buf[:8]) != MAGIC or struct.unpack_from("<II", buf, 16) != (self.layers, self.experts):
                 raise StatsPageError(f"stats page {self.path}: its header changed")
-            return self._snapshot(version, updates, length, written)
+            snapshot = self._snapshot(version, updates, length, written)
+            if not snapshot.queue_peak.any():
+                self._last = (snapshot, routing)
+            return snapshot
         return None
 
     def _snapshot(self, version: int, updates: int, length: int, written: int) -> PageSnapshot:

@@ -119,6 +119,9 @@ class RuntimeStatsSignals:
         self._page_tried = False  # this connection's runtime's page was tried (once per connection)
         self._page_version: int | None = None  # the page version last_state is up to date with
         self._socket_read_s = -math.inf  # when `stats` was last read over the socket
+        # the last page snapshot read, the state made of it, and (routing, floor) it was made with:
+        # a reader hands the same snapshot back while the page had no update (an idle runtime)
+        self._from_page: tuple[PageSnapshot, RuntimeState, tuple[bool, float]] | None = None
 
     def close(self) -> None:
         if self._conn is not None:
@@ -136,6 +139,7 @@ class RuntimeStatsSignals:
             self.page.close()
             self.page = None
         self._page_version = None
+        self._from_page = None
 
     def _page_error(self, exc: StatsPageError) -> None:
         self.page_errors += 1
@@ -183,7 +187,13 @@ class RuntimeStatsSignals:
         if (page is not None and held is not None and page.version == self._page_version
                 and now_s - self._socket_read_s < PAGE_REFRESH_S):
             self.page_periods += 1
-            return held.with_page(page, routing=self.with_routing, queue_floor=self.queue_floor)
+            made = self._from_page
+            key = (self.with_routing, self.queue_floor)
+            if made is not None and made[0] is page and made[1] is held and made[2] == key:
+                return held  # the page had no update since (StatsPageReader.read): the same state
+            state = held.with_page(page, routing=self.with_routing, queue_floor=self.queue_floor)
+            self._from_page = (page, state, key)
+            return state
         if self._conn is None:
             self._conn = ControlConnection(self.socket_path, timeout_s=self.timeout_s)
         try:

@@ -10,6 +10,7 @@ import math
 import os
 import signal
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,43 @@ def test_a_page_reads_back_what_was_written(writer: StatsPageWriter) -> None:
     finally:
         reader.close()
     assert page_bytes(3, 5) == os.path.getsize(writer.path) == 64 + 40 * 15 + 8 * 3
+
+
+def test_an_unchanged_page_gives_its_snapshot_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An idle runtime's page has no update between two 200 ms polls: the reader checks version and
+    # updates (16 bytes) and hands the previous snapshot back, so the poller keeps what it made of it.
+    # Never while a peak is held: a held peak falls to 0 as buckets pass with nothing written.
+    from moescope import stats_page
+
+    clock = {"ns": 50 * PEAK_BUCKET_NS}
+    monkeypatch.setattr(stats_page, "time", type("FakeTime", (), {"monotonic_ns": staticmethod(lambda: clock["ns"])}))
+    page = StatsPageWriter(layers=2, experts=3, directory=tmp_path)
+    reader = open_reader(page)
+    try:
+        write(page, queue_depth=np.array([[0, 4, 0], [0, 0, 0]]))
+        first = read(reader)
+        assert read(reader) is first and reader.read(routing=True) is first  # no update: the same object
+        assert reader.read(routing=False) is not first  # another part of the page: read anew
+        write(page, queue_depth=np.zeros((2, 3)))
+        second = read(reader)
+        assert second is not first and not second.queue_depth.any() and first.queue_depth[0, 1] == 4
+        page.begin()
+        page.queue_peak[50 & 1, 1, 2] = 9  # a queue of 9 in bucket 50
+        page.set_peak_bucket(50)
+        page.end()
+        held = read(reader)
+        assert held.queue_peak[1, 2] == 9
+        again = read(reader)
+        assert again is not held and again.queue_peak[1, 2] == 9  # a held peak: read anew every time
+        clock["ns"] += 2 * PEAK_BUCKET_NS  # two buckets on, nothing written: the peak is gone
+        gone = read(reader)
+        assert not gone.queue_peak.any() and read(reader) is gone
+        page.touch()  # the version moves (an update too)
+        moved = read(reader)
+        assert moved is not gone and moved.version == gone.version + 1
+    finally:
+        reader.close()
+        page.close()
 
 
 def test_a_reader_survives_the_page_changing_under_it(writer: StatsPageWriter) -> None:
@@ -230,6 +268,21 @@ def test_the_poller_reads_the_page_between_calls(start_runtime: StartRuntime) ->
         now["t"] += 0.2
         source()
         assert source.page_periods == 2
+        for _ in range(2):  # idle past the peaks' 400 ms: a page with no update gives the same state
+            now["t"] += 0.2
+            time.sleep(0.25)
+            idle = source()
+        assert source.last_state is not None and not source.last_state.queue_peak
+        assert source.page is not None
+        idle_state, page_snapshot = source.last_state, source.page.read(routing=source.with_routing)
+        now["t"] += 0.2
+        again = source()
+        assert source.last_state is idle_state and source.page_periods == 5
+        assert again.expert_queue_tokens == idle.expert_queue_tokens
+        assert again.expert_load_gini == idle.expert_load_gini
+        assert page_snapshot is not None
+        assert idle_state == idle_state.with_page(page_snapshot, routing=source.with_routing,
+                                                  queue_floor=source.queue_floor)  # what it stands for
         rt.kill()  # SIGKILL: the page stays on disk, the connection shows the runtime gone
         now["t"] += 0.2
         gone = source()
