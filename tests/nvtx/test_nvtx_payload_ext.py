@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 from abi_harness import build_c_harness
 from nvtx_helpers import WAIT_S, Capture, Producer, close_harness, drain_until_finished
 
@@ -185,14 +186,16 @@ def test_decode_array_refuses_what_it_cannot_read() -> None:
     assert batch.decode_array(1 << 32, b"\x00" * 16) is None  # unknown schema
 
 
-def test_grouped_decoding_equals_decoding_one_by_one() -> None:
+@pytest.mark.parametrize("shift", [0, 3])
+def test_grouped_decoding_equals_decoding_one_by_one(shift: int) -> None:
     """NvtxBatch.mark_arrays (one gather per schema and size) gives exactly what mark_array gives
-    per mark: arrays of one length, of another, a truncated one, an unknown schema, no payload."""
+    per mark: arrays of one length, of another, a truncated one, an unknown schema, no payload;
+    payloads aligned in the blob, and (``shift``) not."""
     array_schema = 1 << 24
     fields = (SchemaField(0, 8, 0, 0, "size"), SchemaField(ENTRY_FLAG_ARRAY_LENGTH_INDEX, 7, 0, 0, "data"))
     strings = StringTable()
     strings.schemas.schemas[array_schema] = Schema(array_schema, SCHEMA_TYPE_DYNAMIC, 0, 0, "vec", 1, fields)
-    blob = bytearray()
+    blob = bytearray(shift)
     marks = np.zeros(8, dtype=MARK_DTYPE)
 
     def put(row: int, schema_id: int, body: bytes) -> None:
