@@ -30,6 +30,7 @@ from moescope.agent.policy.audit import AuditLog, AuditRecord, now_unix_s
 from moescope.agent.policy.config import PolicyConfig
 from moescope.agent.policy.rules import (
     ACTIONS,
+    COMPARISONS,
     TIME_EPS_S,
     InstanceView,
     Intent,
@@ -218,6 +219,9 @@ class PolicyEngine:
         with self._lock:
             self.evaluations += 1
             self._last_t_s = t_s
+            live: dict[str, list[Target]] = {}  # rule -> the targets it has an instance for
+            for name, target in self._instances:
+                live.setdefault(name, []).append(target)
             for spec in self.rules:
                 try:
                     values = signals.targets(spec.signal)
@@ -227,7 +231,14 @@ class PolicyEngine:
                     if self.bad_signals == 1:
                         log.warning("policy: malformed %s in snapshot: %s (counting further)", spec.signal, exc)
                     continue
-                for target in sorted(values):
+                # The targets stepped, in order: those with an instance, and those whose value fires
+                # (NaN never does); a target with neither is passed over. One comparison a target in
+                # a comprehension: a busy runtime's queue signal holds every expert of the model.
+                fires, at = COMPARISONS[spec.comparison], spec.fire
+                firing = [target for target, value in values.items() if fires(value, at)]
+                held = live.get(spec.name)
+                stepped = sorted({*firing, *(t for t in held if t in values)} if held else firing)
+                for target in stepped:
                     value = values[target]
                     inst = self._instances.get((spec.name, target))
                     if inst is None:

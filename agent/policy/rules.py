@@ -257,7 +257,7 @@ class Signals:
             return {(): float(value)}
         if kind is TargetKind.LAYER:
             return {(int(layer),): float(v) for layer, v in value.items()}
-        return {(int(key[0]), int(key[1])): float(v) for key, v in value.items()}
+        return {(int(layer), int(expert)): float(v) for (layer, expert), v in value.items()}
 
 
 class State(enum.Enum):

@@ -184,6 +184,21 @@ def test_rate_limit_suppresses_once_then_lets_through() -> None:
     assert decisions[3][2] == pytest.approx(t0 + 10.0, abs=1e-6)
 
 
+def test_targets_are_stepped_in_order_whatever_order_the_snapshot_has() -> None:
+    # A rule's targets are stepped sorted, those with an instance and those whose value fires alike:
+    # which of several firing experts a rate limit lets through does not depend on the order a
+    # signal source built its dict in.
+    f, audit = feeder("expert_queue_soft_limit", max_actions=2, rate_window_s=10.0)
+    f.engine.evaluate(Signals(t_s=f.t_s, expert_queue_tokens={(1, 5): 70.0, (0, 2): 90.0, (0, 1): 80.0}))
+    assert [(r.decision, r.target) for r in records(audit)] == [
+        ("dry-run", [0, 1]), ("dry-run", [0, 2]), ("suppressed-by-rate-limit", [1, 5])]
+    f.t_s = round(f.t_s + PERIOD_S, 9)
+    # the instances held (the two penalties; the suppressed one re-armed and went) step on values
+    # under the fire threshold too; (0, 0) neither fires nor is held
+    f.engine.evaluate(Signals(t_s=f.t_s, expert_queue_tokens={(1, 5): 30.0, (0, 2): 30.0, (0, 1): 10.0, (0, 0): 5.0}))
+    assert {tuple(v.target): v.last_value for v in f.engine.views()} == {(0, 1): 10.0, (0, 2): 30.0}
+
+
 def test_a_burst_of_per_expert_instances_audits_one_suppression_per_rule_and_window() -> None:
     # 20 experts over the soft limit, 2 actions per 10 s: instances come and go (a penalty dry-run
     # re-arms after its cooldown), each would start a streak; the audit keeps one suppression per
