@@ -11,7 +11,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any
 
@@ -67,7 +67,9 @@ class AuditRecord:
     dry_run: bool = False
 
     def to_json(self) -> str:
-        body = asdict(self)
+        # asdict's text without its deep copies (~0.3 ms a record): values go to json.dumps as they are
+        body = {name: getattr(self, name) for name in _RECORD_FIELDS}
+        body["commands"] = [{name: getattr(c, name) for name in _COMMAND_FIELDS} for c in self.commands]
         # JSON has no NaN: no data (or no evaluation, for a take-over at start) is null.
         for key in ("value", "t_s", "latency_ms"):
             if not math.isfinite(body[key]):
@@ -96,6 +98,9 @@ class AuditRecord:
             attrs["moe.policy.error"] = self.error
         return attrs
 
+
+_RECORD_FIELDS = tuple(f.name for f in fields(AuditRecord))
+_COMMAND_FIELDS = tuple(f.name for f in fields(CommandResult))
 
 AuditHook = Callable[[AuditRecord], None]
 

@@ -268,13 +268,21 @@ class PolicyEngine:
         spec = inst.spec
         action = ACTIONS[spec.action]
         claims = action_claims(spec, inst.target)
-        d = _Decision(inst, intent, t_s, decided_mono_s, inst.last_value, list(inst.window_values), claims)
         fire = intent is Intent.FIRE
         if fire and spec.action in self._unsupported_actions:
             # the runtime said it cannot do this action: counted, never sent or audited again
             self.decisions["skipped-unsupported"] += 1
             return
         sends = action.sends_commands if fire else (action.revert_sends_commands and spec.revert and inst.applied)
+        if sends:
+            # suppressed before the decision record is made: under a burst most are only counted
+            if any(self._claims.get(claim, 0) > 0 for claim in claims):
+                self._suppress(inst, intent, t_s, decided_mono_s, claims, "suppressed-by-conflict")
+                return
+            if self._rate_limited(t_s):
+                self._suppress(inst, intent, t_s, decided_mono_s, claims, "suppressed-by-rate-limit")
+                return
+        d = _Decision(inst, intent, t_s, decided_mono_s, inst.last_value, list(inst.window_values), claims)
         if not sends:
             if fire:  # an alert: raised, no command
                 inst.mark_fired(t_s)
@@ -283,12 +291,6 @@ class PolicyEngine:
             else:
                 inst.mark_reverted(t_s)
                 self._record(d, decision="revert", outcome="cleared")
-            return
-        if d.claims & {c for c, n in self._claims.items() if n > 0}:
-            self._suppress(d, "suppressed-by-conflict")
-            return
-        if self._rate_limited(t_s):
-            self._suppress(d, "suppressed-by-rate-limit")
             return
         self._dispatch_t_s.append(t_s)
         if self.dry_run:
@@ -308,24 +310,26 @@ class PolicyEngine:
         self._futures.add(future)
         future.add_done_callback(self._futures.discard)
 
-    def _suppress(self, d: _Decision, decision: str) -> None:
+    def _suppress(self, inst: RuleInstance, intent: Intent, t_s: float, decided_mono_s: float,
+                  claims: frozenset[str], decision: str) -> None:
         # Audit the first of a streak only: a held condition retries every evaluation. A rate-limit
         # suppression is audited at most once per rule per rate window as well: per-target rules
         # (a penalty per expert) come and go by the dozen under a burst, and each new instance
         # starts a streak (one soak: 6557 such records against 349 actions). All are counted in
         # `decisions` (moescope_policy_decisions{decision}).
-        audit = d.inst.suppressed_streak == 0
+        audit = inst.suppressed_streak == 0
         if audit and decision == "suppressed-by-rate-limit":
-            last = self._rate_limit_audited_t_s.get(d.inst.spec.name)
-            if last is not None and d.t_s - last < self.config.rate_window_s - TIME_EPS_S:
+            last = self._rate_limit_audited_t_s.get(inst.spec.name)
+            if last is not None and t_s - last < self.config.rate_window_s - TIME_EPS_S:
                 audit = False
             else:
-                self._rate_limit_audited_t_s[d.inst.spec.name] = d.t_s
+                self._rate_limit_audited_t_s[inst.spec.name] = t_s
         if audit:
+            d = _Decision(inst, intent, t_s, decided_mono_s, inst.last_value, list(inst.window_values), claims)
             self._record(d, decision=decision, outcome="not-sent")
         else:
             self.decisions[decision] += 1
-        d.inst.suppressed_streak += 1
+        inst.suppressed_streak += 1
 
     def _run_action(self, d: _Decision, context: dict[str, Any]) -> None:
         assert self.actuator is not None

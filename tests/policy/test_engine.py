@@ -14,6 +14,7 @@ from typing import Unpack
 import pytest
 from policy_helpers import PERIOD_S, EngineKeys, Feeder, levels, records
 
+from moescope.agent.policy.actuator import CommandResult
 from moescope.agent.policy.audit import AuditLog, AuditRecord
 from moescope.agent.policy.config import PolicyConfig, load_policy
 from moescope.agent.policy.engine import PolicyEngine, PolicyLoop
@@ -250,6 +251,21 @@ def test_audit_file_is_json_lines(tmp_path: Path) -> None:
     attrs = seen[0].span_attributes()
     assert attrs["moe.policy.rule"] == "fp16_fallback" and attrs["moe.policy.dry_run"] is True
     assert audit.counts() == {("fp16_fallback", "dry-run", "not-sent"): 1}
+
+
+def test_an_audit_line_holds_every_field_of_its_record_and_its_commands() -> None:
+    # to_json writes the record's own values (no deep copy): the same text as a dataclasses.asdict
+    # of it, NaN as null, a command's request and answer as their JSON
+    commands = [CommandResult({"cmd": "set_router_penalty", "args": {"layer": 1, "expert": [2]}},
+                              {"ok": True, "result": {"penalty": -0.3}}, 1.25),
+                CommandResult({"cmd": "offload_expert"}, None, 2.0, "timeout")]
+    rec = AuditRecord(ts_unix_s=1.5, t_s=math.nan, rule="r", target=[1, 2], signal="s", value=math.nan,
+                      comparison=">", threshold=50.0, window="1 sample", window_values=[51.0, 2.5], intent="fire",
+                      action="router_penalty", decision="sent", outcome="done", plan="p", commands=commands,
+                      latency_ms=3.0, error=None, dry_run=False)
+    want = dataclasses.asdict(rec)
+    want.update(t_s=None, value=None)
+    assert json.loads(rec.to_json()) == want and list(json.loads(rec.to_json())) == list(want)
 
 
 def test_malformed_snapshot_is_counted_and_holds_state() -> None:
