@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from moescope import errors
-from moescope.agent.export.otlp_json import spans_to_line
+from moescope.agent.export.otlp_json import spans_to_bytes
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class OtlpJsonFileExporter(SpanExporter):
         """Encoded lines with their span counts; splits batches too large for one file."""
         # Direct SDK span -> OTLP/JSON mapping: the text the protobuf route (encode_spans +
         # json_format) gives, without building protobuf messages (the agent's largest CPU cost).
-        data = (spans_to_line(spans) + "\n").encode("utf-8")
+        data = spans_to_bytes(spans)
         if len(data) <= self.max_file_bytes:
             return [(data, len(spans))]
         if len(spans) == 1:

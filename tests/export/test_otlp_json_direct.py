@@ -30,7 +30,7 @@ from opentelemetry.trace import (
 )
 
 from moescope.agent.export import SpanEvent, SpanFactory, SpanLink, otlp_json
-from moescope.agent.export.otlp_json import line_to_request, request_to_line, spans_to_line
+from moescope.agent.export.otlp_json import line_to_request, request_to_line, spans_to_bytes, spans_to_line
 from moescope.agent.export.spans import SharedAttributes, shared_attributes
 
 
@@ -111,7 +111,10 @@ def test_same_text_as_protobuf_route() -> None:
     # both batches of one span and the empty batch
     for span in spans:
         assert spans_to_line([span]) == request_to_line(encode_spans([span]))
+        # the file exporter's line: one resource and scope (schema URLs on both here and there)
+        assert spans_to_bytes([span]) == (spans_to_line([span]) + "\n").encode()
     assert spans_to_line([]) == request_to_line(encode_spans([])) == "{}"
+    assert spans_to_bytes(spans) == (line + "\n").encode() and spans_to_bytes([]) == b"{}\n"
 
 
 def test_parses_back_into_the_sdk_encoding() -> None:
@@ -236,6 +239,7 @@ def test_the_native_encoder_takes_the_agents_spans_itself(encoder: str) -> None:
     spans.append(Renamed(name="sub", context=native_ok[0].context, resource=native_ok[0].resource,
                          start_time=1, end_time=2, instrumentation_scope=native_ok[0].instrumentation_scope))
     assert spans_to_line(spans) == request_to_line(encode_spans(spans))
+    assert spans_to_bytes(spans) == (spans_to_line(spans) + "\n").encode()  # (one resource and scope)
     for span in spans:
         assert spans_to_line([span]) == request_to_line(encode_spans([span])), span.name
     if encoder == "native":
