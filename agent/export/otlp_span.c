@@ -267,6 +267,66 @@ static int int_attr(PyObject *obj, PyObject *name, long *out) {
     return (*out >= 0 && *out < 1024) ? OK : NOT_MINE;
 }
 
+/* Enum members (SpanKind, StatusCode) and status objects with no message (the factory's shared
+ * UNSET) are a handful of immutable objects on every span, whose fields are Python properties (~1 us
+ * a span in all): their values are remembered by identity, each object held so its address is never
+ * another's. */
+#define MEMO_SLOTS 8
+typedef struct {
+    PyObject *key[MEMO_SLOTS];
+    long value[MEMO_SLOTS];
+    int next;
+} Memo;
+static Memo member_values, status_codes;
+static PyObject *enum_type;
+
+static int memo_get(const Memo *m, PyObject *key, long *out) {
+    for (int i = 0; i < MEMO_SLOTS; i++) {
+        if (m->key[i] == key) {
+            *out = m->value[i];
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static void memo_put(Memo *m, PyObject *key, long value) {
+    int i = m->next;
+    m->next = (i + 1) % MEMO_SLOTS;
+    Py_INCREF(key);
+    Py_XSETREF(m->key[i], key);
+    m->value[i] = value;
+}
+
+/* opentelemetry.trace.Status (its fields have no setters), imported at the first status read;
+ * NULL where it cannot be (nothing is remembered then) */
+static PyTypeObject *otel_status_type(void) {
+    static PyObject *type;
+    static int tried;
+    if (!tried) {
+        tried = 1;
+        PyObject *module = PyImport_ImportModule("opentelemetry.trace.status");
+        type = module ? PyObject_GetAttrString(module, "Status") : NULL;
+        Py_XDECREF(module);
+        if (!type || !PyType_Check(type)) {
+            PyErr_Clear();
+            Py_CLEAR(type);
+        }
+    }
+    return (PyTypeObject *)type;
+}
+
+/* member.value of an enum member (remembered), int_attr(obj, "value") of anything else */
+static int member_value(PyObject *member, long *out) {
+    if (memo_get(&member_values, member, out)) return OK;
+    int rc = int_attr(member, s_value, out);
+    if (rc != OK) return rc;
+    int is_member = PyObject_IsInstance(member, enum_type);
+    if (is_member < 0) return not_mine_or_error();
+    if (is_member) memo_put(&member_values, member, *out);
+    return OK;
+}
+
 typedef struct {
     PyObject *context, *parent, *name, *kind, *start, *end, *attributes, *events, *links, *status;
 } Fields;
@@ -300,9 +360,10 @@ static int fields_get(PyObject *span, Fields *f) {
 /* The status's code and its message (a new reference: a str, or NULL for none). */
 static int status_fields(PyObject *status, long *code, PyObject **message) {
     *message = NULL;
+    if (memo_get(&status_codes, status, code)) return OK; /* (a status remembered has no message) */
     PyObject *code_obj = PyObject_GetAttr(status, s_status_code);
     if (!code_obj) return not_mine_or_error();
-    int rc = int_attr(code_obj, s_value, code);
+    int rc = member_value(code_obj, code);
     Py_DECREF(code_obj);
     if (rc != OK) return rc;
     PyObject *description = PyObject_GetAttr(status, s_description);
@@ -314,6 +375,7 @@ static int status_fields(PyObject *status, long *code, PyObject **message) {
     }
     if (!truthy) {
         Py_DECREF(description);
+        if (Py_TYPE(status) == otel_status_type()) memo_put(&status_codes, status, *code); /* immutable */
         return OK;
     }
     if (!PyUnicode_CheckExact(description) || !PyUnicode_IS_ASCII(description)) {
@@ -373,7 +435,7 @@ static int add_span(Buf *b, PyObject *span, PyObject *link_text, PyObject *event
     if ((rc = context_ids(ctx, &hi, &lo, &span_id)) != OK) goto done;
     if (f.parent != Py_None && (rc = context_span_id(f.parent, &parent_id)) != OK) goto done;
     long kind, code;
-    if ((rc = int_attr(f.kind, s_value, &kind)) != OK) goto done;
+    if ((rc = member_value(f.kind, &kind)) != OK) goto done;
     if ((rc = status_fields(f.status, &code, &message)) != OK) goto done;
     links = PySequence_Tuple(f.links); /* our own: callbacks may run other threads' code */
     events = links ? PySequence_Tuple(f.events) : NULL;
@@ -526,6 +588,10 @@ PyMODINIT_FUNC PyInit__otlp_span(void) {
     }
     sixty_four = PyLong_FromLong(64);
     if (!sixty_four) return NULL;
+    PyObject *enum_module = PyImport_ImportModule("enum");
+    enum_type = enum_module ? PyObject_GetAttrString(enum_module, "Enum") : NULL;
+    Py_XDECREF(enum_module);
+    if (!enum_type) return NULL;
     if (double_repr_init() == 0) {
         fast_doubles = 1;
     } else {

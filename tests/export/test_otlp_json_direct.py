@@ -11,6 +11,7 @@ import json
 from collections.abc import Iterator
 
 import pytest
+from opentelemetry import trace as trace_api
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
@@ -184,6 +185,28 @@ def test_spans_of_one_shape_with_values_the_template_cannot_write() -> None:
     assert spans_to_line(spans) == request_to_line(encode_spans(spans))
     attrs = json.loads(spans_to_line(spans[:1]))["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["attributes"]
     assert [a["key"] for a in attrs] == list(shape[0])
+
+
+def test_the_factorys_spans_of_two_tracers_are_grouped() -> None:
+    # ReadableSpans the factory made on two tracers (two resources, two scopes; one equal to the
+    # first resource, not the same object): grouped as the protobuf route groups them
+    exporter = InMemorySpanExporter()
+
+    def tracer(resource: Resource, name: str) -> trace_api.Tracer:
+        provider = TracerProvider(resource=resource, sampler=ALWAYS_ON)
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        return provider.get_tracer(name)
+
+    factories = [SpanFactory(tracer(resource, name))
+                 for resource, name in ((Resource({"service.name": "a"}), "x"), (Resource({"service.name": "b"}), "x"),
+                                        (Resource({"service.name": "a"}), "y"))]
+    for i in range(6):
+        factories[i % 3].record(f"s{i}", start_ns=1 + i, end_ns=2 + i)
+    spans = list(exporter.get_finished_spans())
+    assert {type(span) for span in spans} == {ReadableSpan} and all(f.direct for f in factories)
+    assert spans_to_line(spans) == request_to_line(encode_spans(spans))
+    assert spans_to_bytes(spans) == (spans_to_line(spans) + "\n").encode()
+    assert spans_to_bytes(spans[::3]) == (spans_to_line(spans[::3]) + "\n").encode()  # one tracer's
 
 
 HOSTILE_ASCII = "".join(chr(c) for c in range(128))  # every control character, quote, backslash and DEL
