@@ -34,6 +34,8 @@ ENGINE_KEYS: Mapping[str, tuple[type, str]] = {
     "max_actions": (int, "at most this many command-sending actions per rate window"),
     "rate_window_s": (float, "rate-limit window"),
     "command_timeout_ms": (float, "deadline for one control-socket command"),
+    "max_targets": (int, "a per-layer or per-expert rule follows at most this many targets at once, the "
+                         "furthest past its fire threshold first"),
 }
 
 RULE_KEYS: Mapping[str, type] = {
@@ -67,6 +69,9 @@ class PolicyConfig:
     command_timeout_ms: float
     rules: tuple[RuleSpec, ...]
     sources: tuple[str, ...]  # files read, defaults first
+    # per rule, at most this many per-target instances at once (the furthest past the fire threshold
+    # first): at 58 x 256 experts a busy runtime has thousands of experts over the queue limit
+    max_targets: int = 64
 
     @property
     def sample_period_s(self) -> float:
@@ -314,4 +319,5 @@ def _load_policy(path: Path | str | None) -> PolicyConfig:
         command_timeout_ms=checked["command_timeout_ms"],
         rules=rules,
         sources=tuple(sources),
+        max_targets=checked["max_targets"],
     )

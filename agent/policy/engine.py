@@ -11,6 +11,7 @@ sent on worker threads (the evaluation never waits on the socket), and audited.
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
 import math
@@ -18,7 +19,7 @@ import os
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from moescope.agent.policy.rules import (
     State,
     Target,
     TargetKind,
+    fires_upward,
 )
 from moescope.errors import UsageError
 from moescope.procfs import name_thread
@@ -107,6 +109,7 @@ class PolicyEngine:
         # rule -> engine time of its last audited rate-limit suppression (see _suppress)
         self._rate_limit_audited_t_s: dict[str, float] = {}
         self.runtime_state_read = False
+        self._target_cap_logged = False
         for spec in self.rules:
             if spec.target_kind is TargetKind.GLOBAL:
                 self._instances[(spec.name, ())] = RuleInstance(spec, ())
@@ -237,6 +240,8 @@ class PolicyEngine:
                 fires, at = COMPARISONS[spec.comparison], spec.fire
                 firing = [target for target, value in values.items() if fires(value, at)]
                 held = live.get(spec.name)
+                if len(firing) > self.config.max_targets:
+                    firing = self._capped(spec, firing, held or [], values)
                 stepped = sorted({*firing, *(t for t in held if t in values)} if held else firing)
                 for target in stepped:
                     value = values[target]
@@ -258,6 +263,28 @@ class PolicyEngine:
                         and t_s + TIME_EPS_S >= inst.cooldown_until_s
                     ):
                         del self._instances[(spec.name, target)]
+
+    def _capped(self, spec: RuleSpec, firing: list[Target], held: list[Target],
+                values: Mapping[Target, float]) -> list[Target]:
+        """The firing targets a rule may follow this evaluation: those it follows already, and new
+        ones up to ``max_targets`` instances in all, the furthest past the fire threshold first
+        (ties by target). The others are counted (``skipped-target-cap``) and logged once; they
+        start when they are still firing after the rule has room."""
+        following = set(held)
+        new = [target for target in firing if target not in following]
+        room = max(self.config.max_targets - len(following), 0)
+        if len(new) <= room:
+            return firing
+        sign = -1.0 if fires_upward(spec.comparison) else 1.0
+        started = heapq.nsmallest(room, new, key=lambda target: (sign * values[target], target))
+        skipped = len(new) - room
+        self.decisions["skipped-target-cap"] += skipped
+        if not self._target_cap_logged:
+            self._target_cap_logged = True
+            log.warning("policy: %s fires on more than %d targets at once (max_targets): the %d furthest past "
+                        "its threshold are followed, %d skipped (counted as skipped-target-cap; logged once)",
+                        spec.name, self.config.max_targets, room, skipped)
+        return [target for target in firing if target in following] + started
 
     def _rate_limited(self, t_s: float) -> bool:
         while self._dispatch_t_s and self._dispatch_t_s[0] <= t_s - self.config.rate_window_s + TIME_EPS_S:

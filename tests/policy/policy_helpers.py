@@ -30,6 +30,7 @@ class EngineKeys(TypedDict, total=False):
     max_actions: int
     rate_window_s: float
     command_timeout_ms: float
+    max_targets: int
 
 
 class SignalValues(TypedDict, total=False):

@@ -61,6 +61,7 @@ def test_user_file_overrides_key_by_key(tmp_path: Path) -> None:
         """
 [engine]
 sample_period_ms = 100
+max_targets = 16
 [rules.fp16_fallback]
 fire = 500.0
 window_s = 1.0
@@ -71,6 +72,7 @@ enabled = false
 """,
     )
     config = load_policy(path)
+    assert (config.sample_period_ms, config.max_targets, config.max_actions) == (100, 16, 8)
     fp16 = config.rule("fp16_fallback")
     assert (fp16.fire, fp16.window_evals, fp16.window_text, fp16.clear) == (500.0, 10, "1 s", 300.0)
     # Durations are re-derived from the new sample period: 30 s at 100 ms.
@@ -123,6 +125,7 @@ enabled = false
             "rule 'my_rule': give 'window_s' or 'window_evals', not both",
         ),
         ("[engine]\nsample_period_ms = 0\n", "[engine]: key 'sample_period_ms': must be > 0"),
+        ("[engine]\nmax_targets = 0\n", "[engine]: key 'max_targets': must be > 0"),
         ("[engine]\nturbo = true\n", "[engine]: unknown key 'turbo'"),
         ("[actions]\nx = 1\n", "unknown top-level key 'actions'"),
         ("[rules.fp16_fallback\n", "not valid TOML"),

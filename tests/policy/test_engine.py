@@ -200,6 +200,37 @@ def test_targets_are_stepped_in_order_whatever_order_the_snapshot_has() -> None:
     assert {tuple(v.target): v.last_value for v in f.engine.views()} == {(0, 1): 10.0, (0, 2): 30.0}
 
 
+def test_a_per_target_rule_follows_at_most_max_targets_the_furthest_past_its_threshold_first() -> None:
+    # Thousands of experts over the queue limit at DeepSeek-V3's shape: a rule follows max_targets of
+    # them, the deepest queues first; the others are counted, and start once the rule has room.
+    f, audit = feeder("expert_queue_soft_limit", max_targets=3)
+    queues = {(0, e): 60.0 + e for e in range(8)} | {(1, 0): 99.0, (1, 1): 10.0}
+    f.engine.evaluate(Signals(t_s=f.t_s, expert_queue_tokens=queues))
+    followed = {tuple(v.target) for v in f.engine.views()}
+    assert followed == {(1, 0), (0, 7), (0, 6)}  # 99, 67, 66 tokens
+    assert sorted(r.target for r in records(audit)) == [[0, 6], [0, 7], [1, 0]]  # (dry-run penalties)
+    assert f.engine.decisions["skipped-target-cap"] == 6
+    f.t_s = round(f.t_s + PERIOD_S, 9)
+    f.engine.evaluate(Signals(t_s=f.t_s, expert_queue_tokens=queues))  # no room: the same three
+    assert {tuple(v.target) for v in f.engine.views()} == followed
+    assert f.engine.decisions["skipped-target-cap"] == 12
+    # the three clear and revert (after the 5 s cooldown), their instances go (after the next), and
+    # the next deepest start
+    quiet = {**queues, (1, 0): 0.0, (0, 7): 0.0, (0, 6): 0.0}
+    for _ in range(80):
+        f.t_s = round(f.t_s + PERIOD_S, 9)
+        f.engine.evaluate(Signals(t_s=f.t_s, expert_queue_tokens=quiet))
+    assert {tuple(v.target) for v in f.engine.views()} == {(0, 5), (0, 4), (0, 3)}
+
+
+def test_a_rule_firing_low_follows_the_lowest_values_first() -> None:
+    f, _ = feeder("router_collapse", max_targets=2)
+    ratios = {0: 0.5, 1: 0.2, 2: 0.9, 3: 0.1, 4: 0.4}  # four under the 0.536 threshold
+    f.engine.evaluate(Signals(t_s=f.t_s, router_entropy_ratio=ratios))
+    assert {tuple(v.target) for v in f.engine.views()} == {(3,), (1,)}
+    assert f.engine.decisions["skipped-target-cap"] == 2
+
+
 def test_a_burst_of_per_expert_instances_audits_one_suppression_per_rule_and_window() -> None:
     # 20 experts over the soft limit, 2 actions per 10 s: instances come and go (a penalty dry-run
     # re-arms after its cooldown), each would start a streak; the audit keeps one suppression per
