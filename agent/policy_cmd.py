@@ -92,7 +92,8 @@ def render_table(config: PolicyConfig) -> str:
     lines = [
         f"policy from {' + '.join(config.sources)}",
         f"sample period {config.sample_period_ms} ms; rate limit {config.max_actions} actions per "
-        f"{config.rate_window_s:g} s; command timeout {config.command_timeout_ms:g} ms",
+        f"{config.rate_window_s:g} s; command timeout {config.command_timeout_ms:g} ms; "
+        f"at most {config.max_targets} targets a rule",
         "",
     ]
     for row in rows:
@@ -169,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
             "max_actions": config.max_actions,
             "rate_window_s": config.rate_window_s,
             "command_timeout_ms": config.command_timeout_ms,
+            "max_targets": config.max_targets,
             "rules": [_rule_json(spec) for spec in config.rules],
         }
         sys.stdout.write(json.dumps(body, indent=2) + "\n")

@@ -157,7 +157,8 @@ def run_show(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 def test_policy_show_prints_effective_rules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = run_show(["show"], capsys)
     lines = out.splitlines()
-    assert lines[1] == "sample period 200 ms; rate limit 8 actions per 10 s; command timeout 2000 ms"
+    assert lines[1] == ("sample period 200 ms; rate limit 8 actions per 10 s; command timeout 2000 ms; "
+                        "at most 64 targets a rule")
     row = next(line for line in lines if line.startswith("fp16_fallback"))
     assert row.split() == [
         "fp16_fallback", "step_p99_ms", "[global]", ">", "430", "3", "evaluations",
@@ -167,7 +168,7 @@ def test_policy_show_prints_effective_rules(tmp_path: Path, capsys: pytest.Captu
     body = json.loads(run_show(["show", "--config", str(path), "--json"], capsys))
     fp16 = next(r for r in body["rules"] if r["name"] == "fp16_fallback")
     assert (fp16["fire"], fp16["clear"], fp16["window_evals"]) == (450.0, 300.0, 3)
-    assert len(body["rules"]) == 8
+    assert len(body["rules"]) == 8 and body["max_targets"] == 64
 
 
 def test_policy_show_bad_file_raises_config_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
