@@ -240,7 +240,7 @@ class PolicyEngine:
                 fires, at = COMPARISONS[spec.comparison], spec.fire
                 firing = [target for target, value in values.items() if fires(value, at)]
                 held = live.get(spec.name)
-                if len(firing) > self.config.max_targets:
+                if len(firing) + (len(held) if held else 0) > self.config.max_targets:
                     firing = self._capped(spec, firing, held or [], values)
                 stepped = sorted({*firing, *(t for t in held if t in values)} if held else firing)
                 for target in stepped:

@@ -221,6 +221,14 @@ def test_a_per_target_rule_follows_at_most_max_targets_the_furthest_past_its_thr
         f.t_s = round(f.t_s + PERIOD_S, 9)
         f.engine.evaluate(Signals(t_s=f.t_s, expert_queue_tokens=quiet))
     assert {tuple(v.target) for v in f.engine.views()} == {(0, 5), (0, 4), (0, 3)}
+    # three followed (now quiet, in their revert's cooldown) and two new over the limit: no room
+    quiet = {(0, 5): 0.0, (0, 4): 0.0, (0, 3): 0.0, (2, 0): 70.0, (2, 1): 80.0}
+    skipped = f.engine.decisions["skipped-target-cap"]
+    for _ in range(10):
+        f.t_s = round(f.t_s + PERIOD_S, 9)
+        f.engine.evaluate(Signals(t_s=f.t_s, expert_queue_tokens=quiet))
+        assert len(f.engine.views()) <= 3
+    assert f.engine.decisions["skipped-target-cap"] > skipped
 
 
 def test_a_rule_firing_low_follows_the_lowest_values_first() -> None:
