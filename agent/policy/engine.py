@@ -281,8 +281,8 @@ class PolicyEngine:
         self.decisions["skipped-target-cap"] += skipped
         if not self._target_cap_logged:
             self._target_cap_logged = True
-            log.warning("policy: %s fires on more than %d targets at once (max_targets): the %d furthest past "
-                        "its threshold are followed, %d skipped (counted as skipped-target-cap; logged once)",
+            log.warning("policy: %s would follow more than %d targets (max_targets): %d new ones started, the "
+                        "furthest past its threshold, %d skipped (counted as skipped-target-cap; logged once)",
                         spec.name, self.config.max_targets, room, skipped)
         return [target for target in firing if target in following] + started
 
