@@ -68,7 +68,6 @@ HEADER_BYTES = 64
 _HEADER = struct.Struct("<8sIIIIQQQqQ")
 _SEQ_OFFSET = 24
 _VERSION_OFFSET = 32  # version, then updates
-_PEAK_BUCKET_OFFSET = 56
 PEAK_BUCKET_NS = 200_000_000  # the queue peaks' bucket: the policy's sample period (DESIGN.md)
 MAX_PAGE_BYTES = 64 << 20  # a reader refuses larger pages: ~2.8 M experts, far past any model
 READ_TRIES = 3  # copies a read makes while the writer is mid-update before it gives up for the period

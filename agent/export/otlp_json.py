@@ -494,24 +494,26 @@ def spans_to_bytes(spans: Sequence[ReadableSpan]) -> bytes:
     resource, scope = first.resource, first.instrumentation_scope or None
     if _native is None or encode_spans_text is not _spans_native or not _one_tracer(spans, resource, scope):
         return (spans_to_line(spans) + "\n").encode("utf-8")
-    prefix = ['{"resourceSpans":[{"resource":', _cached(resource, _resource), ',"scopeSpans":[{"scope":',
-              _cached(scope, _scope) if scope is not None else "{}", ',"spans":[']
-    suffix = ["]"]
-    if scope is not None and scope.schema_url:
-        suffix.append(',"schemaUrl":' + _string(scope.schema_url))
-    suffix.append("}]")
-    if resource.schema_url:
-        suffix.append(',"schemaUrl":' + _string(resource.schema_url))
-    suffix.append("}]}\n")
+    parts = _request_parts([(resource, [(scope, spans)])])  # one group: one placeholder for its spans
+    at = parts.index(spans)
     line: bytes = _native.encode(spans, _span, _link, _event, SharedAttributes, ReadableSpan,
-                                 "".join(prefix).encode("utf-8"), "".join(suffix).encode("utf-8"))
+                                 "".join(parts[:at]).encode("utf-8"),  # type: ignore[arg-type]  # (all str)
+                                 ("".join(parts[at + 1:]) + "\n").encode("utf-8"))  # type: ignore[arg-type]
     return line
 
 
 def _request_text(groups: Sequence[tuple[Any, Sequence[tuple[Any, Sequence[ReadableSpan]]]]]) -> str:
     # pieces joined once at the end: a batch's spans are ~0.5 MB of text, and each concatenation
     # around them copied all of it (a dozen copies a batch)
-    parts = ['{"resourceSpans":[']
+    return "".join([part if isinstance(part, str) else encode_spans_text(part) for part in _request_parts(groups)])
+
+
+def _request_parts(
+    groups: Sequence[tuple[Any, Sequence[tuple[Any, Sequence[ReadableSpan]]]]],
+) -> list[str | Sequence[ReadableSpan]]:
+    """The request's text in pieces, each scope's spans left as the sequence itself (the caller
+    encodes it: joined into a str, or written around by the native encoder's bytes)."""
+    parts: list[str | Sequence[ReadableSpan]] = ['{"resourceSpans":[']
     for r, (resource, scopes) in enumerate(groups):
         parts.append(',{"resource":' if r else '{"resource":')
         parts.append(_cached(resource, _resource))
@@ -520,7 +522,7 @@ def _request_text(groups: Sequence[tuple[Any, Sequence[tuple[Any, Sequence[Reada
             parts.append(',{"scope":' if i else '{"scope":')
             parts.append(_cached(scope, _scope) if scope is not None else "{}")
             parts.append(',"spans":[')
-            parts.append(encode_spans_text(members))
+            parts.append(members)
             parts.append("]")
             if scope is not None and scope.schema_url:
                 parts.append(',"schemaUrl":' + _string(scope.schema_url))
@@ -530,4 +532,4 @@ def _request_text(groups: Sequence[tuple[Any, Sequence[tuple[Any, Sequence[Reada
             parts.append(',"schemaUrl":' + _string(resource.schema_url))
         parts.append("}")
     parts.append("]}")
-    return "".join(parts)
+    return parts
