@@ -134,6 +134,13 @@ class Observers:
             pipeline.expire()
 
         daemon.add_tick_hook(expire_steps)
+
+        def encode_spans(_now_ns: int) -> None:
+            # The round's spans encoded here, while in cache, for the export worker to write
+            # (agent/export/processor.py "Encoding where the spans were made"); never raises.
+            tracing.processor.encode_queued()
+
+        daemon.add_tick_hook(encode_spans)
         obs = cls(args=args, daemon=daemon, pipeline=pipeline, tracing=tracing, metrics=metrics, metrics_server=server)
         obs.notes.append(tracing.describe())
         obs._export_to_metrics = stats_to_metrics(metrics, tracing.exporter)

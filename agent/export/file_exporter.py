@@ -108,6 +108,22 @@ class OtlpJsonFileExporter(SpanExporter):
             return SpanExportResult.SUCCESS
         try:
             lines = self._lines(spans)
+        except (OSError, ValueError) as exc:
+            self.write_errors += 1
+            log.warning("trace file %s: write failed: %s", self._file, exc)
+            return SpanExportResult.FAILURE
+        return self.export_encoded(lines)
+
+    def encode(self, spans: Sequence[ReadableSpan]) -> list[tuple[bytes, int]]:
+        """The lines ``export`` would write for ``spans`` (processor.EncodingExporter: the span
+        processor has the thread that made the spans encode them, the worker writes them)."""
+        return self._lines(spans) if spans else []
+
+    def export_encoded(self, lines: list[tuple[bytes, int]]) -> SpanExportResult:
+        """Write lines ``encode`` made."""
+        if self._shutdown:
+            return SpanExportResult.FAILURE
+        try:
             with self._lock:
                 for data, count in lines:
                     if self._file is None or self._size + len(data) > self.max_file_bytes:

@@ -10,6 +10,17 @@ accounts for every span exactly once:
 Exporter errors (a FAILURE result or an exception) are logged with rate limiting and counted,
 never raised into the caller. The worker exports with instrumentation suppressed, and the agent
 installs no gRPC/HTTP instrumentation, so its own export is never traced.
+
+Encoding where the spans were made: an exporter whose CPU part can be split from its I/O (an
+``EncodingExporter``: ``encode(spans)`` then ``export_encoded(payload)``, the OTLP-JSON file exporter)
+lets the thread that made the spans encode them (``encode_queued``, the agent's main loop once a
+round, right after the round made them) and leaves the worker only the write. Measured on the
+reference load's replay (docs/benchmarks.md "Encoding on the main loop"): the worker, waking up to a
+second later onto spans no longer in cache and contending with the main loop for the GIL, spent
+~10 us a span where the main loop spends ~5; the agent's CPU per request fell by about a fifth. The
+worker still encodes whatever is queued when it wakes (spans another thread ended since the last
+round, or a caller that never calls encode_queued): nothing depends on the main loop calling it.
+Encoded payloads count as queued until written; an encoding error fails its spans (counted, logged).
 """
 
 from __future__ import annotations
@@ -18,8 +29,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, Context, attach, detach, set_value
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
@@ -30,6 +42,15 @@ from moescope.procfs import name_thread
 log = logging.getLogger(__name__)
 
 _ERROR_LOG_INTERVAL_NS = 10_000_000_000  # at most one export-error line per 10 s per processor
+
+
+@runtime_checkable
+class EncodingExporter(Protocol):
+    """An exporter whose work splits into encoding (CPU, any thread) and export (I/O, the worker)."""
+
+    def encode(self, spans: Sequence[ReadableSpan]) -> Any: ...
+
+    def export_encoded(self, payload: Any) -> SpanExportResult: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +106,11 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self._delay_s = schedule_delay_ms / 1000.0
         self._on_stats = on_stats
         self._queue: deque[ReadableSpan] = deque()
+        # encoded payloads (encode_queued) waiting for the worker, with their span counts
+        self._encoder: EncodingExporter | None = exporter if isinstance(exporter, EncodingExporter) else None
+        self._encoded: deque[tuple[Any, int]] = deque()
+        self._encoded_spans = 0  # spans in _encoded
+        self._encoding = 0  # spans taken by encode_queued, not yet in _encoded
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._flush_requests: list[threading.Event] = []
@@ -113,7 +139,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             if self._closing:
                 self._dropped_shutdown += 1
                 return
-            if len(self._queue) >= self._max_queue:
+            if len(self._queue) + self._encoded_spans + self._encoding >= self._max_queue:
                 self._dropped_full += 1
                 return
             self._queue.append(span)
@@ -121,6 +147,45 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             wake = len(self._queue) >= self._max_batch
         if wake:
             self._wake.set()
+
+    def encode_queued(self) -> int:
+        """Encode what is queued now on the calling thread (the exporter's ``encode``), for the
+        worker to export on its next wake; returns the spans encoded. Nothing when the exporter
+        cannot split its work or the processor is closing. Never raises: a batch whose encoding
+        fails is counted failed and logged (rate-limited), as a failed export is."""
+        encoder = self._encoder
+        if encoder is None:
+            return 0
+        with self._lock:
+            if self._closing or not self._queue:
+                return 0
+            spans = list(self._queue)
+            self._queue.clear()
+            self._encoding = len(spans)
+        made: list[tuple[Any, int]] = []
+        failed = failed_batches = 0
+        error = ""
+        step = self._max_batch
+        for at in range(0, len(spans), step):
+            batch = spans[at:at + step]
+            try:
+                made.append((encoder.encode(batch), len(batch)))
+            except Exception as exc:  # noqa: BLE001 - exporter errors are logged, never raised
+                failed += len(batch)
+                failed_batches += 1
+                error = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            self._encoding = 0
+            self._encoded.extend(made)
+            self._encoded_spans += len(spans) - failed
+            self._failed += failed
+            self._failed_batches += failed_batches
+            wake = self._encoded_spans >= self._max_batch
+        if failed:
+            self._log_failure(failed, error)
+        if wake:
+            self._wake.set()
+        return len(spans) - failed
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
         """Export everything queued now; True if done within the timeout."""
@@ -154,8 +219,10 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             else:
                 self._shutdown_exporter(deadline)
             with self._lock:
-                self._dropped_shutdown += len(self._queue)
+                self._dropped_shutdown += len(self._queue) + self._encoded_spans
                 self._queue.clear()
+                self._encoded.clear()
+                self._encoded_spans = 0
             self._publish()
         return self.stats()
 
@@ -170,12 +237,21 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             log.warning("trace exporter %s: shutdown failed: %s", self.name, exc)
 
     # --- worker ------------------------------------------------------------------------------
-    def _take_batch(self) -> list[ReadableSpan]:
+    def _take_work(self) -> tuple[Any, int, bool] | None:
+        """The next thing to export: an encoded payload first (older spans), else a batch of
+        queued spans; (what, spans, encoded). None when both are empty."""
         with self._lock:
+            if self._encoded:
+                payload, n = self._encoded.popleft()
+                self._encoded_spans -= n
+                self._in_flight = n
+                return payload, n, True
+            if not self._queue:
+                return None
             n = min(self._max_batch, len(self._queue))
             batch = [self._queue.popleft() for _ in range(n)]
             self._in_flight = n
-        return batch
+            return batch, n, False
 
     def _run(self) -> None:
         name_thread(f"ms-export-{self.name}")
@@ -189,10 +265,14 @@ class BoundedBatchSpanProcessor(SpanProcessor):
                     flushes, self._flush_requests = self._flush_requests, []
                 # Every wake (timer, full batch, flush, close) drains the queue in batches.
                 while not self._abort:
-                    with self._lock:
-                        if not self._queue:
-                            break
-                    self._export(self._take_batch())
+                    work = self._take_work()
+                    if work is None:
+                        break
+                    what, n, encoded = work
+                    if encoded:
+                        self._export_encoded(what, n)
+                    else:
+                        self._export(what)
                 for done in flushes:
                     done.set()
                 self._publish()
@@ -202,9 +282,16 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             detach(token)
 
     def _export(self, batch: list[ReadableSpan]) -> None:
+        self._export_call(self.exporter.export, batch, len(batch))
+
+    def _export_encoded(self, payload: Any, n: int) -> None:
+        assert self._encoder is not None
+        self._export_call(self._encoder.export_encoded, payload, n)
+
+    def _export_call(self, export: Callable[[Any], SpanExportResult], what: Any, n: int) -> None:
         error = ""
         try:
-            ok = self.exporter.export(batch) is SpanExportResult.SUCCESS
+            ok = export(what) is SpanExportResult.SUCCESS
         except Exception as exc:  # noqa: BLE001 - exporter errors are logged, never raised
             ok = False
             error = f"{type(exc).__name__}: {exc}"
@@ -212,12 +299,12 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             self._in_flight = 0
             self._batches += 1
             if ok:
-                self._exported += len(batch)
+                self._exported += n
             else:
-                self._failed += len(batch)
+                self._failed += n
                 self._failed_batches += 1
         if not ok:
-            self._log_failure(len(batch), error)
+            self._log_failure(n, error)
 
     def _log_failure(self, n: int, error: str) -> None:
         now = time.monotonic_ns()
@@ -243,7 +330,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
                 failed=self._failed,
                 dropped_queue_full=self._dropped_full,
                 dropped_shutdown=self._dropped_shutdown,
-                queued=len(self._queue) + self._in_flight,
+                queued=len(self._queue) + self._encoding + self._encoded_spans + self._in_flight,
                 batches=self._batches,
                 failed_batches=self._failed_batches,
             )
