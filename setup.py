@@ -7,8 +7,8 @@ Three are plain C shared objects (no Python API):
   ctypes (agent/native/__init__.py);
 - moescope/hf/libmoescope_hf.so, the transformers instrumentation's host step reductions, loaded
   with ctypes in the instrumented process (moescope/hf/native.py).
-One is a CPython extension module: agent/export/_otlp_span, the export thread's OTLP/JSON span
-encoder (agent/export/otlp_json.py; Python where it is not built).
+One is a CPython extension module: agent/export/_otlp_span, the OTLP/JSON and OTLP protobuf span
+encoders (agent/export/otlp_json.py, otlp_proto.py; the Python/SDK encoders where it is not built).
 Each top-level folder installs as a subpackage of `moescope` (see PACKAGE_DIR).
 """
 

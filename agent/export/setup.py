@@ -43,7 +43,8 @@ def build_otlp_exporter(target: OtlpTarget) -> SpanExporter:
     timeout_s = target.timeout_ms / 1000.0
     try:
         if target.protocol == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+            # the SDK's exporter, its requests encoded natively (agent/export/otlp_proto.py)
+            from moescope.agent.export.otlp_proto import NativeGrpcSpanExporter as GrpcExporter
 
             return GrpcExporter(
                 endpoint=target.endpoint,
