@@ -31,6 +31,7 @@ from opentelemetry.exporter.otlp.proto.common._internal.trace_encoder import (
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExportResult
 
 from moescope.agent.export.otlp_json import _one_tracer
 from moescope.agent.export.spans import SharedAttributes, SharedLink
@@ -144,14 +145,37 @@ def request_bytes(spans: Sequence[ReadableSpan]) -> bytes:
     return b"".join(out)
 
 
+class EncodedRequest:
+    """A batch's request made ahead of its export (``NativeGrpcSpanExporter.encode``)."""
+
+    __slots__ = ("request", "spans")
+
+    def __init__(self, request: ExportTraceServiceRequest, spans: int) -> None:
+        self.request, self.spans = request, spans
+
+
 class NativeGrpcSpanExporter(OTLPSpanExporter):
     """The SDK's OTLP/gRPC span exporter, its request encoded by ``request_bytes`` (parsed back into
     the request message by protobuf's C runtime, which the gRPC stub serializes again: ~1 µs a span
-    each). An encoding error falls back to the SDK's encoder for that batch, logged once."""
+    each). An encoding error falls back to the SDK's encoder for that batch, logged once.
+
+    An ``EncodingExporter`` (agent/export/processor.py): ``encode`` makes the request on the thread
+    that made the spans, ``export_encoded`` sends it with the SDK's retries."""
 
     _failed_logged = False
 
-    def _translate_data(self, data: Sequence[ReadableSpan]) -> ExportTraceServiceRequest:
+    def encode(self, spans: Sequence[ReadableSpan]) -> EncodedRequest:
+        return EncodedRequest(self._translate_data(spans), len(spans))
+
+    def export_encoded(self, payload: EncodedRequest) -> SpanExportResult:
+        return self._export(payload)  # type: ignore[arg-type]  # (_translate_data and _count_data take it)
+
+    def _count_data(self, data: Sequence[ReadableSpan] | EncodedRequest) -> int:
+        return data.spans if isinstance(data, EncodedRequest) else len(data)
+
+    def _translate_data(self, data: Sequence[ReadableSpan] | EncodedRequest) -> ExportTraceServiceRequest:
+        if isinstance(data, EncodedRequest):
+            return data.request
         if _native is not None:
             try:
                 return ExportTraceServiceRequest.FromString(request_bytes(data))

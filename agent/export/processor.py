@@ -12,15 +12,16 @@ never raised into the caller. The worker exports with instrumentation suppressed
 installs no gRPC/HTTP instrumentation, so its own export is never traced.
 
 Encoding where the spans were made: an exporter whose CPU part can be split from its I/O (an
-``EncodingExporter``: ``encode(spans)`` then ``export_encoded(payload)``, the OTLP-JSON file exporter)
-lets the thread that made the spans encode them (``encode_queued``, the agent's main loop once a
-round, right after the round made them) and leaves the worker only the write. Measured on the
-reference load's replay (docs/benchmarks.md "Encoding on the main loop"): the worker, waking up to a
-second later onto spans no longer in cache and contending with the main loop for the GIL, spent
-~10 us a span where the main loop spends ~5; the agent's CPU per request fell by about a fifth. The
-worker still encodes whatever is queued when it wakes (spans another thread ended since the last
-round, or a caller that never calls encode_queued): nothing depends on the main loop calling it.
-Encoded payloads count as queued until written; an encoding error fails its spans (counted, logged).
+``EncodingExporter``: ``encode(spans)``, then ``export_encoded(payload)``; the OTLP-JSON file
+exporter and the OTLP/gRPC one, agent/export/otlp_proto.py) lets the thread that made the spans
+encode them (``encode_queued``: the agent's main loop, once a round, right after the round made
+them) and leaves the worker only the write or the send. Measured on the reference load
+(docs/benchmarks.md "Encoding on the main loop"): the worker, waking up to a second later onto spans
+no longer in cache and contending with the main loop for the GIL, spent 9-12 us a span in a replay
+where the same batches cost 5-6 alone; beside the runtime the agent's CPU fell ~7 %. The worker
+still encodes whatever is queued when it wakes (spans another thread ended since the last round,
+or a caller that never calls encode_queued): nothing depends on the main loop calling it. Encoded
+payloads count as queued until written; an encoding error fails its spans (counted, logged).
 """
 
 from __future__ import annotations

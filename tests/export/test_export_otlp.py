@@ -30,7 +30,8 @@ def to_flat(s: StoredSpan) -> FlatSpan:
     )
 
 
-def test_grpc_export_is_received_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("encoded_by", ["worker", "main loop"])
+def test_grpc_export_is_received_exactly(tmp_path: Path, encoded_by: str) -> None:
     metrics = Metrics()
     with GrpcOtlpReceiver() as rx:
         config = resolve_export_config(ExportFlags(endpoint=rx.endpoint, state_dir=str(tmp_path)), env={})
@@ -38,6 +39,8 @@ def test_grpc_export_is_received_exactly(tmp_path: Path) -> None:
         tracing = build_tracing(config, resource_attributes=RESOURCE, metrics=metrics)
         assert tracing.describe() == f"traces: OTLP/grpc to {rx.endpoint} (from --otlp-endpoint)"
         _, expected = emit_sample(tracing.factory)
+        if encoded_by == "main loop":  # the agent's daemon does this once a round (observe.py)
+            assert tracing.processor.encode_queued() == 6
         stats = tracing.shutdown(timeout_s=30)
         spans = rx.spans()
     # Exactly the spans we made: the export itself is not traced.

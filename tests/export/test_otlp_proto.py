@@ -24,6 +24,7 @@ from test_otlp_json_direct import ATTRS, _spans
 
 from moescope.agent.export import ExportFlags, SpanEvent, SpanFactory, SpanLink, otlp_proto, resolve_export_config
 from moescope.agent.export.otlp_proto import NativeGrpcSpanExporter, request_bytes
+from moescope.agent.export.processor import EncodingExporter
 from moescope.agent.export.setup import build_otlp_exporter
 from moescope.agent.export.spans import shared_attributes
 
@@ -145,8 +146,11 @@ def test_the_grpc_exporter_encodes_natively_and_falls_back_to_the_sdk(
     assert config.otlp is not None and config.otlp.protocol == "grpc"
     exporter = build_otlp_exporter(config.otlp)
     try:
-        assert isinstance(exporter, NativeGrpcSpanExporter)
+        assert isinstance(exporter, NativeGrpcSpanExporter) and isinstance(exporter, EncodingExporter)
         spans = _factory_spans()
+        encoded = exporter.encode(spans)  # (the processor's encode_queued; the receiver test sends)
+        assert encoded.spans == 9 and _canonical(encoded.request) == _canonical(encode_spans(spans))
+        assert exporter._translate_data(encoded) is encoded.request and exporter._count_data(encoded) == 9
         assert _canonical(exporter._translate_data(spans)) == _canonical(encode_spans(spans))
 
         def broken(spans: object) -> bytes:
