@@ -10,6 +10,9 @@ Runs alternate A/B, B/A, ...; medians and pair ratios.
 
     sudo .venv/bin/python -m benchmarks.agent_ab --baseline-tree /tmp/base [--tree .] [--pairs 4]
 
+With `--otlp` both agents export OTLP/gRPC (the Jaeger route) to tests/otlp_receiver.py's receiver,
+in a process of its own, instead of writing OTLP-JSON files.
+
 A baseline tree: `git archive REV | tar -x -C /tmp/base`, with the native libraries copied in
 (agent/native/libmoescope_health.so, collectors/nvtx_inject/libmoescope_nvtx.so). Writes
 bench-results/agent_ab.json. Exit status: 0 done, 2 bad options, 4 a run could not be carried out
@@ -30,6 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from benchmarks.agent_cpu import Receiver
 from benchmarks.common import REPO, Metrics, alternate_ab, write_result
 from benchmarks.e2e_overhead import (
     START_TIMEOUT_S,
@@ -58,10 +62,11 @@ def agent_argv(tree: Path, *args: str) -> list[str]:
 
 
 @contextmanager
-def agent_beside_runtime(tree: Path, *, name: str) -> Iterator[tuple[Runtime, subprocess.Popen[str]]]:
+def agent_beside_runtime(tree: Path, *, name: str,
+                         extra_args: tuple[str, ...] = ()) -> Iterator[tuple[Runtime, subprocess.Popen[str]]]:
     """A fresh reference runtime (NVTX injection on, rings on tmpfs) and `agent start --pid` from
-    `tree` beside it with e2e_overhead's arguments, settled after its last start-up note; both
-    stopped on the way out."""
+    `tree` beside it with e2e_overhead's arguments (and `extra_args`), settled after its last
+    start-up note; both stopped on the way out."""
     with tempfile.TemporaryDirectory(prefix=f"moescope-{name}-") as work, \
             tempfile.TemporaryDirectory(prefix=f"moescope-{name}-rings-", dir="/dev/shm") as rings:
         workdir = Path(work)
@@ -70,7 +75,7 @@ def agent_beside_runtime(tree: Path, *, name: str) -> Iterator[tuple[Runtime, su
         state = workdir / "state"
         state.mkdir()
         proc = subprocess.Popen(
-            agent_argv(tree, *agent_start_args(runtime, state, free_port())),
+            agent_argv(tree, *agent_start_args(runtime, state, free_port()), *extra_args),
             cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )
         assert proc.stdout is not None and proc.stderr is not None
@@ -89,8 +94,8 @@ def agent_beside_runtime(tree: Path, *, name: str) -> Iterator[tuple[Runtime, su
             stop_group(runtime.proc)
 
 
-def one_run(tree: Path, *, idle_s: float, duration_s: float) -> Metrics:
-    with agent_beside_runtime(tree, name="agent-ab") as (runtime, proc):
+def one_run(tree: Path, *, idle_s: float, duration_s: float, extra_args: tuple[str, ...] = ()) -> Metrics:
+    with agent_beside_runtime(tree, name="agent-ab", extra_args=extra_args) as (runtime, proc):
         cpu0, t0 = cpu_s(proc.pid), time.monotonic()
         time.sleep(idle_s)
         idle = (cpu_s(proc.pid) - cpu0) / (time.monotonic() - t0)
@@ -118,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=4, help="A/B pairs (default 4)")
     parser.add_argument("--idle-s", type=float, default=10.0, help="the idle window per run (default 10)")
     parser.add_argument("--duration-s", type=float, default=15.0, help="the loaded window per run (default 15)")
+    parser.add_argument("--otlp", action="store_true",
+                        help="both agents export OTLP/gRPC to tests/otlp_receiver.py's receiver in its own process "
+                             "(default: OTLP-JSON files, as e2e_overhead)")
     args = parser.parse_args(argv)
     trees = {"a": args.baseline_tree.resolve(), "b": args.tree.resolve()}
     for side, tree in trees.items():
@@ -127,15 +135,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.pairs < 1 or args.idle_s <= 0 or args.duration_s <= 0:
         print("agent_ab: error: --pairs, --idle-s and --duration-s must be positive", file=sys.stderr)
         return 2
+    receiver = Receiver(REPO) if args.otlp else None
+    extra = ("--otlp-endpoint", receiver.endpoint) if receiver is not None else ()
     try:
         result = alternate_ab(
-            run_a=lambda: one_run(trees["a"], idle_s=args.idle_s, duration_s=args.duration_s),
-            run_b=lambda: one_run(trees["b"], idle_s=args.idle_s, duration_s=args.duration_s),
+            run_a=lambda: one_run(trees["a"], idle_s=args.idle_s, duration_s=args.duration_s, extra_args=extra),
+            run_b=lambda: one_run(trees["b"], idle_s=args.idle_s, duration_s=args.duration_s, extra_args=extra),
             pairs=args.pairs, progress=lambda line: print(f"agent_ab: {line}", flush=True),
         )
     except BenchError as exc:
         print(f"agent_ab: error: {exc}", file=sys.stderr)
         return 4
+    finally:
+        if receiver is not None:
+            receiver.close()
     summary: dict[str, Any] = result.to_dict()
     per_pair = [b["agent_cpu_ms_per_request"] / a["agent_cpu_ms_per_request"]
                 for a, b in zip(result.a, result.b, strict=True)]
@@ -147,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"agent_ab: per request, pair ratios B/A: {', '.join(f'{r:.2f}' for r in per_pair)} "
           f"(median {statistics.median(per_pair):.3f})")
     path = write_result("agent_ab", {"trees": {k: str(v) for k, v in trees.items()}, "pairs": args.pairs,
-                                     "idle_s": args.idle_s, "duration_s": args.duration_s, **summary})
+                                     "idle_s": args.idle_s, "duration_s": args.duration_s,
+                                     "export": "otlp-grpc" if args.otlp else "otlp-json-files", **summary})
     print(f"agent_ab: -> {path}")
     return 0
 
