@@ -293,7 +293,8 @@ def _encode_attributes(attributes: Mapping[str, Any]) -> str:
 
 def _cached(obj: Any, encode: Any, *, cache: dict[int, tuple[Any, str]] = _object_cache, limit: int = 64) -> str:
     """encode(obj), kept by the object's identity (the object is kept with its text, so its id is
-    not reused while cached): for objects that never change once made."""
+    not reused while cached): for objects that never change once made (otlp_proto keeps message
+    bytes in a cache of its own the same way)."""
     entry = cache.get(id(obj))
     if entry is not None and entry[0] is obj:
         return entry[1]

@@ -33,6 +33,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
 
+from moescope.agent.export.otlp_json import _cached as _cached_by_id
 from moescope.agent.export.otlp_json import _one_tracer
 from moescope.agent.export.spans import SharedAttributes, SharedLink
 
@@ -54,16 +55,8 @@ def available() -> bool:
 
 
 def _cached(obj: Any, encode: Any) -> bytes:
-    """encode(obj) kept by identity (the object is kept too, so its id is not reused): for objects
-    that never change once made."""
-    entry = _cache.get(id(obj))
-    if entry is not None and entry[0] is obj:
-        return entry[1]
-    data: bytes = encode(obj)
-    if len(_cache) >= _CACHE_LIMIT:
-        _cache.clear()
-    _cache[id(obj)] = (obj, data)
-    return data
+    """encode(obj) kept by identity in this module's cache (otlp_json's helper, bytes here)."""
+    return _cached_by_id(obj, encode, cache=_cache, limit=_CACHE_LIMIT)  # type: ignore[arg-type,return-value]
 
 
 def _varint(value: int) -> bytes:

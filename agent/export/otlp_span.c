@@ -407,49 +407,66 @@ static int add_texts(Buf *b, const char *key, size_t key_len, PyObject *items, P
     return ADD_LIT(b, "]") < 0 ? ERROR : OK;
 }
 
-static int add_span(Buf *b, PyObject *span, PyObject *link_text, PyObject *event_text, PyObject *shared_type,
-                    PyObject *span_type) {
-    if ((PyObject *)Py_TYPE(span) != span_type) return NOT_MINE; /* a subclass may override a property */
+/* What both encoders read of a span before writing its first byte. */
+typedef struct {
     Fields f;
-    PyObject *message = NULL, *links = NULL, *events = NULL;
-    size_t start_len = b->len;
-    int rc = fields_get(span, &f);
-    if (rc != OK) goto done;
-    rc = NOT_MINE;
-    /* what this takes: no trace state, events and links in a tuple or list (not the SDK's
-     * BoundedList, which may have dropped some), attributes in a dict */
-    PyObject *ctx = f.context;
-    if (!PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) < 5) goto done;
+    PyObject *message, *links, *events; /* owned: the status message (or NULL), tuples of our own */
+    unsigned long long hi, lo, span_id, parent_id;
+    long kind, code;
+} Taken;
+
+static void taken_clear(Taken *t) {
+    Py_XDECREF(t->message);
+    Py_XDECREF(t->links);
+    Py_XDECREF(t->events);
+    fields_clear(&t->f);
+}
+
+/* The span's fields if the native encoders take it (OK; taken_clear after, whatever the result):
+ * exactly span_type, no trace state, events and links in a tuple or list (not the SDK's
+ * BoundedList, which may have dropped some), attributes in a dict or the shared set, a str name
+ * (ASCII with `ascii_name`). NOT_MINE otherwise (no exception set), ERROR on an error. */
+static int span_taken(PyObject *span, PyObject *shared_type, PyObject *span_type, int ascii_name, Taken *t) {
+    memset(t, 0, sizeof *t);
+    if ((PyObject *)Py_TYPE(span) != span_type) return NOT_MINE; /* a subclass may override a property */
+    int rc = fields_get(span, &t->f);
+    if (rc != OK) return rc;
+    Fields *f = &t->f;
+    PyObject *ctx = f->context;
+    if (!PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) < 5) return NOT_MINE;
     Py_ssize_t trace_state = PyObject_Size(PyTuple_GET_ITEM(ctx, 4));
-    if (trace_state != 0) {
-        if (trace_state < 0) rc = not_mine_or_error();
-        goto done;
-    }
-    if (!(PyTuple_CheckExact(f.events) || PyList_CheckExact(f.events))) goto done;
-    if (!(PyTuple_CheckExact(f.links) || PyList_CheckExact(f.links))) goto done;
-    PyObject *attrs = f.attributes;
+    if (trace_state != 0) return trace_state < 0 ? not_mine_or_error() : NOT_MINE;
+    if (!(PyTuple_CheckExact(f->events) || PyList_CheckExact(f->events))) return NOT_MINE;
+    if (!(PyTuple_CheckExact(f->links) || PyList_CheckExact(f->links))) return NOT_MINE;
+    PyObject *attrs = f->attributes;
     if (!(attrs == Py_None || PyDict_CheckExact(attrs) ||
           (PyDict_Check(attrs) && (PyObject *)Py_TYPE(attrs) == shared_type)))
-        goto done;
-    if (!PyUnicode_CheckExact(f.name) || !PyUnicode_IS_ASCII(f.name)) goto done;
-    unsigned long long hi, lo, span_id, parent_id = 0;
-    if ((rc = context_ids(ctx, &hi, &lo, &span_id)) != OK) goto done;
-    if (f.parent != Py_None && (rc = context_span_id(f.parent, &parent_id)) != OK) goto done;
-    long kind, code;
-    if ((rc = member_value(f.kind, &kind)) != OK) goto done;
-    if ((rc = status_fields(f.status, &code, &message)) != OK) goto done;
-    links = PySequence_Tuple(f.links); /* our own: callbacks may run other threads' code */
-    events = links ? PySequence_Tuple(f.events) : NULL;
-    if (!events) {
-        rc = ERROR;
-        goto done;
-    }
+        return NOT_MINE;
+    if (!PyUnicode_CheckExact(f->name) || (ascii_name && !PyUnicode_IS_ASCII(f->name))) return NOT_MINE;
+    if ((rc = context_ids(ctx, &t->hi, &t->lo, &t->span_id)) != OK) return rc;
+    if (f->parent != Py_None && (rc = context_span_id(f->parent, &t->parent_id)) != OK) return rc;
+    if ((rc = member_value(f->kind, &t->kind)) != OK) return rc;
+    if ((rc = status_fields(f->status, &t->code, &t->message)) != OK) return rc;
+    t->links = PySequence_Tuple(f->links); /* our own: callbacks may run other threads' code */
+    t->events = t->links ? PySequence_Tuple(f->events) : NULL;
+    return t->events ? OK : ERROR;
+}
+
+static int add_span(Buf *b, PyObject *span, PyObject *link_text, PyObject *event_text, PyObject *shared_type,
+                    PyObject *span_type) {
+    Taken t;
+    size_t start_len = b->len;
+    int rc = span_taken(span, shared_type, span_type, 1, &t);
+    if (rc != OK) goto done;
+    Fields f = t.f;
+    PyObject *attrs = f.attributes, *message = t.message;
+    long kind = t.kind, code = t.code;
     char head[96];
-    int n = snprintf(head, sizeof head, "{\"traceId\":\"%016llx%016llx\",\"spanId\":\"%016llx\"", hi, lo, span_id);
+    int n = snprintf(head, sizeof head, "{\"traceId\":\"%016llx%016llx\",\"spanId\":\"%016llx\"", t.hi, t.lo, t.span_id);
     rc = ERROR;
     if (buf_add(b, head, (size_t)n) < 0) goto done;
     if (f.parent != Py_None) {
-        n = snprintf(head, sizeof head, ",\"parentSpanId\":\"%016llx\"", parent_id);
+        n = snprintf(head, sizeof head, ",\"parentSpanId\":\"%016llx\"", t.parent_id);
         if (buf_add(b, head, (size_t)n) < 0) goto done;
     }
     if (PyUnicode_GET_LENGTH(f.name) > 0) {
@@ -467,8 +484,8 @@ static int add_span(Buf *b, PyObject *span, PyObject *link_text, PyObject *event
     if (attrs != Py_None && PyDict_GET_SIZE(attrs) > 0) {
         if ((rc = add_attributes(b, attrs)) != OK) goto done;
     }
-    if ((rc = add_texts(b, ",\"events\":[", sizeof(",\"events\":[") - 1, events, event_text)) != OK) goto done;
-    if ((rc = add_texts(b, ",\"links\":[", sizeof(",\"links\":[") - 1, links, link_text)) != OK) goto done;
+    if ((rc = add_texts(b, ",\"events\":[", sizeof(",\"events\":[") - 1, t.events, event_text)) != OK) goto done;
+    if ((rc = add_texts(b, ",\"links\":[", sizeof(",\"links\":[") - 1, t.links, link_text)) != OK) goto done;
     rc = ERROR;
     if (ADD_LIT(b, ",\"status\":{") < 0) goto done;
     if (message != NULL) {
@@ -484,10 +501,7 @@ static int add_span(Buf *b, PyObject *span, PyObject *link_text, PyObject *event
     if ((rc = add_flags(b, f.parent)) != OK) goto done;
     rc = ADD_LIT(b, "}") < 0 ? ERROR : OK;
 done:
-    Py_XDECREF(message);
-    Py_XDECREF(links);
-    Py_XDECREF(events);
-    fields_clear(&f);
+    taken_clear(&t);
     if (rc != OK) b->len = start_len;
     return rc;
 }
@@ -706,30 +720,12 @@ static int pb_time(Buf *b, unsigned field, PyObject *t) {
 /* One Span message field (`spans`, 2, of ScopeSpans) appended to b, or NOT_MINE with b as it was. */
 static int pb_span(Buf *b, PyObject *span, PyObject *link_pb, PyObject *event_pb, PyObject *shared_type,
                    PyObject *span_type) {
-    if ((PyObject *)Py_TYPE(span) != span_type) return NOT_MINE;
-    Fields f;
-    PyObject *message = NULL, *links = NULL, *events = NULL;
+    Taken t;
     size_t start_len = b->len, mark;
-    int rc = fields_get(span, &f);
+    int rc = span_taken(span, shared_type, span_type, 0, &t);
     if (rc != OK) goto done;
-    rc = NOT_MINE;
-    PyObject *ctx = f.context;
-    if (!PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) < 5) goto done;
-    Py_ssize_t trace_state = PyObject_Size(PyTuple_GET_ITEM(ctx, 4));
-    if (trace_state != 0) {
-        if (trace_state < 0) rc = not_mine_or_error();
-        goto done;
-    }
-    if (!(PyTuple_CheckExact(f.events) || PyList_CheckExact(f.events))) goto done;
-    if (!(PyTuple_CheckExact(f.links) || PyList_CheckExact(f.links))) goto done;
-    PyObject *attrs = f.attributes;
-    if (!(attrs == Py_None || PyDict_CheckExact(attrs) ||
-          (PyDict_Check(attrs) && (PyObject *)Py_TYPE(attrs) == shared_type)))
-        goto done;
-    if (!PyUnicode_CheckExact(f.name)) goto done;
-    unsigned long long hi, lo, span_id, parent_id = 0;
-    if ((rc = context_ids(ctx, &hi, &lo, &span_id)) != OK) goto done;
-    if (f.parent != Py_None && (rc = context_span_id(f.parent, &parent_id)) != OK) goto done;
+    Fields f = t.f;
+    PyObject *attrs = f.attributes, *message = t.message;
     int remote = 0;
     if (f.parent != Py_None) {
         remote = PyObject_IsTrue(PyTuple_GET_ITEM(f.parent, 2));
@@ -738,42 +734,30 @@ static int pb_span(Buf *b, PyObject *span, PyObject *link_pb, PyObject *event_pb
             goto done;
         }
     }
-    long kind, code;
-    if ((rc = member_value(f.kind, &kind)) != OK) goto done;
-    if ((rc = status_fields(f.status, &code, &message)) != OK) goto done;
-    links = PySequence_Tuple(f.links);
-    events = links ? PySequence_Tuple(f.events) : NULL;
-    if (!events) {
-        rc = ERROR;
-        goto done;
-    }
     rc = ERROR;
     if (pb_open(b, 2, &mark) != OK) goto done;
-    if (pb_id(b, 1, hi, lo, 1) != OK || pb_id(b, 2, 0, span_id, 0) != OK) goto done;
-    if (f.parent != Py_None && pb_id(b, 4, 0, parent_id, 0) != OK) goto done;
+    if (pb_id(b, 1, t.hi, t.lo, 1) != OK || pb_id(b, 2, 0, t.span_id, 0) != OK) goto done;
+    if (f.parent != Py_None && pb_id(b, 4, 0, t.parent_id, 0) != OK) goto done;
     if (PyUnicode_GET_LENGTH(f.name) > 0 && (rc = pb_string(b, 5, f.name)) != OK) goto done;
     rc = ERROR;
-    if (PB_TAG(b, 6, 0) != OK || pb_varint(b, (unsigned long long)(kind + 1)) != OK) goto done; /* SpanKind + 1 */
+    if (PB_TAG(b, 6, 0) != OK || pb_varint(b, (unsigned long long)(t.kind + 1)) != OK) goto done; /* SpanKind + 1 */
     if ((rc = pb_time(b, 7, f.start)) != OK || (rc = pb_time(b, 8, f.end)) != OK) goto done;
     if (attrs != Py_None && (rc = pb_attributes(b, 9, attrs)) != OK) goto done;
-    if ((rc = pb_messages(b, 11, events, event_pb)) != OK) goto done;
-    if ((rc = pb_messages(b, 13, links, link_pb)) != OK) goto done;
+    if ((rc = pb_messages(b, 11, t.events, event_pb)) != OK) goto done;
+    if ((rc = pb_messages(b, 13, t.links, link_pb)) != OK) goto done;
     rc = ERROR;
     size_t status;
     if (pb_open(b, 15, &status) != OK) goto done;
     if (message != NULL && (rc = pb_string(b, 2, message)) != OK) goto done;
     rc = ERROR;
-    if (code && (PB_TAG(b, 3, 0) != OK || pb_varint(b, (unsigned long long)code) != OK)) goto done;
+    if (t.code && (PB_TAG(b, 3, 0) != OK || pb_varint(b, (unsigned long long)t.code) != OK)) goto done;
     if (pb_close(b, status) != OK) goto done;
     if (PB_TAG(b, 16, 5) != OK || buf_reserve(b, 4) < 0) goto done;
     unsigned flags = remote ? 0x300u : 0x100u;
     for (int i = 0; i < 4; i++) b->data[b->len++] = (char)((flags >> (8 * i)) & 0xff);
     rc = pb_close(b, mark);
 done:
-    Py_XDECREF(message);
-    Py_XDECREF(links);
-    Py_XDECREF(events);
-    fields_clear(&f);
+    taken_clear(&t);
     if (rc != OK) b->len = start_len;
     return rc;
 }
