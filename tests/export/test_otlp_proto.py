@@ -79,6 +79,11 @@ def _readable(**fields: object) -> ReadableSpan:
     return ReadableSpan(**values)  # type: ignore[arg-type]
 
 
+def test_the_native_encoder_is_built() -> None:
+    # (without it request_bytes is the SDK's encoder and every comparison here is with itself)
+    assert otlp_proto.available(), "agent/export/_otlp_span not built (pip install -e .)"
+
+
 def test_the_sdks_request_for_the_json_encoders_corpus() -> None:
     # two resources (one equal, not identical), schema URLs, trace state, dropped attributes,
     # links and events, BoundedAttributes, OK and ERROR statuses, an empty name
