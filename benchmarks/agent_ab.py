@@ -11,7 +11,8 @@ Runs alternate A/B, B/A, ...; medians and pair ratios.
     sudo .venv/bin/python -m benchmarks.agent_ab --baseline-tree /tmp/base [--tree .] [--pairs 4]
 
 With `--otlp` both agents export OTLP/gRPC (the Jaeger route) to tests/otlp_receiver.py's receiver,
-in a process of its own, instead of writing OTLP-JSON files.
+in a process of its own, instead of writing OTLP-JSON files. `--b-args '...'` gives B more `agent
+start` arguments: with both trees the same checkout, what one setting costs.
 
 A baseline tree: `git archive REV | tar -x -C /tmp/base`, with the native libraries copied in
 (agent/native/libmoescope_health.so, collectors/nvtx_inject/libmoescope_nvtx.so). Writes
@@ -22,6 +23,7 @@ bench-results/agent_ab.json. Exit status: 0 done, 2 bad options, 4 a run could n
 from __future__ import annotations
 
 import argparse
+import shlex
 import signal
 import statistics
 import subprocess
@@ -126,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--otlp", action="store_true",
                         help="both agents export OTLP/gRPC to tests/otlp_receiver.py's receiver in its own process "
                              "(default: OTLP-JSON files, as e2e_overhead)")
+    parser.add_argument("--b-args", default="", metavar="ARGS",
+                        help="more `agent start` arguments for B only, one string (e.g. "
+                             "'--trace-layer-spans-per-s 0' with --tree the same as --baseline-tree: "
+                             "what a setting costs)")
     args = parser.parse_args(argv)
     trees = {"a": args.baseline_tree.resolve(), "b": args.tree.resolve()}
     for side, tree in trees.items():
@@ -135,12 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.pairs < 1 or args.idle_s <= 0 or args.duration_s <= 0:
         print("agent_ab: error: --pairs, --idle-s and --duration-s must be positive", file=sys.stderr)
         return 2
+    b_args = tuple(shlex.split(args.b_args))
     receiver = Receiver(REPO) if args.otlp else None
     extra = ("--otlp-endpoint", receiver.endpoint) if receiver is not None else ()
     try:
         result = alternate_ab(
             run_a=lambda: one_run(trees["a"], idle_s=args.idle_s, duration_s=args.duration_s, extra_args=extra),
-            run_b=lambda: one_run(trees["b"], idle_s=args.idle_s, duration_s=args.duration_s, extra_args=extra),
+            run_b=lambda: one_run(trees["b"], idle_s=args.idle_s, duration_s=args.duration_s,
+                                  extra_args=extra + b_args),
             pairs=args.pairs, progress=lambda line: print(f"agent_ab: {line}", flush=True),
         )
     except BenchError as exc:
@@ -161,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(median {statistics.median(per_pair):.3f})")
     path = write_result("agent_ab", {"trees": {k: str(v) for k, v in trees.items()}, "pairs": args.pairs,
                                      "idle_s": args.idle_s, "duration_s": args.duration_s,
-                                     "export": "otlp-grpc" if args.otlp else "otlp-json-files", **summary})
+                                     "export": "otlp-grpc" if args.otlp else "otlp-json-files",
+                                     "b_args": list(b_args), **summary})
     print(f"agent_ab: -> {path}")
     return 0
 

@@ -11,6 +11,7 @@ Variants (each run is a fresh worker process):
 
 * ``file`` — OTLP-JSON files into a temp dir (the embedded default);
 * ``grpc`` — OTLP/gRPC to ``tests/otlp_receiver.py``'s receiver in a separate process;
+* ``http`` — OTLP/HTTP (protobuf) to that module's HTTP receiver, in a separate process too;
 * ``parse`` — NvtxBatch arrays through ``MoeConventionParser`` only (CPU per step).
 
 Before/after: ``--baseline-tree DIR`` runs the same workload against another checkout of the code
@@ -55,8 +56,8 @@ REFERENCE_SPANS_PER_S = 900.0
 _RECEIVER_SCRIPT = """
 import sys, time
 sys.path.insert(0, {tree!r})
-from tests.otlp_receiver import GrpcOtlpReceiver
-rx = GrpcOtlpReceiver().start()
+from tests.otlp_receiver import {kind}OtlpReceiver
+rx = {kind}OtlpReceiver().start()
 print(rx.endpoint, flush=True)
 try:
     sys.stdin.read()  # until the parent closes our stdin
@@ -227,12 +228,13 @@ def worker(variant: str, *, batches: int, endpoint: str | None) -> dict[str, flo
             traces_dir=Path(tmp), file_max_bytes=64 << 20, files_keep=8,
         )
         fields = set(ExportConfig.__dataclass_fields__)
-        if variant == "grpc":
+        if variant in ("grpc", "http"):
             assert endpoint is not None
             otlp_fields = set(OtlpTarget.__dataclass_fields__)
             # Any: filtered by the fields of the tree under test (a baseline checkout may lack some).
             target_args: dict[str, Any] = dict(
-                protocol="grpc", endpoint=endpoint, insecure=True, headers=(), timeout_ms=10_000
+                protocol="grpc" if variant == "grpc" else "http/protobuf", endpoint=endpoint, insecure=True,
+                headers=(), timeout_ms=10_000
             )
             otlp = OtlpTarget(**{k: v for k, v in target_args.items() if k in otlp_fields})
         else:
@@ -279,11 +281,13 @@ def worker(variant: str, *, batches: int, endpoint: str | None) -> dict[str, flo
 
 # ------------------------------------------------------------------------------------------ driver
 class Receiver:
-    """tests/otlp_receiver.py's gRPC receiver in its own process (its CPU is not the agent's)."""
+    """tests/otlp_receiver.py's gRPC (or HTTP: ``kind="Http"``) receiver in its own process (its CPU
+    is not the agent's); ``endpoint`` as the exporter takes it."""
 
-    def __init__(self, tree: Path) -> None:
+    def __init__(self, tree: Path, *, kind: str = "Grpc") -> None:
         self.proc = subprocess.Popen(
-            [PYTHON, "-c", _RECEIVER_SCRIPT.format(tree=str(tree))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [PYTHON, "-c", _RECEIVER_SCRIPT.format(tree=str(tree), kind=kind)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             text=True, cwd=tree, start_new_session=True,
         )
         assert self.proc.stdout is not None
@@ -321,7 +325,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5, help="runs per side and variant (A/B alternating)")
     parser.add_argument("--batches", type=int, default=40, help="batches of 6 requests per run")
-    parser.add_argument("--variants", default="file,grpc,parse")
+    parser.add_argument("--variants", default="file,grpc,parse", help="of file, grpc, http, parse")
     parser.add_argument("--baseline-tree", type=Path, default=None, help="another checkout to compare against (A)")
     parser.add_argument("--name", default="agent_cpu", help="bench-results/<name>.json")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -334,16 +338,18 @@ def main() -> int:
     from benchmarks.common import alternate_ab, write_result
 
     variants = [v for v in args.variants.split(",") if v]
-    unknown = set(variants) - {"file", "grpc", "parse"}
+    unknown = set(variants) - {"file", "grpc", "http", "parse"}
     if unknown:
         print(f"unknown variants: {sorted(unknown)}", file=sys.stderr)
         return 2
     base = args.baseline_tree.resolve() if args.baseline_tree else None
     receiver = Receiver(REPO) if "grpc" in variants else None
+    http_receiver = Receiver(REPO, kind="Http") if "http" in variants else None
     results: dict[str, Any] = {}
     try:
         for variant in variants:
-            endpoint = receiver.endpoint if receiver and variant == "grpc" else None
+            serving = {"grpc": receiver, "http": http_receiver}.get(variant)
+            endpoint = serving.endpoint if serving is not None else None
 
             def run_b(variant: str = variant, endpoint: str | None = endpoint) -> dict[str, float]:
                 return run_worker(REPO, variant, batches=args.batches, endpoint=endpoint)
@@ -367,8 +373,10 @@ def main() -> int:
                     "medians": {k: sorted(r[k] for r in runs)[len(runs) // 2] for k in runs[0]},
                 }
     finally:
-        if receiver is not None:
-            receiver.close()
+        for each in (receiver, http_receiver):
+            if each is not None:
+                each.close()
+
     def side_medians(side: str | None) -> dict[str, dict[str, float]]:
         return {
             v: (r["medians"] if side is None else {k: m[side] for k, m in r["medians"].items()})

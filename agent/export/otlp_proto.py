@@ -13,6 +13,9 @@ tests/export/test_otlp_proto.py parses the bytes and compares the message with `
 
 ``NativeGrpcSpanExporter`` is the SDK's OTLP/gRPC exporter (its channel, TLS, headers, retries and
 timeouts unchanged) with this encoding; without the native module it is the SDK's exporter.
+``NativeHttpSpanExporter`` is the same for OTLP/HTTP (protobuf): the SDK's exporter (its session,
+compression, headers, retries, timeout and request-size limit) sending these bytes as they are,
+with no message object in between.
 """
 
 from __future__ import annotations
@@ -28,10 +31,14 @@ from opentelemetry.exporter.otlp.proto.common._internal.trace_encoder import (
     _encode_links,
     _encode_span,
 )
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.exporter.otlp.proto.http._common import RequestPayloadTooLargeError, _is_request_too_large
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as OTLPHttpSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
+from opentelemetry.semconv.attributes.http_attributes import HTTP_RESPONSE_STATUS_CODE
 
 from moescope.agent.export.otlp_json import _cached as _cached_by_id
 from moescope.agent.export.otlp_json import _one_tracer
@@ -114,8 +121,6 @@ def _groups(spans: Sequence[ReadableSpan]) -> list[tuple[Any, list[tuple[Any, li
 def request_bytes(spans: Sequence[ReadableSpan]) -> bytes:
     """The ExportTraceServiceRequest of ``spans``, serialized: the message ``encode_spans`` makes."""
     if _native is None:
-        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-
         return encode_spans(spans).SerializeToString()
     if not spans:
         return b""
@@ -178,3 +183,70 @@ class NativeGrpcSpanExporter(OTLPSpanExporter):
                     log.warning("OTLP/gRPC: the native encoder failed (%s: %s); this batch and any other it "
                                 "fails on go through the SDK's encoder (logged once)", type(exc).__name__, exc)
         return super()._translate_data(data)
+
+
+class EncodedBody:
+    """A batch's OTLP/HTTP request body made ahead of its export (``NativeHttpSpanExporter.encode``)."""
+
+    __slots__ = ("body", "spans")
+
+    def __init__(self, body: bytes, spans: int) -> None:
+        self.body, self.spans = body, spans
+
+
+class NativeHttpSpanExporter(OTLPHttpSpanExporter):
+    """The SDK's OTLP/HTTP (protobuf) span exporter with its request body made by ``request_bytes``:
+    sent as it is (the body is the serialized request). The sending is the SDK's client (session,
+    compression, headers, retries with backoff, timeout); the request-size limit, the exporter's
+    own metrics and the failure results are as the SDK's ``export`` has them (tests/export/
+    test_otlp_proto.py holds them to it against the test receiver). An encoding error falls back to
+    the SDK's encoder for that batch, logged once; one the SDK's encoder also fails on fails the
+    batch, as the SDK's exporter does.
+
+    An ``EncodingExporter`` (agent/export/processor.py): ``encode`` makes the body on the thread that
+    made the spans, ``export_encoded`` sends it."""
+
+    _failed_logged = False
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if self._shutdown:  # (the SDK's check, before any encoding)
+            return super().export(spans)
+        try:
+            payload = self.encode(spans)
+        except Exception:  # noqa: BLE001 - the SDK's export fails the batch the same way, with its metrics
+            return super().export(spans)
+        return self.export_encoded(payload)
+
+    def encode(self, spans: Sequence[ReadableSpan]) -> EncodedBody:
+        """The request body; raises what the SDK's encoder raises on a batch neither encoder takes."""
+        if _native is not None:
+            try:
+                return EncodedBody(request_bytes(spans), len(spans))
+            except Exception as exc:  # noqa: BLE001 - the SDK's encoder is always there
+                if not NativeHttpSpanExporter._failed_logged:
+                    NativeHttpSpanExporter._failed_logged = True
+                    log.warning("OTLP/HTTP: the native encoder failed (%s: %s); this batch and any other it "
+                                "fails on go through the SDK's encoder (logged once)", type(exc).__name__, exc)
+        return EncodedBody(encode_spans(spans).SerializePartialToString(), len(spans))
+
+    def export_encoded(self, payload: EncodedBody) -> SpanExportResult:
+        """Sends a body ``encode`` made: what the SDK's ``export`` does once it has serialized its
+        request (a shut-down exporter, an oversize body and a failed send are failures)."""
+        if self._shutdown:
+            log.warning("OTLP/HTTP: the exporter is shut down; a batch of %d spans is not sent", payload.spans)
+            return SpanExportResult.FAILURE
+        body = payload.body
+        with self._metrics.export_operation(payload.spans) as result:
+            if _is_request_too_large(body, self._max_request_size):
+                log.warning("OTLP/HTTP: a batch of %d spans is %d bytes, over the exporter's max_request_size "
+                            "(%d bytes): not sent", payload.spans, len(body), self._max_request_size)
+                result.error = RequestPayloadTooLargeError(
+                    f"request of {len(body)} bytes over max_request_size {self._max_request_size}")
+                return SpanExportResult.FAILURE
+            sent = self._client.export(body)
+            if not sent.success:
+                result.error = sent.error
+                if sent.status_code is not None:
+                    result.error_attrs = {HTTP_RESPONSE_STATUS_CODE: sent.status_code}
+                return SpanExportResult.FAILURE
+        return SpanExportResult.SUCCESS

@@ -52,7 +52,7 @@ def build_otlp_exporter(target: OtlpTarget) -> SpanExporter:
                 headers=tuple(target.headers),
                 timeout=timeout_s,
             )
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+        from moescope.agent.export.otlp_proto import NativeHttpSpanExporter as HttpExporter
 
         return HttpExporter(endpoint=target.endpoint, headers=dict(target.headers), timeout=timeout_s)
     except (ValueError, OSError) as exc:

@@ -12,6 +12,7 @@ from otlp_receiver import FlatSpan, GrpcOtlpReceiver, HttpOtlpReceiver
 from sample_trace import check_received, emit_sample
 
 from moescope.agent.export import ExportFlags, ExportStats, build_tracing, resolve_export_config
+from moescope.agent.export.otlp_proto import NativeHttpSpanExporter
 from moescope.agent.export.processor import BoundedBatchSpanProcessor
 from moescope.agent.export.setup import build_otlp_exporter
 from moescope.agent.export.store import StoredSpan, TraceStore
@@ -51,6 +52,26 @@ def test_grpc_export_is_received_exactly(tmp_path: Path, encoded_by: str) -> Non
     assert metrics.get("moescope_export_spans", outcome="exported") == 6
     assert metrics.get("moescope_export_spans_dropped", reason="queue_full") == 0
     assert not any(tmp_path.rglob("*.jsonl"))  # an endpoint means no file
+
+
+@pytest.mark.parametrize("encoded_by", ["worker", "main loop"])
+def test_http_export_is_received_exactly(tmp_path: Path, encoded_by: str) -> None:
+    """OTLP/HTTP: the natively encoded body parses at a real receiver into exactly the spans made."""
+    with HttpOtlpReceiver() as rx:
+        base = rx.endpoint.removesuffix("/v1/traces")  # (the flag is a base URL: v1/traces appended)
+        config = resolve_export_config(ExportFlags(endpoint=base, protocol="http/protobuf", state_dir=str(tmp_path)),
+                                       env={})
+        assert config.otlp is not None and config.otlp.protocol == "http/protobuf"
+        tracing = build_tracing(config, resource_attributes=RESOURCE)
+        assert isinstance(tracing.exporter, NativeHttpSpanExporter)
+        _, expected = emit_sample(tracing.factory)
+        if encoded_by == "main loop":
+            assert tracing.processor.encode_queued() == 6
+        stats = tracing.shutdown(timeout_s=30)
+        spans = rx.spans()
+    assert len(spans) == len(expected) == 6
+    check_received(spans, expected, resource=RESOURCE)
+    assert (stats.accepted, stats.exported, stats.failed, stats.dropped) == (6, 6, 0, 0)
 
 
 def test_http_export_from_environment(tmp_path: Path) -> None:

@@ -16,14 +16,15 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from otlp_receiver import HttpOtlpReceiver
 from test_otlp_json_direct import ATTRS, _spans
 
 from moescope.agent.export import ExportFlags, SpanEvent, SpanFactory, SpanLink, otlp_proto, resolve_export_config
-from moescope.agent.export.otlp_proto import NativeGrpcSpanExporter, request_bytes
+from moescope.agent.export.otlp_proto import NativeGrpcSpanExporter, NativeHttpSpanExporter, request_bytes
 from moescope.agent.export.processor import EncodingExporter
 from moescope.agent.export.setup import build_otlp_exporter
 from moescope.agent.export.spans import shared_attributes
@@ -169,3 +170,76 @@ def test_the_grpc_exporter_encodes_natively_and_falls_back_to_the_sdk(
         assert caplog.text.count("the native encoder failed (ValueError: broken encoder)") == 1
     finally:
         exporter.shutdown()
+
+
+def _http_exporter(endpoint: str, **kwargs: object) -> NativeHttpSpanExporter:
+    config = resolve_export_config(ExportFlags(endpoint=endpoint.removesuffix("/v1/traces"), protocol="http/protobuf"),
+                                   env={})
+    assert config.otlp is not None
+    exporter = build_otlp_exporter(config.otlp)
+    assert isinstance(exporter, NativeHttpSpanExporter) and isinstance(exporter, EncodingExporter)
+    for name, value in kwargs.items():
+        setattr(exporter, name, value)
+    return exporter
+
+
+def test_the_http_exporter_sends_the_native_body_and_falls_back_to_the_sdk(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    spans = _factory_spans()
+    with HttpOtlpReceiver() as rx:
+        exporter = _http_exporter(rx.endpoint)
+        try:
+            def no_sdk(spans: object) -> object:
+                raise AssertionError("the SDK's encoder was called")
+
+            with monkeypatch.context() as patch:
+                patch.setattr(otlp_proto, "encode_spans", no_sdk)
+                encoded = exporter.encode(spans)  # natively
+            assert encoded.spans == 9 and encoded.body == request_bytes(spans)
+            assert exporter.export_encoded(encoded) is SpanExportResult.SUCCESS
+            assert exporter.export(spans) is SpanExportResult.SUCCESS
+
+            def broken(spans: object) -> bytes:
+                raise ValueError("broken encoder")
+
+            monkeypatch.setattr(otlp_proto, "request_bytes", broken)
+            monkeypatch.setattr(NativeHttpSpanExporter, "_failed_logged", False)
+            with caplog.at_level(logging.WARNING):
+                assert exporter.export(spans) is SpanExportResult.SUCCESS  # the SDK's encoder's body
+                assert exporter.encode(spans).body == encode_spans(spans).SerializePartialToString()
+            assert caplog.text.count("the native encoder failed (ValueError: broken encoder)") == 1
+        finally:
+            exporter.shutdown()
+        received = rx.requests
+    assert len(received) == 3
+    assert all(_canonical(request) == _canonical(encode_spans(spans)) for request in received)
+
+
+def test_the_http_exporter_fails_as_the_sdks_does(caplog: pytest.LogCaptureFixture) -> None:
+    """A refused request, a body over max_request_size, a batch no encoder takes and a shut-down
+    exporter are failures (never raised); only the first reaches the receiver."""
+    spans = _factory_spans()
+    with HttpOtlpReceiver() as rx:
+        exporter = _http_exporter(rx.endpoint)
+        try:
+            exporter._client._timeout = 0.5  # (the SDK retries 503 with backoff until its timeout)
+            rx.set_unavailable(True)
+            assert exporter.export(spans) is SpanExportResult.FAILURE
+            assert rx.refused >= 1
+            rx.set_unavailable(False)
+            body = exporter.encode(spans)
+            exporter._max_request_size = len(body.body) - 1
+            with caplog.at_level(logging.WARNING):
+                assert exporter.export_encoded(body) is SpanExportResult.FAILURE
+            assert "over the exporter's max_request_size" in caplog.text
+            exporter._max_request_size = len(body.body)
+            assert exporter.export_encoded(body) is SpanExportResult.SUCCESS  # the limit is inclusive
+            with pytest.raises(UnicodeEncodeError):
+                exporter.encode([_readable(name="bad \udc80")])
+            assert exporter.export([_readable(name="bad \udc80")]) is SpanExportResult.FAILURE
+        finally:
+            exporter.shutdown()
+        assert exporter.export_encoded(body) is SpanExportResult.FAILURE
+        assert exporter.export(spans) is SpanExportResult.FAILURE
+        received = rx.requests
+    assert len(received) == 1 and _canonical(received[0]) == _canonical(encode_spans(spans))
