@@ -26,16 +26,21 @@ arguments gets whole stats.
 
 A runtime that names a stats page in its reply (`stats_page`: moescope/stats_page.py, the reference
 runtime's default) is read from the page in the periods between: one `pread`, no call, no wake-up
-of the runtime. The socket is asked again when the page's version moved (placement, precision or a
-pool changed), when the connection shows the runtime gone, and at least every
-``PAGE_REFRESH_S``. A page that cannot be opened or goes wrong is counted (``page_errors``), logged
-once, and the socket serves every period of that connection.
+of the runtime. Beside NVTX (routing not read here) such a period takes only the queues and
+penalties, from the page's arrays in numpy, and keeps the state as the last call left it (the
+placement, pools and model it is kept for: a change to them moves the page's version, and the next
+period calls); with routing it makes the state of the page (``RuntimeState.with_page``). The
+socket is asked again when the page's version moved (placement, precision or a pool changed), when
+the connection shows the runtime gone, and at least every ``PAGE_REFRESH_S``. A page that cannot
+be opened or goes wrong is counted (``page_errors``), logged once, and the socket serves every
+period of that connection.
 
 A failed poll yields a snapshot with no data (every rule holds its state) and is counted.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -123,6 +128,8 @@ class RuntimeStatsSignals:
         # the last page snapshot read, the state made of it, and (routing, floor) it was made with:
         # a reader hands the same snapshot back while the page had no update (an idle runtime)
         self._from_page: tuple[PageSnapshot, RuntimeState, tuple[bool, float]] | None = None
+        # the page this period's queues and penalties are read from (None: the state's, from a call)
+        self._queues_from: PageSnapshot | None = None
 
     def close(self) -> None:
         if self._conn is not None:
@@ -185,9 +192,15 @@ class RuntimeStatsSignals:
             self.close()  # the runtime went (or let this connection go): a fresh connection, its page anew
         page = self._read_page()  # (a page is open only while its connection is)
         held = self.last_state
+        self._queues_from = None
         if (page is not None and held is not None and page.version == self._page_version
                 and now_s - self._socket_read_s < PAGE_REFRESH_S):
             self.page_periods += 1
+            if not self.with_routing:
+                # beside NVTX a period needs only the queues and penalties: read from the page's
+                # arrays by _queue; the state (placement, pools, model: what it is kept for) stands
+                self._queues_from = page
+                return held
             made = self._from_page
             key = (self.with_routing, self.queue_floor)
             if made is not None and made[0] is page and made[1] is held and made[2] == key:
@@ -305,17 +318,27 @@ class RuntimeStatsSignals:
         # alone (0.0) are copied, expired and range-checked in C-driven passes (a busy production
         # runtime has most of 58 x 256 experts sticky, and a loop over them was ~1 us each a period).
         floor = max(self.queue_floor, 1e-9)  # (0: any queue above 0)
-        depth = state.queue_depth  # (narrowed: only the non-zero entries; an expert left out is 0)
-        peak = state.queue_peak
         layers, experts = state.layers, state.experts
         last = self._last_busy_s
         if (layers, experts) != self._queue_shape:  # a new runtime: what is held is checked again
             for key in [key for key in last if not (0 <= key[0] < layers and 0 <= key[1] < experts)]:
                 del last[key]
             self._queue_shape = (layers, experts)
-        queued = dict.fromkeys([key for key, value in depth.items() if value >= floor])  # (in order)
-        queued.update(dict.fromkeys([key for key, value in peak.items() if value >= floor]))
-        busy = [*queued, *[key for key, penalty in state.penalty.items() if penalty > 0]]
+        page = self._queues_from
+        queued: dict[tuple[int, int], float]  # the experts at or past the floor, with their queue
+        if page is not None:
+            # the page's [L, E] arrays (of this state's shape: checked when it was opened), in numpy
+            level = np.maximum(page.queue_depth, page.queue_peak).ravel()
+            at = np.flatnonzero(level >= floor)
+            queued = dict(zip(map(divmod, at.tolist(), itertools.repeat(experts)), level[at].tolist(), strict=True))
+            penalised = [divmod(i, experts) for i in np.flatnonzero(page.penalty.ravel() > 0).tolist()]
+        else:
+            depth = state.queue_depth  # (narrowed: only the non-zero entries; an expert left out is 0)
+            peak = state.queue_peak
+            queued = {key: max(value, peak.get(key, 0)) for key, value in depth.items() if value >= floor}
+            queued.update({key: max(value, depth.get(key, 0)) for key, value in peak.items() if value >= floor})
+            penalised = [key for key, penalty in state.penalty.items() if penalty > 0]
+        busy = [*queued, *penalised]
         # (a key past the shape, from a runtime's bad reply, is never reported)
         last.update(dict.fromkeys([key for key in busy if 0 <= key[0] < layers and 0 <= key[1] < experts], now_s))
         sticky_s = self.sticky_s
@@ -323,9 +346,9 @@ class RuntimeStatsSignals:
             for key in [key for key, last_s in last.items() if now_s - last_s > sticky_s]:
                 del last[key]
         queue = dict.fromkeys(last, 0.0)
-        for key in queued:
+        for key, value in queued.items():
             if key in queue:
-                queue[key] = float(max(depth.get(key, 0), peak.get(key, 0)))
+                queue[key] = float(value)
         return queue
 
     @staticmethod

@@ -435,25 +435,51 @@ def test_queues_under_the_floor_the_rules_can_act_on_are_left_out(tmp_path: Path
             "layers": [{"layer": 0}, {"layer": 1}], "precision": {"default": "fp32"},
             "memory": {"devices": {}, "expert_bytes_fp32": 0}})
         poller = RuntimeStatsSignals(tmp_path / "no-socket", timeout_s=1.0, queue_floor=25.0)
-        seen = state.with_page(read(reader), routing=False, queue_floor=25.0)
+        # beside NVTX a page period reads the queues from the page's arrays, not from a state made of
+        # them (RuntimeStatsSignals._read): a second poller that way must report the same every time
+        arrays = RuntimeStatsSignals(tmp_path / "no-socket", timeout_s=1.0, queue_floor=25.0)
+
+        def from_arrays(snapshot: PageSnapshot, now_s: float) -> dict[tuple[int, int], float]:
+            arrays._queues_from = snapshot
+            try:
+                return arrays._queue(state, now_s)
+            finally:
+                arrays._queues_from = None
+
+        snapshot = read(reader)
+        seen = state.with_page(snapshot, routing=False, queue_floor=25.0)
         assert seen.queue_depth == {(0, 1): 60, (0, 3): 25} and seen.queue_peak == seen.queue_depth
-        assert poller._queue(seen, 1.0) == {(0, 1): 60.0, (0, 3): 25.0}
+        assert poller._queue(seen, 1.0) == {(0, 1): 60.0, (0, 3): 25.0} == from_arrays(snapshot, 1.0)
         # expert 1 falls to 10: still reported (sticky), as 0 (under the floor: under the clear threshold)
         stats.queue_peak[...] = 0
         stats.record_routing(layer=0, demand=np.array([0, 10, 0, 30]), dropped=zeros, rerouted_in=zeros,
                              entropy_bits=1.0, capacity=8)
-        later = state.with_page(read(reader), routing=False, queue_floor=25.0)
-        assert poller._queue(later, 2.0) == {(0, 1): 0.0, (0, 3): 30.0}
+        snapshot = read(reader)
+        later = state.with_page(snapshot, routing=False, queue_floor=25.0)
+        assert poller._queue(later, 2.0) == {(0, 1): 0.0, (0, 3): 30.0} == from_arrays(snapshot, 2.0)
+        # a penalised expert is reported whatever its queue (layer 1, no queue); a peak alone past the
+        # floor counts (layer 1 expert 0: its depth 0 now, 40 held from earlier in the bucket)
+        page.publish_penalty(np.array([[0.0] * 4, [0.0, 0.0, 0.3, 0.0]]))
+        stats.record_routing(layer=1, demand=np.array([40, 0, 0, 0]), dropped=zeros, rerouted_in=zeros,
+                             entropy_bits=1.0, capacity=8)
+        stats.record_routing(layer=1, demand=np.array([0, 0, 0, 0]), dropped=zeros, rerouted_in=zeros,
+                             entropy_bits=1.0, capacity=8)
+        snapshot = read(reader)
+        assert snapshot.queue_depth[1, 0] == 0 and snapshot.queue_peak[1, 0] == 40
+        third = state.with_page(snapshot, routing=False, queue_floor=25.0)
+        assert poller._queue(third, 2.2) == {(0, 1): 0.0, (0, 3): 30.0, (1, 0): 40.0, (1, 2): 0.0}
+        assert from_arrays(snapshot, 2.2) == poller._queue(third, 2.2)
         # the same over the socket, where the reply names every non-zero queue
         by_call = RuntimeState.from_stats({"protocol": "moescope-control/1", "config": {
             "layers": 2, "experts": 4, "devices": ["cpu"], "primary_device": "cpu"},
             "layers": [{"layer": 0, "queue_depth_sparse": [[1, 10], [3, 30]], "queue_peak_sparse": [[2, 7]]},
                        {"layer": 1}], "precision": {"default": "fp32"},
             "memory": {"devices": {}, "expert_bytes_fp32": 0}})
-        assert poller._queue(by_call, 2.5) == {(0, 1): 0.0, (0, 3): 30.0}
+        assert poller._queue(by_call, 2.5) == {(0, 1): 0.0, (0, 3): 30.0, (1, 0): 0.0, (1, 2): 0.0}  # (sticky)
         # without a floor every queue above 0 is reported, as before
-        assert RuntimeStatsSignals(tmp_path / "no-socket", timeout_s=1.0)._queue(
-            state.with_page(read(reader), routing=False), 3.0) == {(0, 1): 10.0, (0, 3): 30.0}
+        every = RuntimeStatsSignals(tmp_path / "no-socket", timeout_s=1.0)._queue(
+            state.with_page(read(reader), routing=False), 3.0)
+        assert every == {(0, 1): 10.0, (0, 3): 30.0, (1, 0): 40.0, (1, 2): 0.0}
     finally:
         reader.close()
         page.close()
