@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.agent_cpu import Receiver
-from benchmarks.common import REPO, Metrics, alternate_ab, write_result
+from benchmarks.common import REPO, Metrics, alternate_ab, thread_runtime_by_name, write_result
 from benchmarks.e2e_overhead import (
     START_TIMEOUT_S,
     BenchError,
@@ -103,9 +103,12 @@ def one_run(tree: Path, *, idle_s: float, duration_s: float, extra_args: tuple[s
         idle = (cpu_s(proc.pid) - cpu0) / (time.monotonic() - t0)
         run_loadgen(runtime.port, duration_s=WARMUP_S, concurrency=CONCURRENCY, out=None)
         cpu0, runtime0, t0 = cpu_s(proc.pid), cpu_s(runtime.proc.pid), time.monotonic()
+        threads0 = thread_runtime_by_name(proc.pid)
         load = run_loadgen(runtime.port, duration_s=duration_s, concurrency=CONCURRENCY, out=None)
         window_s = time.monotonic() - t0
         agent_s, runtime_s = cpu_s(proc.pid) - cpu0, cpu_s(runtime.proc.pid) - runtime0
+        threads = {name: 1000.0 * (cpu - threads0.get(name, 0.0)) / window_s
+                   for name, cpu in thread_runtime_by_name(proc.pid).items()}
     if int(load["failures"]):
         raise BenchError(f"the load generator saw {load['failures']} failed requests")
     ok = max(1, int(load["requests"]))
@@ -115,6 +118,9 @@ def one_run(tree: Path, *, idle_s: float, duration_s: float, extra_args: tuple[s
         "agent_cpu_ms_per_request": 1000.0 * agent_s / ok,
         "runtime_cpu_ms_per_request": 1000.0 * runtime_s / ok,
         "throughput_rps": float(load["throughput_rps"]),
+        # loaded, per thread (moescope.procfs.name_thread's names), ms on a CPU a second (schedstat):
+        # `thread_ms_per_s_main`, ...
+        **{f"thread_ms_per_s_{name.removeprefix('ms-')}": ms for name, ms in threads.items()},
     }
 
 
@@ -161,8 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     per_pair = [b["agent_cpu_ms_per_request"] / a["agent_cpu_ms_per_request"]
                 for a, b in zip(result.a, result.b, strict=True)]
     summary["pair_ratios_agent_cpu_ms_per_request"] = per_pair
+    thread_metrics = sorted({key for run in (*result.a, *result.b) for key in run if key.startswith("thread_")})
+    for run in (*result.a, *result.b):  # (a thread that came and went in one run reads 0 in the others)
+        for key in thread_metrics:
+            run.setdefault(key, 0.0)
     for metric in ("agent_idle_cpu_pct_of_core", "agent_cpu_pct_of_core", "agent_cpu_ms_per_request",
-                   "runtime_cpu_ms_per_request", "throughput_rps"):
+                   "runtime_cpu_ms_per_request", "throughput_rps", *thread_metrics):
         print(f"agent_ab: {metric}: A {result.median('a', metric):.2f}, B {result.median('b', metric):.2f} "
               f"(B/A {result.ratio(metric):.3f})")
     print(f"agent_ab: per request, pair ratios B/A: {', '.join(f'{r:.2f}' for r in per_pair)} "

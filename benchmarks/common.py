@@ -7,6 +7,7 @@ A and B (swapping the order every pair so drift hits both equally) and compares 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -44,8 +45,9 @@ class ABResult:
         return self.median("b", metric) - self.median("a", metric)
 
     def ratio(self, metric: str) -> float:
-        """median(B) / median(A): > 1 means B costs more."""
-        return self.median("b", metric) / self.median("a", metric)
+        """median(B) / median(A): > 1 means B costs more (NaN where A's median is 0)."""
+        a = self.median("a", metric)
+        return self.median("b", metric) / a if a else math.nan
 
     def to_dict(self) -> dict[str, Any]:
         metrics = sorted(set(self.a[0]) & set(self.b[0])) if self.a and self.b else []
@@ -97,3 +99,31 @@ def build_c(source: Path, *, name: str) -> Path:
     if not binary.exists() or binary.stat().st_mtime < source.stat().st_mtime:
         subprocess.run(["gcc", "-O2", "-Wall", "-Werror", "-o", str(binary), str(source)], check=True)
     return binary
+
+
+def thread_runtime_by_name(pid: int) -> dict[str, float]:
+    """Every thread of ``pid``: {name: seconds on a CPU}, from /proc/PID/task/TID/schedstat (the
+    scheduler's nanosecond run time: /proc's utime + stime are 10 ms ticks, too coarse for a thread
+    that runs a few ms a second); threads of one name summed, the main thread as ``main``. A thread
+    that goes while being read is left out; without schedstat (a kernel without CONFIG_SCHED_INFO)
+    moescope.procfs.task_cpu_by_name's ticks."""
+    out: dict[str, float] = {}
+    try:
+        tids = [int(name) for name in os.listdir(f"/proc/{pid}/task") if name.isdigit()]
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                run_ns = int(f.read().split()[0])
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except FileNotFoundError:
+            continue  # gone
+        except (OSError, ValueError, IndexError):
+            from moescope.procfs import task_cpu_by_name
+
+            return task_cpu_by_name(pid)
+        name = "main" if tid == pid else comm
+        out[name] = out.get(name, 0.0) + run_ns / 1e9
+    return out
