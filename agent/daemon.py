@@ -22,9 +22,16 @@ log = logging.getLogger(__name__)
 DEFAULT_PERIOD_NS = 50_000_000  # drain period while busy: bounds ring occupancy and report delay
 # A quiet loop ticks less often: after a round whose sources handled at most QUIET_EVENTS_PER_S
 # events per second of its period, the period doubles, up to the idle period (50 -> 100 -> ... ->
-# 1000 ms); a busier round brings it back to the base at once. A round costs ~0.8 ms however little
-# it finds (every source's poll, every hook), which at the old 150 ms cap was 0.5 % of a core beside
-# an idle runtime and a fifth of the agent's CPU at the reference load.
+# 1600 -> 2000 ms); a busier round brings it back to the base at once. A round costs ~0.8 ms however
+# little it finds (every source's poll, every hook), which at the old 150 ms cap was 0.5 % of a core
+# beside an idle runtime and a fifth of the agent's CPU at the reference load; and one that finds
+# data costs ~4-5 ms more than its data (each stage's set-up: ring scans, numpy calls on small
+# arrays, the export's encode, the self-metrics): 1 s -> 2 s rounds took the reference load's main
+# loop from 12.3 to 10.0 ms/s (docs/benchmarks.md). The idle period is DEFAULT_IDLE_PERIOD_NS
+# while nobody watches live, and LIVE_IDLE_PERIOD_MAX_NS at most while someone does (`agent top`,
+# --tui: live_idle_period_ns; agent/observe.py paces it every round): what a live view shows is
+# never older than it is refreshed at. Staleness is for the quiet loop only: a busy one (past
+# QUIET_EVENTS_PER_S: nginx at 40k requests/s, any production-shape producer) runs at the base.
 # What the rings absorb while a quiet loop sleeps is kept bounded by a peek every PEEK_PERIOD_NS
 # (the old cap, on which the rings are sized): each source that can tell says whether its buffer is
 # past BACKLOG_FILL (Source.backlogged, a few reads of shared memory), and one that is gets a round
@@ -38,7 +45,8 @@ DEFAULT_PERIOD_NS = 50_000_000  # drain period while busy: bounds ring occupancy
 # OUTSIDE_PEEK_MAX_NS is accepted: the ingress ring holds at least 200 ms above its mark at its rate
 # hint (probes/ingress/loader.py RING_HOLD_S); the moe/v2 rings hold seconds at production shapes.
 QUIET_EVENTS_PER_S = 6_800
-DEFAULT_IDLE_PERIOD_NS = 1_000_000_000
+DEFAULT_IDLE_PERIOD_NS = 2_000_000_000  # nobody watching live
+LIVE_IDLE_PERIOD_MAX_NS = 1_000_000_000  # a live view reading: at most this, at most its refresh period
 PEEK_PERIOD_NS = 150_000_000
 OUTSIDE_PEEK_MAX_NS = 200_000_000
 
@@ -67,7 +75,7 @@ class Daemon:
         if peek_period_ns <= 0:
             raise ValueError(f"peek_period_ns must be positive, got {peek_period_ns}")
         self.period_ns = period_ns
-        self.idle_period_ns = idle_period_ns
+        self.idle_period_ns = idle_period_ns  # (set_idle_period: the live view's pacing)
         self.peek_period_ns = peek_period_ns
         self.current_period_ns = period_ns  # the period the loop runs at now (base when busy)
         self.last_handled = 0  # events the sources handled in the last round (their poll results)
@@ -169,6 +177,14 @@ class Daemon:
         how the loop paced itself."""
         return (f"{self.ticks} rounds ({self.early_rounds} brought forward by a filling ring), "
                 f"{self.peeks} peeks ({self.outside_peeks} by another thread)")
+
+    def set_idle_period(self, idle_period_ns: int) -> None:
+        """The quiet loop's longest period from now on (never under the base period); a period
+        already longer is cut to it at once, from the next round."""
+        idle = max(self.period_ns, int(idle_period_ns))
+        self.idle_period_ns = idle
+        if self.current_period_ns > idle:
+            self.current_period_ns = idle
 
     def next_period_ns(self) -> int:
         """The period after the round just run: the base when it was busy (more than
@@ -294,3 +310,9 @@ class Daemon:
 def _hook_name(hook: TickHook) -> str:
     """`Observers._publish_metrics`, `Observers.build.drain_requests`: the hook's qualified name."""
     return getattr(hook, "__qualname__", "hook").replace(".<locals>", "")
+
+
+def live_idle_period_ns(interval_s: float) -> int:
+    """The quiet loop's idle period while a live view reads: its refresh period (``--interval``),
+    between the base period and LIVE_IDLE_PERIOD_MAX_NS."""
+    return min(LIVE_IDLE_PERIOD_MAX_NS, max(DEFAULT_PERIOD_NS, int(interval_s * 1e9)))

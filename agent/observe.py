@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from moescope import errors
 from moescope.agent import state as st
-from moescope.agent.daemon import Daemon
+from moescope.agent.daemon import DEFAULT_IDLE_PERIOD_NS, Daemon, live_idle_period_ns
 from moescope.agent.export.config import ExportConfig
 from moescope.agent.export.setup import Tracing, build_tracing, stats_to_metrics
 from moescope.agent.metrics import Metrics, MetricsServer
@@ -98,6 +98,7 @@ class Observers:
         self._wanted: tuple[tuple[RuleSpec, ...], frozenset[str]] | None = None  # the rules, their signals
         self._retire_hooked = False
         self.publisher: st.PeriodicPublisher | None = None
+        self.live_view = False  # the live view runs in this process (--tui): always watched
         self.started_unix_s = time.time()
         self._meter = st.SelfCostMeter()
         self._event_totals: dict[str, tuple[float, int]] = {}
@@ -145,7 +146,17 @@ class Observers:
         obs.notes.append(tracing.describe())
         obs._export_to_metrics = stats_to_metrics(metrics, tracing.exporter)
         daemon.add_tick_hook(obs._publish_metrics)
+        daemon.add_tick_hook(obs._pace_rounds)
         return obs
+
+    def _pace_rounds(self, _now_ns: int) -> None:
+        """The quiet loop's longest period: the live interval while a live view reads (this
+        process's --tui, or `agent top` on the state file: PeriodicPublisher.watched), else the
+        daemon's default (agent/daemon.py: a round with data has a set-up cost of its own)."""
+        publisher = self.publisher
+        watched = self.live_view or (publisher is not None and publisher.watched())
+        self.daemon.set_idle_period(live_idle_period_ns(self.args.interval) if watched else DEFAULT_IDLE_PERIOD_NS)
+        return None
 
     def _publish_metrics(self, now_ns: int) -> None:
         """Self-metrics and the live view's source rows, on the daemon thread (sources are polled
@@ -489,6 +500,7 @@ class Observers:
                 done.set()
 
         thread = threading.Thread(target=loop, name="moescope-daemon", daemon=True)
+        self.live_view = True  # (its rounds at the view's interval: _pace_rounds)
         # Log lines would tear the full-screen view: hold them, and say them once it closes.
         held = HeldLogs()
         held.capture()

@@ -47,7 +47,7 @@ from moescope import errors, procfs
 from moescope.agent import privileges
 from moescope.agent import state as st
 from moescope.agent.allocator import Allocator
-from moescope.agent.daemon import DEFAULT_IDLE_PERIOD_NS, DEFAULT_PERIOD_NS, STOP_SIGNAL, Daemon
+from moescope.agent.daemon import DEFAULT_IDLE_PERIOD_NS, STOP_SIGNAL, Daemon
 from moescope.agent.export.config import ExportConfig, add_export_arguments, flags_from_args, resolve_export_config
 from moescope.agent.metrics import add_metrics_arguments
 from moescope.agent.observe import Observers
@@ -109,7 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interval", type=float, default=None, metavar="S",
                         help="live view and state file refresh period (default 0.25 s with --tui, else 1 s: "
                              "`agent top` then refreshes once a second, like top); the state file is written "
-                             "at this period while something reads it, every 10 s while nothing does")
+                             "at this period while something reads it, every 10 s while nothing does; at light "
+                             "load the sources are drained at this period (1 s at most) while something reads, "
+                             "every 2 s while nothing does")
     parser.add_argument(
         "--keep-privileges", action="store_true",
         help="do not drop capabilities once the eBPF programs are attached (by default the agent keeps "
@@ -400,9 +402,9 @@ def run(args: argparse.Namespace) -> int:
 
     records_sink = JsonLinesSink(args.records) if args.records else None
     summary = RequestSummary()
-    # A quiet loop's rounds come at most a live interval apart (1 s; 250 ms with --tui): what the
-    # state file and the live view show is never older than what they are refreshed at.
-    daemon = Daemon(idle_period_ns=min(DEFAULT_IDLE_PERIOD_NS, max(DEFAULT_PERIOD_NS, int(args.interval * 1e9))))
+    # A quiet loop's rounds come at most DEFAULT_IDLE_PERIOD_NS apart, and at most a live interval
+    # apart while a live view reads (1 s; 250 ms with --tui): Observers paces it (agent/daemon.py).
+    daemon = Daemon(idle_period_ns=DEFAULT_IDLE_PERIOD_NS)
     if records_sink is not None:
         daemon.add_sink(records_sink)
         daemon.add_tick_hook(lambda now_ns: records_sink.flush(now_ns))

@@ -747,6 +747,15 @@ class PeriodicPublisher:
     def start(self) -> None:
         self._thread.start()
 
+    def watched(self) -> bool:
+        """Whether someone read the state file in the last ``reader_linger_s``, as this publisher's
+        thread last saw the watch (no read of it here: any thread may ask); True where unwatched."""
+        readers = self.readers
+        if readers is None:
+            return True
+        last = readers.last_open_s
+        return last is not None and self.clock() - last <= self.reader_linger_s
+
     def due(self) -> float | None:
         """The publish interval to write now with (the file's `publish_interval_s`), or None when
         nothing is due: every interval while read (or unwatched), every idle interval otherwise."""

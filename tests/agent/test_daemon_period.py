@@ -5,20 +5,25 @@ the test drives (no timing is asserted: the periods and the rounds run are the l
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from moescope.agent.daemon import (
     DEFAULT_IDLE_PERIOD_NS,
+    LIVE_IDLE_PERIOD_MAX_NS,
     OUTSIDE_PEEK_MAX_NS,
     PEEK_PERIOD_NS,
     QUIET_EVENTS_PER_S,
     STOP_DURATION,
     Daemon,
+    live_idle_period_ns,
 )
 from moescope.collectors.registry import SourceHealth
 
 BASE_NS = 50_000_000
+ONE_S = 1_000_000_000  # the timelines below: a 1 s cap (a live view's; without one it is 2 s)
 
 
 class ScriptedSource:
@@ -62,12 +67,34 @@ def busy_at(period_ns: int) -> int:
 
 def test_quiet_rounds_lengthen_the_period_up_to_the_cap_and_a_busy_one_resets_it() -> None:
     cap = DEFAULT_IDLE_PERIOD_NS
-    doubling = [BASE_NS * 2 ** i for i in range(1, 5)]  # 100, 200, 400, 800 ms, then the 1 s cap
-    assert periods_after([0] * 6) == [*doubling, cap, cap]
-    # busy is a rate: at the 1 s cap, what would be busy at the 50 ms base is quiet
-    assert periods_after([0] * 5 + [busy_at(BASE_NS), busy_at(cap), 3, busy_at(2 * BASE_NS)]) == [
+    assert cap == 2_000_000_000
+    doubling = [BASE_NS * 2 ** i for i in range(1, 6)]  # 100, 200, 400, 800, 1600 ms, then the 2 s cap
+    assert periods_after([0] * 7) == [*doubling, cap, cap]
+    # busy is a rate: at the 2 s cap, what would be busy at the 50 ms base is quiet
+    assert periods_after([0] * 6 + [busy_at(BASE_NS), busy_at(cap), 3, busy_at(2 * BASE_NS)]) == [
         *doubling, cap, cap, BASE_NS, 2 * BASE_NS, BASE_NS,
     ]
+
+
+def test_a_live_view_shortens_the_cap_at_once_and_its_going_lengthens_it() -> None:
+    daemon = Daemon(period_ns=BASE_NS)
+    daemon.add_source(ScriptedSource([]))
+    for _ in range(7):
+        daemon.tick()
+        daemon.next_period_ns()
+    assert daemon.current_period_ns == DEFAULT_IDLE_PERIOD_NS
+    live = live_idle_period_ns(0.25)  # --tui's refresh
+    assert live == 250_000_000 and live_idle_period_ns(1.0) == LIVE_IDLE_PERIOD_MAX_NS
+    assert live_idle_period_ns(5.0) == LIVE_IDLE_PERIOD_MAX_NS and live_idle_period_ns(0.001) == BASE_NS
+    daemon.set_idle_period(live)
+    assert daemon.current_period_ns == live  # the next round comes at the view's period, not 2 s later
+    daemon.tick()
+    assert daemon.next_period_ns() == live
+    daemon.set_idle_period(DEFAULT_IDLE_PERIOD_NS)  # the view went: quiet rounds lengthen again
+    daemon.tick()
+    assert daemon.next_period_ns() == 2 * live
+    daemon.set_idle_period(1)  # never under the base period
+    assert daemon.idle_period_ns == BASE_NS
 
 
 def test_busy_is_what_all_sources_handled_together() -> None:
@@ -142,7 +169,7 @@ def run_for(daemon: Daemon, clock: Clock, duration_ns: int, *, outside_every_ns:
 
 def test_a_quiet_loop_peeks_between_rounds_and_a_backlog_brings_the_round_forward() -> None:
     clock = Clock()
-    daemon = Daemon(period_ns=BASE_NS, clock=clock)
+    daemon = Daemon(period_ns=BASE_NS, idle_period_ns=ONE_S, clock=clock)
     # rounds at 0, 100, 300, 700, 1500 ms (periods 100, 200, 400, 800), then 1 s apart; at 2.6 s
     # the source fills: the next peek (every 150 ms after a round) sees it, before 2.5 s + 1 s.
     source = BackloggedSource(clock, backlog_from_ns=2_600_000_000)
@@ -163,7 +190,7 @@ def test_a_quiet_loop_peeks_between_rounds_and_a_backlog_brings_the_round_forwar
 
 def test_a_failing_backlog_check_is_counted_and_never_stops_the_loop() -> None:
     clock = Clock()
-    daemon = Daemon(period_ns=BASE_NS, clock=clock)
+    daemon = Daemon(period_ns=BASE_NS, idle_period_ns=ONE_S, clock=clock)
     source = BackloggedSource(clock, backlog_from_ns=None, fail=True)
     daemon.add_source(source)
     assert run_for(daemon, clock, 3_000_000_000) == STOP_DURATION
@@ -173,7 +200,7 @@ def test_a_failing_backlog_check_is_counted_and_never_stops_the_loop() -> None:
 
 def test_sources_without_a_backlog_check_are_never_peeked_at() -> None:
     clock = Clock()
-    daemon = Daemon(period_ns=BASE_NS, clock=clock)
+    daemon = Daemon(period_ns=BASE_NS, idle_period_ns=ONE_S, clock=clock)
     daemon.add_source(ScriptedSource([]))
     run_for(daemon, clock, 3_000_000_000)
     assert daemon.peeks == 0 and daemon.ticks == 7  # 0, .1, .3, .7, 1.5, 2.5, and the one past 3 s
@@ -196,7 +223,7 @@ def test_an_idle_period_below_the_base_is_refused() -> None:
 
 def test_a_thread_lending_its_wake_ups_makes_the_peeks_and_the_loop_sleeps_until_its_rounds() -> None:
     clock = Clock()
-    daemon = Daemon(period_ns=BASE_NS, clock=clock)
+    daemon = Daemon(period_ns=BASE_NS, idle_period_ns=ONE_S, clock=clock)
     source = BackloggedSource(clock, backlog_from_ns=2_650_000_000)
     daemon.add_source(source)
     policy_period_ns = 200_000_000
@@ -213,7 +240,7 @@ def test_a_thread_lending_its_wake_ups_makes_the_peeks_and_the_loop_sleeps_until
 
 def test_peeks_handed_back_are_the_loops_own_again_at_once() -> None:
     clock = Clock()
-    daemon = Daemon(period_ns=BASE_NS, clock=clock)
+    daemon = Daemon(period_ns=BASE_NS, idle_period_ns=ONE_S, clock=clock)
     source = BackloggedSource(clock, backlog_from_ns=None)
     daemon.add_source(source)
     run_for(daemon, clock, 4_000_000_000, outside_every_ns=200_000_000, outside_until_ns=2_000_000_000)
@@ -232,7 +259,7 @@ def test_a_lender_slower_than_the_rings_allow_is_refused() -> None:
 
 def test_an_outside_peek_during_a_round_reads_nothing_and_never_waits() -> None:
     clock = Clock()
-    daemon = Daemon(period_ns=BASE_NS, clock=clock)
+    daemon = Daemon(period_ns=BASE_NS, idle_period_ns=ONE_S, clock=clock)
     source = BackloggedSource(clock, backlog_from_ns=0)
     daemon.add_source(source)
     assert daemon.lend_peeks(200_000_000)
@@ -264,3 +291,32 @@ def test_stop_wakes_a_loop_asleep_until_its_round() -> None:
     daemon.stop()
     thread.join(10.0)
     assert not thread.is_alive() and result == ["signal"]
+
+
+def test_the_agent_paces_its_quiet_rounds_by_whether_a_live_view_reads(tmp_path: Path) -> None:
+    """Observers._pace_rounds, every round: the live interval while `agent top` reads the state file
+    (or --tui runs in-process), the 2 s default while nobody does."""
+    from moescope.agent import state as st
+    from moescope.agent.observe import Observers
+
+    publisher = st.PeriodicPublisher(st.StatePublisher(state_dir=tmp_path, pid=91), lambda: None,  # type: ignore[arg-type,return-value]
+                                     interval_s=0.25, reader_linger_s=30.0)
+    assert publisher.readers is not None
+    obs = SimpleNamespace(publisher=None, live_view=False, daemon=Daemon(period_ns=BASE_NS),
+                          args=SimpleNamespace(interval=0.25))
+    try:
+        Observers._pace_rounds(obs, 0)  # type: ignore[arg-type]  # no state file at all: nobody can watch
+        assert obs.daemon.idle_period_ns == DEFAULT_IDLE_PERIOD_NS
+        obs.publisher = publisher
+        Observers._pace_rounds(obs, 0)  # type: ignore[arg-type]
+        assert obs.daemon.idle_period_ns == DEFAULT_IDLE_PERIOD_NS
+        publisher.publisher.path.write_text("{}")
+        publisher.publisher.path.open().close()  # a reader's open, as `agent top` makes at each refresh
+        publisher.readers.opened_within(30.0)  # (what the publisher's thread does on waking)
+        Observers._pace_rounds(obs, 0)  # type: ignore[arg-type]
+        assert obs.daemon.idle_period_ns == 250_000_000
+        obs.publisher, obs.live_view = None, True  # --tui: the view in this process
+        Observers._pace_rounds(obs, 0)  # type: ignore[arg-type]
+        assert obs.daemon.idle_period_ns == 250_000_000
+    finally:
+        publisher.stop()

@@ -265,6 +265,7 @@ def test_periodic_publisher_writes_every_interval_only_while_read(tmp_path: Path
         # nobody reads: the first period writes, then one in ten, marked with the idle interval
         assert run(21) == [True] + [False] * 9 + [True] + [False] * 9 + [True]
         assert pub.published == 3 == periodic.idle_publishes
+        assert not periodic.watched()  # (the agent's quiet rounds pace themselves by it: agent/observe.py)
         assert read_snapshot(pub.path).publish_interval_s == 10.0
         # a reader (agent top: a read a second): every period from the next one, at the interval
         wrote = []
@@ -272,9 +273,11 @@ def test_periodic_publisher_writes_every_interval_only_while_read(tmp_path: Path
             read_snapshot(pub.path)
             wrote += run(1)
         assert wrote == [True] * 5 and read_snapshot(pub.path).publish_interval_s == 1.0
+        assert periodic.watched()
         # the reader left (its last read: the line above): every period until 30 s after it, then
         # one in ten again
         assert run(40) == [True] * 31 + [False] * 9
+        assert not periodic.watched()
         assert run(10) == [True] + [False] * 9
         assert read_snapshot(pub.path).publish_interval_s == 10.0
     finally:
@@ -282,7 +285,7 @@ def test_periodic_publisher_writes_every_interval_only_while_read(tmp_path: Path
     # unwatched: every period, as before
     unwatched = PeriodicPublisher(StatePublisher(state_dir=tmp_path, pid=80), lambda: base, interval_s=1.0,
                                   watch_readers=False, clock=clock)
-    assert run_periods(unwatched, clock, 5) == [True] * 5
+    assert run_periods(unwatched, clock, 5) == [True] * 5 and unwatched.watched()  # (as if read: paced as live)
     unwatched.stop()
 
 
