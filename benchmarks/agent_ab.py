@@ -12,7 +12,9 @@ Runs alternate A/B, B/A, ...; medians and pair ratios.
 
 With `--otlp` both agents export OTLP/gRPC (the Jaeger route) to tests/otlp_receiver.py's receiver,
 in a process of its own, instead of writing OTLP-JSON files. `--b-args '...'` gives B more `agent
-start` arguments: with both trees the same checkout, what one setting costs.
+start` arguments: with both trees the same checkout, what one setting costs. Each run also reads
+every agent thread's time on a CPU over the loaded window (schedstat, ns): `thread_ms_per_s_main`,
+`thread_ms_per_s_policy`, ... in the JSON and the printed medians.
 
 A baseline tree: `git archive REV | tar -x -C /tmp/base`, with the native libraries copied in
 (agent/native/libmoescope_health.so, collectors/nvtx_inject/libmoescope_nvtx.so). Writes
