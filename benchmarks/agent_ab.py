@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.agent_cpu import Receiver
-from benchmarks.common import REPO, Metrics, alternate_ab, thread_runtime_by_name, write_result
+from benchmarks.common import REPO, Metrics, alternate_ab, write_result
 from benchmarks.e2e_overhead import (
     START_TIMEOUT_S,
     BenchError,
@@ -51,6 +51,7 @@ from benchmarks.e2e_overhead import (
     stop_group,
 )
 from moescope.examples.moe_runtime.launch import LaunchError, LineReader
+from moescope.procfs import task_cpu_by_name
 
 CONCURRENCY = 8
 WARMUP_S = 3.0
@@ -105,12 +106,12 @@ def one_run(tree: Path, *, idle_s: float, duration_s: float, extra_args: tuple[s
         idle = (cpu_s(proc.pid) - cpu0) / (time.monotonic() - t0)
         run_loadgen(runtime.port, duration_s=WARMUP_S, concurrency=CONCURRENCY, out=None)
         cpu0, runtime0, t0 = cpu_s(proc.pid), cpu_s(runtime.proc.pid), time.monotonic()
-        threads0 = thread_runtime_by_name(proc.pid)
+        threads0 = task_cpu_by_name(proc.pid, precise=True)
         load = run_loadgen(runtime.port, duration_s=duration_s, concurrency=CONCURRENCY, out=None)
         window_s = time.monotonic() - t0
         agent_s, runtime_s = cpu_s(proc.pid) - cpu0, cpu_s(runtime.proc.pid) - runtime0
         threads = {name: 1000.0 * (cpu - threads0.get(name, 0.0)) / window_s
-                   for name, cpu in thread_runtime_by_name(proc.pid).items()}
+                   for name, cpu in task_cpu_by_name(proc.pid, precise=True).items()}
     if int(load["failures"]):
         raise BenchError(f"the load generator saw {load['failures']} failed requests")
     ok = max(1, int(load["requests"]))

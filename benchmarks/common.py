@@ -100,30 +100,3 @@ def build_c(source: Path, *, name: str) -> Path:
         subprocess.run(["gcc", "-O2", "-Wall", "-Werror", "-o", str(binary), str(source)], check=True)
     return binary
 
-
-def thread_runtime_by_name(pid: int) -> dict[str, float]:
-    """Every thread of ``pid``: {name: seconds on a CPU}, from /proc/PID/task/TID/schedstat (the
-    scheduler's nanosecond run time: /proc's utime + stime are 10 ms ticks, too coarse for a thread
-    that runs a few ms a second); threads of one name summed, the main thread as ``main``. A thread
-    that goes while being read is left out; without schedstat (a kernel without CONFIG_SCHED_INFO)
-    moescope.procfs.task_cpu_by_name's ticks."""
-    out: dict[str, float] = {}
-    try:
-        tids = [int(name) for name in os.listdir(f"/proc/{pid}/task") if name.isdigit()]
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                run_ns = int(f.read().split()[0])
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                comm = f.read().strip()
-        except FileNotFoundError:
-            continue  # gone
-        except (OSError, ValueError, IndexError):
-            from moescope.procfs import task_cpu_by_name
-
-            return task_cpu_by_name(pid)
-        name = "main" if tid == pid else comm
-        out[name] = out.get(name, 0.0) + run_ns / 1e9
-    return out

@@ -248,6 +248,11 @@ def test_task_cpu_reads_every_thread_and_skips_what_is_gone_or_torn(tmp_path: Pa
     assert task_cpu_by_name(40, proc_root=tmp_path) == {"main": 300 / ticks, "ms-policy": 0.0}
     assert task_cpu(41, proc_root=tmp_path) == {}  # no such process in the tree
     assert task_cpu(0, proc_root=tmp_path) == {}
+    # precise: schedstat's nanoseconds where a thread has them, its ticks where not (or unreadable)
+    (tasks / "40" / "schedstat").write_text("2500000123 77 9\n")
+    (tasks / "41" / "schedstat").write_text("garbage\n")
+    assert task_cpu(40, proc_root=tmp_path, precise=True) == {40: ("main one", 2.500000123), 41: ("ms-policy", 0.0)}
+    assert task_cpu_by_name(40, proc_root=tmp_path, precise=True) == {"main": 2.500000123, "ms-policy": 0.0}
 
 
 def test_a_thread_is_named_by_itself_or_by_tid_and_the_main_thread_never() -> None:
