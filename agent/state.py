@@ -693,7 +693,13 @@ class StateReaders:
                 if mask & _IN_Q_OVERFLOW or (mask & _IN_OPEN and name == self.name):
                     self.last_open_s = now
                     self.opens += 1
-        return self.last_open_s is not None and now - self.last_open_s <= seconds
+        return self.seen_within(seconds)
+
+    def seen_within(self, seconds: float) -> bool:
+        """Whether an open already read was in the last ``seconds`` (no read of the watch: any
+        thread may ask while the one that reads it, the publisher's, does)."""
+        last = self.last_open_s
+        return last is not None and self.clock() - last <= seconds
 
     def fileno(self) -> int:
         """The inotify descriptor: readable when an event (a reader's open) is queued."""
@@ -750,11 +756,7 @@ class PeriodicPublisher:
     def watched(self) -> bool:
         """Whether someone read the state file in the last ``reader_linger_s``, as this publisher's
         thread last saw the watch (no read of it here: any thread may ask); True where unwatched."""
-        readers = self.readers
-        if readers is None:
-            return True
-        last = readers.last_open_s
-        return last is not None and self.clock() - last <= self.reader_linger_s
+        return self.readers is None or self.readers.seen_within(self.reader_linger_s)
 
     def due(self) -> float | None:
         """The publish interval to write now with (the file's `publish_interval_s`), or None when
