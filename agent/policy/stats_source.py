@@ -128,8 +128,6 @@ class RuntimeStatsSignals:
         # the last page snapshot read, the state made of it, and (routing, floor) it was made with:
         # a reader hands the same snapshot back while the page had no update (an idle runtime)
         self._from_page: tuple[PageSnapshot, RuntimeState, tuple[bool, float]] | None = None
-        # the page this period's queues and penalties are read from (None: the state's, from a call)
-        self._queues_from: PageSnapshot | None = None
 
     def close(self) -> None:
         if self._conn is not None:
@@ -187,27 +185,27 @@ class RuntimeStatsSignals:
         except (StatsPageError, OSError) as exc:
             self._page_error(exc if isinstance(exc, StatsPageError) else StatsPageError(f"stats page: {exc}"))
 
-    def _read(self, now_s: float) -> RuntimeState:
+    def _read(self, now_s: float) -> tuple[RuntimeState, PageSnapshot | None]:
+        """This period's state, and the page its queues and penalties are to be read from (None:
+        the state's own, from a call or made of the page with routing)."""
         if self._conn is not None and self._conn.peer_gone():
             self.close()  # the runtime went (or let this connection go): a fresh connection, its page anew
         page = self._read_page()  # (a page is open only while its connection is)
         held = self.last_state
-        self._queues_from = None
         if (page is not None and held is not None and page.version == self._page_version
                 and now_s - self._socket_read_s < PAGE_REFRESH_S):
             self.page_periods += 1
             if not self.with_routing:
                 # beside NVTX a period needs only the queues and penalties: read from the page's
                 # arrays by _queue; the state (placement, pools, model: what it is kept for) stands
-                self._queues_from = page
-                return held
+                return held, page
             made = self._from_page
             key = (self.with_routing, self.queue_floor)
             if made is not None and made[0] is page and made[1] is held and made[2] == key:
-                return held  # the page had no update since (StatsPageReader.read): the same state
+                return held, None  # the page had no update since (StatsPageReader.read): the same state
             state = held.with_page(page, routing=self.with_routing, queue_floor=self.queue_floor)
             self._from_page = (page, state, key)
-            return state
+            return state, None
         if self._conn is None:
             self._conn = ControlConnection(self.socket_path, timeout_s=self.timeout_s)
         try:
@@ -222,7 +220,7 @@ class RuntimeStatsSignals:
             self._page_version = page.version if page is not None else None
             if self.use_page and not self._page_tried:
                 self._open_page(result, state)
-            return state
+            return state, None
         except CommandFailed:
             self.close()  # a fresh connection next period
             raise
@@ -261,7 +259,7 @@ class RuntimeStatsSignals:
         now_s = self.clock()
         self.polls += 1
         try:
-            state = self._read(now_s)
+            state, page = self._read(now_s)
         except CommandFailed as exc:
             self.poll_errors += 1
             self.last_read_ok, self.last_read_error = False, str(exc)
@@ -276,7 +274,7 @@ class RuntimeStatsSignals:
             return Signals(
                 t_s=now_s,
                 device_memory_used_ratio=self._memory_ratio(state),
-                expert_queue_tokens=self._queue(state, now_s),
+                expert_queue_tokens=self._queue(state, now_s, page),
             )
         experts = state.experts
         if self._health is None or self._health.num_experts != experts:
@@ -312,7 +310,8 @@ class RuntimeStatsSignals:
             router_entropy_ratio=entropy,
         )
 
-    def _queue(self, state: RuntimeState, now_s: float) -> dict[tuple[int, int], float]:
+    def _queue(self, state: RuntimeState, now_s: float,
+               page: PageSnapshot | None = None) -> dict[tuple[int, int], float]:
         # A penalised expert is reported too, so a penalty taken over at start sees its queue clear.
         # Python runs per expert at or past the floor only: the experts reported for stickiness
         # alone (0.0) are copied, expired and range-checked in C-driven passes (a busy production
@@ -324,9 +323,8 @@ class RuntimeStatsSignals:
             for key in [key for key in last if not (0 <= key[0] < layers and 0 <= key[1] < experts)]:
                 del last[key]
             self._queue_shape = (layers, experts)
-        page = self._queues_from
         queued: dict[tuple[int, int], float]  # the experts at or past the floor, with their queue
-        if page is not None:
+        if page is not None:  # (a period beside NVTX served by the runtime's page: _read)
             # the page's [L, E] arrays (of this state's shape: checked when it was opened), in numpy
             level = np.maximum(page.queue_depth, page.queue_peak).ravel()
             at = np.flatnonzero(level >= floor)

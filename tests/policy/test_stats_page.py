@@ -440,11 +440,7 @@ def test_queues_under_the_floor_the_rules_can_act_on_are_left_out(tmp_path: Path
         arrays = RuntimeStatsSignals(tmp_path / "no-socket", timeout_s=1.0, queue_floor=25.0)
 
         def from_arrays(snapshot: PageSnapshot, now_s: float) -> dict[tuple[int, int], float]:
-            arrays._queues_from = snapshot
-            try:
-                return arrays._queue(state, now_s)
-            finally:
-                arrays._queues_from = None
+            return arrays._queue(state, now_s, snapshot)
 
         snapshot = read(reader)
         seen = state.with_page(snapshot, routing=False, queue_floor=25.0)
