@@ -7,8 +7,10 @@ Three are plain C shared objects (no Python API):
   ctypes (agent/native/__init__.py);
 - moescope/hf/libmoescope_hf.so, the transformers instrumentation's host step reductions, loaded
   with ctypes in the instrumented process (moescope/hf/native.py).
-One is a CPython extension module: agent/export/_otlp_span, the OTLP/JSON and OTLP protobuf span
-encoders (agent/export/otlp_json.py, otlp_proto.py; the Python/SDK encoders where it is not built).
+Two are CPython extension modules: agent/export/_otlp_span, the OTLP/JSON and OTLP protobuf span
+encoders (agent/export/otlp_json.py, otlp_proto.py; the Python/SDK encoders where it is not built),
+and moescope/_page_busy, the policy's busy experts of a stats page (moescope/stats_page.py; numpy
+where it is not built).
 Each top-level folder installs as a subpackage of `moescope` (see PACKAGE_DIR).
 """
 
@@ -84,9 +86,18 @@ otlp_span = Extension(
     optional=True,
 )
 
+# Another: moescope._page_busy, the policy's busy experts of a stats page copy in one pass
+# (moescope/stats_page.py falls back to numpy where it is not built).
+page_busy = Extension(
+    "moescope._page_busy",
+    sources=["moescope/_page_busy.c"],
+    extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra"],
+    optional=True,
+)
+
 setup(
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
-    ext_modules=[nvtx_injection, health_reductions, hf_step_fill, otlp_span],
+    ext_modules=[nvtx_injection, health_reductions, hf_step_fill, otlp_span, page_busy],
     cmdclass={"build_ext": BuildNativeLibrary},
 )

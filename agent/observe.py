@@ -431,7 +431,7 @@ class Observers:
         # The runtime's own routing view is only the fallback where NVTX is off: skip computing it.
         self.stats_signals.with_routing = not self.nvtx
         theirs = self.stats_signals()
-        changes["expert_queue_tokens"] = dict(theirs.expert_queue_tokens)
+        changes["expert_queue_tokens"] = theirs.expert_queue_tokens  # (a new dict every period: not copied)
         if not self.nvtx:  # no NVTX: routing and memory as the runtime reports them
             changes["expert_load_gini"] = dict(theirs.expert_load_gini)
             changes["router_entropy_ratio"] = dict(theirs.router_entropy_ratio)
@@ -451,7 +451,7 @@ class Observers:
             return None
         rules = engine.rules
         held = self._wanted
-        if held is None or held[0] != rules:
+        if held is None or held[0] is not rules:  # (the engine's tuple, made once per config)
             held = self._wanted = (rules, frozenset(spec.signal for spec in rules))
         return held[1]
 

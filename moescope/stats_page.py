@@ -45,6 +45,7 @@ Neutral module: the reference runtime writes pages, the agent reads them.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import stat
@@ -55,10 +56,17 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
 from moescope.procfs import pid_exists
+
+_native: ModuleType | None
+try:
+    import moescope._page_busy as _native
+except ImportError:  # a source checkout without `pip install -e .`: numpy's path (busy_numpy)
+    _native = None
 
 LAYOUT_NAME = "moescope-stats-page/2"
 MAGIC = b"MOESTAT1"
@@ -229,6 +237,39 @@ def _unlink(path: Path) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class PageBusy:
+    """One consistent update of a page, as the policy's queue signal reads it beside NVTX: the
+    experts at or past a queue floor and the penalised ones (``StatsPageReader.read_busy``)."""
+
+    version: int
+    updates: int
+    queued: dict[tuple[int, int], float]  # (layer, expert) -> max(queue_depth, held peak), at or past the floor
+    penalised: list[tuple[int, int]]  # penalty > 0, in index order
+    peaks: bool  # any held peak non-zero
+
+
+def busy_numpy(buf: bytes | bytearray | memoryview, layers: int, experts: int, floor: float, written: int,
+               now_bucket: int) -> tuple[dict[tuple[int, int], float], list[tuple[int, int]], bool]:
+    """``_page_busy.busy`` with numpy (where the module is not built; tests hold both equal): the
+    queued experts of a page copy (level = max(queue_depth, held peak) >= floor, as floats), the
+    penalised ones, and whether any held peak is non-zero."""
+    n = layers * experts
+    words = np.frombuffer(buf, dtype=np.uint8, count=32 * n, offset=HEADER_BYTES)
+    depth = words[:8 * n].view("<i8")
+    penalty = words[8 * n:16 * n].view("<f8")
+    peak = held_peak(words[16 * n:32 * n].view("<i8").reshape(2, n), written, now_bucket)
+    level = np.maximum(depth, peak)
+    at = np.flatnonzero(level >= floor)
+    queued = dict(zip(map(divmod, at.tolist(), itertools.repeat(experts)), map(float, level[at].tolist()),
+                      strict=True))
+    penalised = [divmod(i, experts) for i in np.flatnonzero(penalty > 0).tolist()]
+    return queued, penalised, bool(peak.any())
+
+
+busy_of_copy = busy_numpy if _native is None else _native.busy
+
+
+@dataclass(frozen=True, slots=True)
 class PageSnapshot:
     """One consistent update of a page."""
 
@@ -254,9 +295,9 @@ class StatsPageReader:
         self._buf = bytearray(self.size)
         self._seq = bytearray(8)
         self._words = bytearray(16)  # version, updates: what a read checks first
-        # the last snapshot returned, while it can stand for the page: (it, routing), kept only when
-        # its held peaks were all 0 (see ``read``)
-        self._last: tuple[PageSnapshot, bool] | None = None
+        # the last snapshot returned, while it can stand for the page: (it, routing), or (the last
+        # PageBusy, its floor); kept only when its held peaks were all 0 (see ``read``)
+        self._last: tuple[PageSnapshot, bool] | tuple[PageBusy, float] | None = None
 
     @classmethod
     def open(cls, path: str, *, layers: int, experts: int, pid: int, owner_uid: int | None) -> StatsPageReader:
@@ -300,22 +341,59 @@ class StatsPageReader:
         ``version`` and ``updates``: every write moves ``updates``) and its held peaks were all 0: its
         values are then the page's now (a held peak only falls to 0 as buckets pass). An idle runtime's
         page is thus checked with one 16-byte read, and a caller may keep what it made of the object."""
+        last = self._last
+        if last is not None and type(last[0]) is PageSnapshot and last[1] == routing and self._unchanged(last[0]):
+            return last[0]
+        self._last = None
+        length = self.size if routing else HEADER_BYTES + 32 * self.layers * self.experts
+        copied = self._copy(length)
+        if copied is None:
+            return None
+        snapshot = self._snapshot(*copied, length)
+        if not snapshot.queue_peak.any():
+            self._last = (snapshot, routing)
+        return snapshot
+
+    def read_busy(self, floor: float) -> PageBusy | None:
+        """``read(routing=False)`` as the policy's queue signal takes it: the experts whose queue
+        (or held peak) is at or past ``floor`` and the penalised ones, made in one pass over the copy
+        (``_page_busy``: no arrays are made). Returned again while the page has had no update and
+        held no peak, as ``read`` does (for the same ``floor``)."""
+        last = self._last
+        if (last is not None and type(last[0]) is PageBusy and last[1] == floor
+                and self._unchanged(last[0])):
+            return last[0]
+        self._last = None
+        copied = self._copy(HEADER_BYTES + 32 * self.layers * self.experts)
+        if copied is None:
+            return None
+        version, updates, written = copied
+        queued, penalised, peaks = busy_of_copy(self._buf, self.layers, self.experts, float(floor), written,
+                                                peak_bucket(time.monotonic_ns()))
+        busy = PageBusy(version, updates, queued, penalised, peaks)
+        if not peaks:
+            self._last = (busy, floor)
+        return busy
+
+    def _unchanged(self, last: PageSnapshot | PageBusy) -> bool:
+        """The page has had no update since ``last`` (its version and updates read: 16 bytes)."""
+        if self._fd < 0:
+            raise StatsPageError(f"stats page {self.path}: closed")
+        try:
+            got = os.preadv(self._fd, [self._words], _VERSION_OFFSET)
+        except OSError as exc:
+            raise StatsPageError(f"stats page {self.path}: read failed: {exc.strerror}") from None
+        if got != 16:
+            raise StatsPageError(f"stats page {self.path}: cut short ({got} of 16 header bytes)")
+        version, updates = struct.unpack_from("<QQ", self._words)
+        return version == last.version and updates == last.updates
+
+    def _copy(self, length: int) -> tuple[int, int, int] | None:
+        """The page's first ``length`` bytes into the buffer, one update's (seqlock); its version,
+        updates and peak bucket written, or None when the writer was mid-update on every try."""
         fd = self._fd
         if fd < 0:
             raise StatsPageError(f"stats page {self.path}: closed")
-        last = self._last
-        if last is not None and last[1] == routing:
-            try:
-                got = os.preadv(fd, [self._words], _VERSION_OFFSET)
-            except OSError as exc:
-                raise StatsPageError(f"stats page {self.path}: read failed: {exc.strerror}") from None
-            if got != 16:
-                raise StatsPageError(f"stats page {self.path}: cut short ({got} of 16 header bytes)")
-            version, updates = struct.unpack_from("<QQ", self._words)
-            if version == last[0].version and updates == last[0].updates:
-                return last[0]
-        self._last = None
-        length = self.size if routing else HEADER_BYTES + 32 * self.layers * self.experts
         buf = memoryview(self._buf)[:length]
         for _ in range(READ_TRIES):
             try:
@@ -330,13 +408,10 @@ class StatsPageReader:
                 continue  # mid-update, or an update landed during the copy
             if bytes(buf[:8]) != MAGIC or struct.unpack_from("<II", buf, 16) != (self.layers, self.experts):
                 raise StatsPageError(f"stats page {self.path}: its header changed")
-            snapshot = self._snapshot(version, updates, length, written)
-            if not snapshot.queue_peak.any():
-                self._last = (snapshot, routing)
-            return snapshot
+            return version, updates, written
         return None
 
-    def _snapshot(self, version: int, updates: int, length: int, written: int) -> PageSnapshot:
+    def _snapshot(self, version: int, updates: int, written: int, length: int) -> PageSnapshot:
         n, layers = self.layers * self.experts, self.layers
         shape = (layers, self.experts)
         data = np.frombuffer(self._buf, dtype=np.uint8, count=length - HEADER_BYTES, offset=HEADER_BYTES)

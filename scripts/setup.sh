@@ -128,7 +128,8 @@ if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(torch.__version__.split(
 fi
 if [ "$(cat "$VENV/.moescope-stamp" 2>/dev/null)" != "$stamp" ] || ! "$VENV/bin/python" -c 'import moescope.agent' 2>/dev/null \
         || [ ! -f agent/native/libmoescope_health.so ] || [ ! -f collectors/nvtx_inject/libmoescope_nvtx.so ] \
-        || [ ! -f moescope/hf/libmoescope_hf.so ] || ! compgen -G "agent/export/_otlp_span*.so" >/dev/null; then
+        || [ ! -f moescope/hf/libmoescope_hf.so ] || ! compgen -G "agent/export/_otlp_span*.so" >/dev/null \
+        || ! compgen -G "moescope/_page_busy*.so" >/dev/null; then
     say "installing moescope (editable) and pinned dependencies"
     "${PIP[@]}" -e ".[test,hf]"
     echo "$stamp" > "$VENV/.moescope-stamp"

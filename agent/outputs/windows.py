@@ -34,7 +34,7 @@ from moescope.agent.phase_table import PHASE_ROWS, Phases, PhaseStat
 from moescope.agent.policy.actuator import RuntimeState
 from moescope.agent.policy.rules import Signals
 from moescope.agent.request_phases import RequestBreakdown
-from moescope.agent.routing_health import NAN, RoutingHealthWindow
+from moescope.agent.routing_health import NAN, LayerTable, RoutingHealthWindow
 from moescope.collectors.host import MemorySignal
 from moescope.collectors.netsig import NetSignalWindow
 from moescope.collectors.nvml import NvmlSample
@@ -348,6 +348,8 @@ class WindowsOutput:
         self._step_ms = SlidingQuantile(duration_ns=window_ns)
         self._load_ms = SlidingQuantile(duration_ns=window_ns)
         self._routing: RoutingHealthWindow | None = None
+        # the last routing table read for signals() and its Gini and entropy dicts (_routing_signals)
+        self._routing_held: tuple[LayerTable, dict[int, float], dict[int, float]] | None = None
         self._request_rate = EventRate()
         self._error_rate = EventRate()
         self._step_rate = EventRate()
@@ -445,15 +447,11 @@ class WindowsOutput:
         with self._lock:
             routing = self._routing
             if routing is not None and ("expert_load_gini" in want or "router_entropy_ratio" in want):
-                table = routing.table(now)  # every layer's window at once
-                layers = table.layers.tolist()
+                gini, entropy = self._routing_signals(routing.table(now))  # every layer's window at once
                 if "expert_load_gini" in want:
-                    values["expert_load_gini"] = {k: v for k, v in zip(layers, table.gini.tolist(), strict=True)
-                                                  if not math.isnan(v)}
+                    values["expert_load_gini"] = gini
                 if "router_entropy_ratio" in want:
-                    values["router_entropy_ratio"] = {
-                        k: v for k, v in zip(layers, table.router_entropy_normalised.tolist(), strict=True)
-                        if not math.isnan(v)}
+                    values["router_entropy_ratio"] = entropy
             if "device_memory_used_ratio" in want:
                 memory = self._memory
                 values["device_memory_used_ratio"] = memory.ratio if memory is not None else NAN
@@ -478,6 +476,21 @@ class WindowsOutput:
         if overrides:
             values.update(overrides)
         return Signals(t_s=now / 1e9 if t_s is None else t_s, **values)  # type: ignore[arg-type]
+
+    def _routing_signals(self, table: LayerTable) -> tuple[dict[int, float], dict[int, float]]:
+        """The policy's Gini and router-entropy ratio per layer of a routing table (NaN left out),
+        made once per table: the window hands the same table back until it changes, and between
+        the main loop's rounds (up to 2 s) the policy asks ten times (its caller copies nothing:
+        Signals are read only)."""
+        held = self._routing_held
+        if held is not None and held[0] is table:
+            return held[1], held[2]
+        layers = table.layers.tolist()
+        gini = {k: v for k, v in zip(layers, table.gini.tolist(), strict=True) if not math.isnan(v)}
+        entropy = {k: v for k, v in zip(layers, table.router_entropy_normalised.tolist(), strict=True)
+                   if not math.isnan(v)}
+        self._routing_held = (table, gini, entropy)
+        return gini, entropy
 
     def network_panel(self) -> st.Network:
         """The live view's network line: the same rates the policy reads."""

@@ -96,6 +96,7 @@ class PolicyEngine:
         self.state_write_errors = 0
         # Re-entrant: audit hooks run on the evaluating thread and may read views().
         self._lock = threading.RLock()
+        self._enabled: tuple[PolicyConfig, tuple[RuleSpec, ...]] | None = None  # (config, its enabled rules)
         self._instances: dict[tuple[str, Target], RuleInstance] = {}
         self._claims: Counter[str] = Counter()
         self._dispatch_t_s: deque[float] = deque()
@@ -116,7 +117,12 @@ class PolicyEngine:
 
     @property
     def rules(self) -> tuple[RuleSpec, ...]:
-        return tuple(s for s in self.config.rules if s.enabled)
+        """The enabled rules, made once per config (both frozen; read every period)."""
+        config = self.config
+        held = self._enabled
+        if held is None or held[0] is not config:
+            held = self._enabled = (config, tuple(s for s in config.rules if s.enabled))
+        return held[1]
 
     # ---- start: read the runtime's state first ---------------------------------------------------
 

@@ -40,7 +40,6 @@ A failed poll yields a snapshot with no data (every rule holds its state) and is
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import os
@@ -55,7 +54,7 @@ from moescope.agent.policy.actuator import PLACEMENT_FIELDS, CommandFailed, Cont
 from moescope.agent.policy.rules import RuleSpec, Signals, fires_upward
 from moescope.agent.routing_health import LayerRouting, RoutingHealthWindow, normalised_router_entropy
 from moescope.collectors.registry import SourceHealth
-from moescope.stats_page import LAYOUT_NAME, PageSnapshot, StatsPageError, StatsPageReader
+from moescope.stats_page import LAYOUT_NAME, PageBusy, PageSnapshot, StatsPageError, StatsPageReader
 
 log = logging.getLogger(__name__)
 
@@ -153,12 +152,15 @@ class RuntimeStatsSignals:
             log.warning("policy: %s; reading `stats` over the socket (counting further page errors)", exc)
         self._close_page()
 
-    def _read_page(self) -> PageSnapshot | None:
+    def _read_page(self) -> PageSnapshot | PageBusy | None:
+        """This period's page: whole with routing, else only its busy experts (what _queue reads)."""
         page = self.page
         if page is None:
             return None
         try:
-            return page.read(routing=self.with_routing)
+            if self.with_routing:
+                return page.read(routing=True)
+            return page.read_busy(self._floor())
         except StatsPageError as exc:
             self._page_error(exc)
             return None
@@ -185,7 +187,7 @@ class RuntimeStatsSignals:
         except (StatsPageError, OSError) as exc:
             self._page_error(exc if isinstance(exc, StatsPageError) else StatsPageError(f"stats page: {exc}"))
 
-    def _read(self, now_s: float) -> tuple[RuntimeState, PageSnapshot | None]:
+    def _read(self, now_s: float) -> tuple[RuntimeState, PageBusy | None]:
         """This period's state, and the page its queues and penalties are to be read from (None:
         the state's own, from a call or made of the page with routing)."""
         if self._conn is not None and self._conn.peer_gone():
@@ -197,12 +199,14 @@ class RuntimeStatsSignals:
             self.page_periods += 1
             if not self.with_routing:
                 # beside NVTX a period needs only the queues and penalties: read from the page's
-                # arrays by _queue; the state (placement, pools, model: what it is kept for) stands
+                # busy experts by _queue; the state (placement, pools, model: what it is kept for) stands
+                assert isinstance(page, PageBusy)
                 return held, page
             made = self._from_page
             key = (self.with_routing, self.queue_floor)
             if made is not None and made[0] is page and made[1] is held and made[2] == key:
                 return held, None  # the page had no update since (StatsPageReader.read): the same state
+            assert isinstance(page, PageSnapshot)
             state = held.with_page(page, routing=self.with_routing, queue_floor=self.queue_floor)
             self._from_page = (page, state, key)
             return state, None
@@ -310,13 +314,16 @@ class RuntimeStatsSignals:
             router_entropy_ratio=entropy,
         )
 
+    def _floor(self) -> float:
+        return max(self.queue_floor, 1e-9)  # (0: any queue above 0)
+
     def _queue(self, state: RuntimeState, now_s: float,
-               page: PageSnapshot | None = None) -> dict[tuple[int, int], float]:
+               page: PageBusy | None = None) -> dict[tuple[int, int], float]:
         # A penalised expert is reported too, so a penalty taken over at start sees its queue clear.
         # Python runs per expert at or past the floor only: the experts reported for stickiness
         # alone (0.0) are copied, expired and range-checked in C-driven passes (a busy production
         # runtime has most of 58 x 256 experts sticky, and a loop over them was ~1 us each a period).
-        floor = max(self.queue_floor, 1e-9)  # (0: any queue above 0)
+        floor = self._floor()
         layers, experts = state.layers, state.experts
         last = self._last_busy_s
         if (layers, experts) != self._queue_shape:  # a new runtime: what is held is checked again
@@ -325,11 +332,9 @@ class RuntimeStatsSignals:
             self._queue_shape = (layers, experts)
         queued: dict[tuple[int, int], float]  # the experts at or past the floor, with their queue
         if page is not None:  # (a period beside NVTX served by the runtime's page: _read)
-            # the page's [L, E] arrays (of this state's shape: checked when it was opened), in numpy
-            level = np.maximum(page.queue_depth, page.queue_peak).ravel()
-            at = np.flatnonzero(level >= floor)
-            queued = dict(zip(map(divmod, at.tolist(), itertools.repeat(experts)), level[at].tolist(), strict=True))
-            penalised = [divmod(i, experts) for i in np.flatnonzero(page.penalty.ravel() > 0).tolist()]
+            # its busy experts, made by the page's reader in one pass (StatsPageReader.read_busy; the
+            # page is of this state's shape: checked when it was opened)
+            queued, penalised = page.queued, page.penalised
         else:
             depth = state.queue_depth  # (narrowed: only the non-zero entries; an expert left out is 0)
             peak = state.queue_peak

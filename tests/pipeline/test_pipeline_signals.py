@@ -210,6 +210,10 @@ def test_signals_over_sliding_windows() -> None:
                 assert got[layer] == pytest.approx(value, rel=1e-9), (name, layer, now_ns)
         assert sig.device_memory_used_ratio == pytest.approx(MEMORY.used_bytes / MEMORY.total_bytes)
         check_wanted(pipeline, sig)
+        # asked again with nothing changed (the policy asks ten times between two main-loop rounds):
+        # the routing signals made once, the same objects
+        again = pipeline.signals()
+        assert again.expert_load_gini is sig.expert_load_gini and again.router_entropy_ratio is sig.router_entropy_ratio
         return not want.expert_load_gini
 
     empty = 0

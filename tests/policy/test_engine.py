@@ -200,6 +200,26 @@ def test_targets_are_stepped_in_order_whatever_order_the_snapshot_has() -> None:
     assert {tuple(v.target): v.last_value for v in f.engine.views()} == {(0, 1): 10.0, (0, 2): 30.0}
 
 
+def test_per_expert_values_already_targets_are_read_as_they_are() -> None:
+    # A per-expert signal is read five times a second, at 58 x 256 experts a mapping of up to 14,848:
+    # one the agent's sources made ({(int, int): float}) is read as it is; any other is converted.
+    import numpy as np
+
+    made = {(0, 1): 80.0, (2, 3): 0.0, (1, 0): math.nan}
+    assert Signals(t_s=0.0, expert_queue_tokens=made).targets("expert_queue_tokens") is made
+    assert Signals(t_s=0.0).targets("expert_queue_tokens") == {}
+    other = {(np.int64(0), 1): np.float64(80.0), (2, True): 7, (1, 1): True, (3, 2): 2.5}
+    got = Signals(t_s=0.0, expert_queue_tokens=other).targets("expert_queue_tokens")  # type: ignore[arg-type]
+    assert got == {(0, 1): 80.0, (2, 1): 7.0, (1, 1): 1.0, (3, 2): 2.5} and got is not other
+    assert all(type(v) is float for v in got.values())
+    assert all(type(part) is int for key in got for part in key)
+    for odd in ({(0, 1.0): 1.0}, {(0, 1): 1}, {(0, 1): False}):
+        converted = Signals(t_s=0.0, expert_queue_tokens=odd).targets("expert_queue_tokens")  # type: ignore[arg-type]
+        assert converted is not odd and converted == {(0, 1): float(next(iter(odd.values())))}
+    with pytest.raises(ValueError):  # a key not of two parts: refused (the engine counts it in bad_signals)
+        Signals(t_s=0.0, expert_queue_tokens={(0, 1, 2): 1.0}).targets("expert_queue_tokens")  # type: ignore[dict-item]
+
+
 def test_a_per_target_rule_follows_at_most_max_targets_the_furthest_past_its_threshold_first() -> None:
     # Thousands of experts over the queue limit at DeepSeek-V3's shape: a rule follows max_targets of
     # them, the deepest queues first; the others are counted, and start once the rule has room.

@@ -24,10 +24,12 @@ from moescope.examples.moe_runtime.stats import RuntimeStats
 from moescope.stats_page import (
     LAYOUT_NAME,
     PEAK_BUCKET_NS,
+    PageBusy,
     PageSnapshot,
     StatsPageError,
     StatsPageReader,
     StatsPageWriter,
+    busy_numpy,
     page_bytes,
     sweep_stale_pages,
 )
@@ -440,7 +442,9 @@ def test_queues_under_the_floor_the_rules_can_act_on_are_left_out(tmp_path: Path
         arrays = RuntimeStatsSignals(tmp_path / "no-socket", timeout_s=1.0, queue_floor=25.0)
 
         def from_arrays(snapshot: PageSnapshot, now_s: float) -> dict[tuple[int, int], float]:
-            return arrays._queue(state, now_s, snapshot)
+            busy = reader.read_busy(25.0)  # (the page as `snapshot` has it: nothing written since)
+            assert busy is not None and (busy.version, busy.updates) == (snapshot.version, snapshot.updates)
+            return arrays._queue(state, now_s, busy)
 
         snapshot = read(reader)
         seen = state.with_page(snapshot, routing=False, queue_floor=25.0)
@@ -496,3 +500,86 @@ def test_a_runtime_without_its_page_is_read_over_the_socket(start_runtime: Start
         assert signals.expert_queue_tokens == {(0, 1): 0.0} and source.poll_errors == 0
     finally:
         source.close()
+
+
+def random_page(rng: np.random.Generator, layers: int, experts: int) -> bytearray:
+    """A page copy (header left zero) with hostile values: negative and huge queues, NaN, -0.0 and
+    infinite penalties, peaks in both halves."""
+    n = layers * experts
+    depth = rng.integers(-5, 80, n)
+    depth[rng.random(n) < 0.01] = np.iinfo(np.int64).max
+    penalty = np.where(rng.random(n) < 0.2, rng.random(n) - 0.3, 0.0)
+    for special in (np.nan, -0.0, np.inf, -np.inf):
+        penalty[rng.integers(0, n)] = special
+    peaks = np.where(rng.random((2, n)) < 0.3, rng.integers(-3, 120, (2, n)), 0)
+    body = np.concatenate([depth.astype("<i8").view(np.uint8), penalty.astype("<f8").view(np.uint8),
+                           peaks.astype("<i8").ravel().view(np.uint8)])
+    return bytearray(bytes(64) + body.tobytes())
+
+
+def test_the_busy_experts_are_made_natively_as_numpy_makes_them() -> None:
+    # Beside NVTX the policy reads a page's busy experts five times a second: one native pass over
+    # the copy (moescope/_page_busy.c) instead of ~10 numpy calls. Same dict (and order), same list.
+    from moescope import stats_page
+
+    native = stats_page._native
+    assert native is not None, "moescope._page_busy is not built (pip install -e .)"
+    assert stats_page.busy_of_copy is native.busy
+    rng = np.random.default_rng(11)
+    for layers, experts in ((1, 1), (2, 3), (4, 16), (58, 256)):
+        buf = random_page(rng, layers, experts)
+        for written, now in ((40, 40), (41, 40), (39, 40), (38, 40), (0, 40), (2**64 - 1, 40)):
+            for floor in (1e-9, 25.0, 50.5, 1e30):
+                want = busy_numpy(buf, layers, experts, floor, written, now)
+                got = native.busy(buf, layers, experts, floor, written, now)
+                assert list(got[0].items()) == list(want[0].items()), (layers, experts, written, floor)
+                assert got[1] == want[1] and got[2] is want[2]
+                assert all(type(v) is float for v in got[0].values())
+    # a copy too short for its shape, or no shape: refused, never read past
+    with pytest.raises(ValueError, match="needs 96 bytes"):
+        native.busy(bytearray(95), 1, 1, 1.0, 0, 0)
+    with pytest.raises(ValueError, match="layers and experts"):
+        native.busy(bytearray(4096), 0, 4, 1.0, 0, 0)
+    with pytest.raises(TypeError):
+        native.busy("not bytes", 1, 1, 1.0, 0, 0)  # type: ignore[arg-type]
+
+
+def test_busy_reads_follow_the_page(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # read_busy: the queued (level at or past the floor) and penalised experts of one update; the
+    # same object again while the page has no update and holds no peak, as read() does
+    from moescope import stats_page
+
+    clock = {"ns": 50 * PEAK_BUCKET_NS}
+    monkeypatch.setattr(stats_page, "time", type("FakeTime", (), {"monotonic_ns": staticmethod(lambda: clock["ns"])}))
+    page = StatsPageWriter(layers=2, experts=3, directory=tmp_path)
+    reader = open_reader(page)
+    try:
+        write(page, queue_depth=np.array([[0, 40, 0], [7, 0, 26]]))
+        page.publish_penalty(np.array([[0.0, 0.0, 0.2], [0.0, 0.0, 0.0]]))
+        busy = reader.read_busy(25.0)
+        assert isinstance(busy, PageBusy) and busy.updates == 2 and not busy.peaks
+        assert busy.queued == {(0, 1): 40.0, (1, 2): 26.0} and busy.penalised == [(0, 2)]
+        assert reader.read_busy(25.0) is busy  # no update: the same object
+        other = reader.read_busy(5.0)  # another floor: read anew
+        assert other is not None and other is not busy and other.queued == {(0, 1): 40.0, (1, 0): 7.0, (1, 2): 26.0}
+        assert read(reader).version == busy.version and reader.read_busy(5.0) is not other  # (read() in between)
+        page.begin()
+        page.queue_peak[50 & 1, 0, 0] = 90  # a queue of 90 held in bucket 50
+        page.set_peak_bucket(50)
+        page.end()
+        held = reader.read_busy(25.0)
+        assert held is not None and held.peaks and held.queued[(0, 0)] == 90.0
+        assert reader.read_busy(25.0) is not held  # a held peak: read anew every time
+        clock["ns"] += 2 * PEAK_BUCKET_NS  # two buckets on: the peak is gone
+        gone = reader.read_busy(25.0)
+        assert gone is not None and not gone.peaks and (0, 0) not in gone.queued
+        assert reader.read_busy(25.0) is gone
+        with open(page.path, "r+b") as f:
+            f.seek(24)
+            f.write(struct.pack("<QQQ", 2 * 10**6 + 1, gone.version, gone.updates + 1))  # stopped mid-update
+        assert reader.read_busy(25.0) is None  # a changed page mid-update: nothing this period
+    finally:
+        reader.close()
+        page.close()
+    with pytest.raises(StatsPageError, match="closed"):
+        reader.read_busy(25.0)
