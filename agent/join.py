@@ -37,7 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -76,6 +76,11 @@ DEFAULT_MAX_BUFFERED_LAYERS = 50_000
 # claimed steps let theirs go at once), the layer bound above at the reference shape.
 DEFAULT_MAX_BUFFERED_TREE_BYTES = 32 << 20
 LAYER_TREE_OVERHEAD_BYTES = 160
+# A kept step's table stays a view of its group (StepsTable) when everything the group holds is at
+# most this: the copy (~10 µs a step) buys nothing there, and the group keeps making the steps'
+# health in one pass (agent/outputs/traces.py). A round of the reference model's steps is a group
+# of ~3-10 KB; a DeepSeek-V3 batch's decoded payload (~2 MB) is copied out of as before.
+SHARED_GROUP_MAX_BYTES = 64 << 10
 DRAIN_ALL_NS = 2**63 - 1
 INT32_MAX = 2**31 - 1  # per-step token counts per expert fit (a bigger one is a bad payload, counted)
 
@@ -255,6 +260,8 @@ def _own_tree(b: BufferedStep) -> None:
             columns.experts_time_us = [None if v is None else v.copy() for v in columns.experts_time_us]
     table = b.table
     if table.block is not None and table.block.base is not None:
+        if b.group is not None and _group_bytes(b.group) <= SHARED_GROUP_MAX_BYTES:
+            return  # a small group is kept whole (SHARED_GROUP_MAX_BYTES)
         block = table.block.copy()
         e = table.num_experts
         b.table = dataclasses.replace(
@@ -264,6 +271,29 @@ def _own_tree(b: BufferedStep) -> None:
     b.group = None
 
 
+def _group_bytes(group: StepsTable) -> int:
+    """What keeping a view of ``group`` holds: its health columns and its blocks' whole buffer (a
+    view into a decoded batch holds the batch; an owner of unknown size counts as too large)."""
+    total = sum(int(getattr(group, name).nbytes) for name in _GROUP_COLUMNS)
+    base: Any = group.blocks.base
+    for _ in range(4):  # to the owner: a view's base, an as_strided wrapper's .base, a buffer's object
+        if isinstance(base, np.ndarray) and base.base is None:
+            break
+        owner = getattr(base, "base", None)
+        if owner is None:
+            break
+        base = owner
+    if base is None:
+        return total + int(group.blocks.nbytes)
+    if isinstance(base, np.ndarray):
+        return total + int(base.nbytes)
+    try:
+        return total + memoryview(base).nbytes
+    except TypeError:
+        return SHARED_GROUP_MAX_BYTES + 1
+
+
+_GROUP_COLUMNS = tuple(f.name for f in dataclasses.fields(StepsTable) if f.name != "blocks")
 _COLUMN_ARRAYS = tuple(f.name for f in dataclasses.fields(LayerColumns)
                        if f.name not in ("num_experts", "experts_time_us"))
 _TABLE_COLUMNS = tuple(f.name for f in dataclasses.fields(LayerTable) if f.name not in ("tokens", "dropped", "block"))

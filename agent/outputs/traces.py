@@ -341,9 +341,11 @@ class TraceOutput:
         else:  # the top experts of every layer in one call over the [L, E] table
             first, second = top_experts_by_row(t.tokens)
             first_key, second_key = "moe.expert.top_ids", "moe.expert.top_tokens"
+        # each layer's attributes as a span stores them (a NaN left out, arrays as tuples, an empty
+        # one left out): the layer spans take them without another cleaning pass
         for (layer, h_r, h_rn, gini, h, hn, share, cv, routed, dropped, drop_fraction), one, two in zip(
                 columns, first, second, strict=True):
-            per_layer[layer] = {
+            attrs = {
                 "moe.layer.experts": num_experts,
                 "moe.router.entropy_bits": h_r,
                 "moe.router.entropy_normalized": h_rn,
@@ -355,9 +357,15 @@ class TraceOutput:
                 "moe.tokens.routed": routed,
                 "moe.tokens.dropped": dropped,
                 "moe.tokens.drop_fraction": drop_fraction,
-                first_key: one,
-                second_key: two,
             }
+            if not (h_r == h_r and h_rn == h_rn and gini == gini and h == h and hn == hn and share == share
+                    and cv == cv and drop_fraction == drop_fraction):
+                attrs = {key: value for key, value in attrs.items() if value == value}
+            if one:
+                attrs[first_key] = tuple(one)
+            if two:
+                attrs[second_key] = tuple(two)
+            per_layer[layer] = attrs
         return per_layer
 
     @staticmethod
@@ -394,7 +402,8 @@ class TraceOutput:
         step = b.step
         with_layers = self._keep_layers.get(b.seq, True)
         sampled = None if with_layers else self._sampled_health.get(b.seq)
-        step_attrs = dict(sampled) if sampled is not None else self._step_health_attributes(b)
+        # (a step still in its join group: the group's health, made for all of its steps at once)
+        step_attrs = dict(sampled if sampled is not None else self._sampled_step_health(b))
         per_layer = self._layer_health_attributes(b) if with_layers else {}
         if not with_layers and b.layer_count:
             step_attrs["moe.step.layers_sampled_out"] = True
@@ -454,9 +463,21 @@ class TraceOutput:
         layers = step.layers
         out: list[tuple[int, int, Attributes]] = []
         for layer, times in zip(layers, _experts_time_by_position(layers), strict=True):
-            attrs = self._layer_head(layer.layer, per_layer, device_by_layer)
-            self._fold_layer_attributes(layer, attrs, times)
-            out.append((layer.start_ns + off, layer.end_ns + off, span_attributes(attrs)))
+            # the routing health is stored-form already (_layer_health_attributes): only what is
+            # added to it here is cleaned (a span_attributes pass over the whole set was half the cost)
+            index = layer.layer
+            attrs: Attributes = {"moe.layer": index}
+            health = per_layer.get(index)
+            if health is not None:
+                attrs.update(health)
+            extra: Attributes = {}
+            device = device_by_layer.get(index)
+            if device is not None:
+                extra["moe.experts.device_time_us"] = device
+            self._fold_layer_attributes(layer, extra, times)
+            if extra:
+                attrs.update(span_attributes(extra))
+            out.append((layer.start_ns + off, layer.end_ns + off, attrs))
         return out
 
     def _folded_columns(self, c: LayerColumns, per_layer: dict[int, Attributes],

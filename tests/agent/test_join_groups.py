@@ -305,21 +305,38 @@ class _KeepsTrees(_Seen):
         return True
 
 
-def test_a_step_kept_with_its_tree_holds_copies_not_its_batch() -> None:
+@pytest.mark.parametrize("pad_rows", [0, 200])
+def test_a_step_kept_with_its_tree_holds_copies_not_its_batch(pad_rows: int) -> None:
     # a kept step's block and columns were views into the batch's decoded payloads: after the
-    # join it must own them (else each kept step pins its whole batch), with the same numbers
+    # join it must own them (else each kept step pins its whole batch), with the same numbers.
+    # Its table stays a view of its group where all the group holds is small (the reference
+    # model's rounds: SHARED_GROUP_MAX_BYTES); a batch past that is copied out of.
+    from moescope.agent.join import SHARED_GROUP_MAX_BYTES
+
     rng = np.random.default_rng(11)
     counts, entropy = _batch(rng, 6)
+    payload = np.zeros((6, L + pad_rows, 2 * E), dtype=np.int32)  # the steps' blocks within the decoded batch
+    payload[:, :L] = counts
+    counts = payload[:, :L]
+    big = payload.nbytes > SHARED_GROUP_MAX_BYTES
+    assert big is (pad_rows > 0)
     join = RequestJoin(clock=lambda: 100_000_000)
     keeper = _KeepsTrees()
     join.add_output(keeper)
     join.on_steps(_steps(counts, entropy, [10_000_000 * (i + 1) for i in range(6)], copy=False))
     assert all(g is not None for g in keeper.groups)  # they were a run
     for i, b in enumerate(keeper.steps):
-        assert b.group is None and b.step.layer_count == L  # tree kept, run let go
+        assert b.step.layer_count == L  # tree kept
         columns = b.step.columns
         assert columns is not None and columns.counts is not None
-        for held in (b.table.block, b.table.tokens, b.table.gini, columns.counts, columns.entropy_bits):
-            assert not np.shares_memory(held, counts) and not np.shares_memory(held, entropy)
+        for held in (columns.counts, columns.entropy_bits):
+            assert not np.shares_memory(held, payload) and not np.shares_memory(held, entropy)
+        if big:  # the run let go, the table its own
+            assert b.group is None
+            for own in (b.table.block, b.table.tokens, b.table.gini):
+                assert own is not None and not np.shares_memory(own, payload)
+        else:  # the run kept: the table is its row of the group's arrays
+            assert b.group is not None and b.group is keeper.groups[i] and b.group_index == i
+            assert np.shares_memory(b.table.block, payload) and np.shares_memory(b.table.gini, b.group.gini)
         _assert_tables_equal(b.table, keeper.tables[i])
         np.testing.assert_array_equal(columns.counts, counts[i])
