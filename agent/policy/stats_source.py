@@ -104,6 +104,10 @@ class RuntimeStatsSignals:
         self._prev_tokens: dict[int, np.ndarray] = {}
         self._last_busy_s: dict[tuple[int, int], float] = {}
         self._queue_shape: tuple[int, int] | None = None  # the shape _last_busy_s's keys were checked in
+        # the last queue signal made of a page with no busy expert: (that PageBusy, the signal, until
+        # when it stands: the first sticky expert's expiry). An idle runtime's page is the same
+        # object period after period (StatsPageReader.read_busy): the signal is too.
+        self._idle_queue: tuple[PageBusy, dict[tuple[int, int], float], float] | None = None
         self.last_state: RuntimeState | None = None
         # The last read's outcome (None: not read yet), for RuntimeStatsSource.health().
         self.last_read_ok: bool | None = None
@@ -330,6 +334,10 @@ class RuntimeStatsSignals:
             for key in [key for key in last if not (0 <= key[0] < layers and 0 <= key[1] < experts)]:
                 del last[key]
             self._queue_shape = (layers, experts)
+        idle = self._idle_queue
+        if idle is not None and page is idle[0] and now_s <= idle[2]:
+            return idle[1]  # no update since, nothing busy in it, no sticky expert expired yet
+        self._idle_queue = None
         queued: dict[tuple[int, int], float]  # the experts at or past the floor, with their queue
         if page is not None:  # (a period beside NVTX served by the runtime's page: _read)
             # its busy experts, made by the page's reader in one pass (StatsPageReader.read_busy; the
@@ -352,6 +360,8 @@ class RuntimeStatsSignals:
         for key, value in queued.items():
             if key in queue:
                 queue[key] = float(value)
+        if page is not None and not busy:
+            self._idle_queue = (page, queue, min(last.values(), default=math.inf) + sticky_s)
         return queue
 
     @staticmethod

@@ -583,3 +583,38 @@ def test_busy_reads_follow_the_page(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         page.close()
     with pytest.raises(StatsPageError, match="closed"):
         reader.read_busy(25.0)
+
+
+def test_an_idle_page_gives_the_same_queue_signal_until_a_sticky_expert_expires(tmp_path: Path) -> None:
+    # An idle runtime's page is the same PageBusy period after period: with nothing queued or
+    # penalised in it, the queue signal (the sticky experts at 0.0) is the same object until the
+    # first sticky one expires; a busy page is worked out every period (its experts' last-seen times move)
+    page = StatsPageWriter(layers=1, experts=4, directory=tmp_path)
+    reader = open_reader(page)
+    state = RuntimeState.from_stats({"protocol": "moescope-control/1", "config": {
+        "layers": 1, "experts": 4, "devices": ["cpu"], "primary_device": "cpu"},
+        "layers": [{"layer": 0}], "precision": {"default": "fp32"}, "memory": {"devices": {}, "expert_bytes_fp32": 0}})
+    poller = RuntimeStatsSignals(tmp_path / "no-socket", timeout_s=1.0, queue_floor=25.0, sticky_s=10.0)
+    try:
+        write(page, queue_depth=np.array([[30, 0, 40, 0]]))
+        busy = reader.read_busy(25.0)
+        assert busy is not None and reader.read_busy(25.0) is busy  # (unchanged: the same object)
+        first = poller._queue(state, 1.0, busy)
+        assert first == {(0, 0): 30.0, (0, 2): 40.0} and poller._queue(state, 1.2, busy) is not first
+        write(page, queue_depth=np.array([[0, 0, 40, 0]]))  # expert 0 last busy at 1.2, expert 2 at 2.0
+        page_2 = reader.read_busy(25.0)
+        assert page_2 is not None and poller._queue(state, 2.0, page_2) == {(0, 0): 0.0, (0, 2): 40.0}
+        write(page, queue_depth=np.zeros((1, 4)))
+        idle = reader.read_busy(25.0)
+        assert idle is not None and not idle.queued and reader.read_busy(25.0) is idle
+        signal = poller._queue(state, 5.0, idle)
+        assert signal == {(0, 0): 0.0, (0, 2): 0.0}
+        assert poller._queue(state, 6.0, idle) is signal and poller._queue(state, 11.2, idle) is signal
+        later = poller._queue(state, 11.21, idle)  # expert 0 last busy at 1.2: past 10 s sticky
+        assert later is not signal and later == {(0, 2): 0.0}
+        assert poller._queue(state, 12.0, idle) is later and poller._queue(state, 12.01, idle) == {}
+        gone = poller._queue(state, 16.0, idle)
+        assert gone == {} and poller._queue(state, 99.0, idle) is gone  # nothing sticky: stands for good
+    finally:
+        reader.close()
+        page.close()
