@@ -11,6 +11,7 @@ import os
 import signal
 import struct
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,41 +94,48 @@ def test_a_page_reads_back_what_was_written(writer: StatsPageWriter) -> None:
     assert page_bytes(3, 5) == os.path.getsize(writer.path) == 64 + 40 * 15 + 8 * 3
 
 
-def test_an_unchanged_page_gives_its_snapshot_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # An idle runtime's page has no update between two 200 ms polls: the reader checks version and
-    # updates (16 bytes) and hands the previous snapshot back, so the poller keeps what it made of it.
-    # Never while a peak is held: a held peak falls to 0 as buckets pass with nothing written.
+@pytest.fixture
+def clocked_page(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[dict[str, int], StatsPageWriter,
+                                                                                   StatsPageReader]]:
+    """A 2 x 3 page and its reader, stats_page's clock at bucket 50 (the test moves clock["ns"])."""
     from moescope import stats_page
 
     clock = {"ns": 50 * PEAK_BUCKET_NS}
     monkeypatch.setattr(stats_page, "time", type("FakeTime", (), {"monotonic_ns": staticmethod(lambda: clock["ns"])}))
     page = StatsPageWriter(layers=2, experts=3, directory=tmp_path)
     reader = open_reader(page)
-    try:
-        write(page, queue_depth=np.array([[0, 4, 0], [0, 0, 0]]))
-        first = read(reader)
-        assert read(reader) is first and reader.read(routing=True) is first  # no update: the same object
-        assert reader.read(routing=False) is not first  # another part of the page: read anew
-        write(page, queue_depth=np.zeros((2, 3)))
-        second = read(reader)
-        assert second is not first and not second.queue_depth.any() and first.queue_depth[0, 1] == 4
-        page.begin()
-        page.queue_peak[50 & 1, 1, 2] = 9  # a queue of 9 in bucket 50
-        page.set_peak_bucket(50)
-        page.end()
-        held = read(reader)
-        assert held.queue_peak[1, 2] == 9
-        again = read(reader)
-        assert again is not held and again.queue_peak[1, 2] == 9  # a held peak: read anew every time
-        clock["ns"] += 2 * PEAK_BUCKET_NS  # two buckets on, nothing written: the peak is gone
-        gone = read(reader)
-        assert not gone.queue_peak.any() and read(reader) is gone
-        page.touch()  # the version moves (an update too)
-        moved = read(reader)
-        assert moved is not gone and moved.version == gone.version + 1
-    finally:
-        reader.close()
-        page.close()
+    yield clock, page, reader
+    reader.close()
+    page.close()
+
+
+def test_an_unchanged_page_gives_its_snapshot_back(
+        clocked_page: tuple[dict[str, int], StatsPageWriter, StatsPageReader]) -> None:
+    # An idle runtime's page has no update between two 200 ms polls: the reader checks version and
+    # updates (16 bytes) and hands the previous snapshot back, so the poller keeps what it made of it.
+    # Never while a peak is held: a held peak falls to 0 as buckets pass with nothing written.
+    clock, page, reader = clocked_page
+    write(page, queue_depth=np.array([[0, 4, 0], [0, 0, 0]]))
+    first = read(reader)
+    assert read(reader) is first and reader.read(routing=True) is first  # no update: the same object
+    assert reader.read(routing=False) is not first  # another part of the page: read anew
+    write(page, queue_depth=np.zeros((2, 3)))
+    second = read(reader)
+    assert second is not first and not second.queue_depth.any() and first.queue_depth[0, 1] == 4
+    page.begin()
+    page.queue_peak[50 & 1, 1, 2] = 9  # a queue of 9 in bucket 50
+    page.set_peak_bucket(50)
+    page.end()
+    held = read(reader)
+    assert held.queue_peak[1, 2] == 9
+    again = read(reader)
+    assert again is not held and again.queue_peak[1, 2] == 9  # a held peak: read anew every time
+    clock["ns"] += 2 * PEAK_BUCKET_NS  # two buckets on, nothing written: the peak is gone
+    gone = read(reader)
+    assert not gone.queue_peak.any() and read(reader) is gone
+    page.touch()  # the version moves (an update too)
+    moved = read(reader)
+    assert moved is not gone and moved.version == gone.version + 1
 
 
 def test_a_reader_survives_the_page_changing_under_it(writer: StatsPageWriter) -> None:
@@ -544,43 +552,35 @@ def test_the_busy_experts_are_made_natively_as_numpy_makes_them() -> None:
         native.busy("not bytes", 1, 1, 1.0, 0, 0)  # type: ignore[arg-type]
 
 
-def test_busy_reads_follow_the_page(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_busy_reads_follow_the_page(clocked_page: tuple[dict[str, int], StatsPageWriter, StatsPageReader]) -> None:
     # read_busy: the queued (level at or past the floor) and penalised experts of one update; the
     # same object again while the page has no update and holds no peak, as read() does
-    from moescope import stats_page
-
-    clock = {"ns": 50 * PEAK_BUCKET_NS}
-    monkeypatch.setattr(stats_page, "time", type("FakeTime", (), {"monotonic_ns": staticmethod(lambda: clock["ns"])}))
-    page = StatsPageWriter(layers=2, experts=3, directory=tmp_path)
-    reader = open_reader(page)
-    try:
-        write(page, queue_depth=np.array([[0, 40, 0], [7, 0, 26]]))
-        page.publish_penalty(np.array([[0.0, 0.0, 0.2], [0.0, 0.0, 0.0]]))
-        busy = reader.read_busy(25.0)
-        assert isinstance(busy, PageBusy) and busy.updates == 2 and not busy.peaks
-        assert busy.queued == {(0, 1): 40.0, (1, 2): 26.0} and busy.penalised == [(0, 2)]
-        assert reader.read_busy(25.0) is busy  # no update: the same object
-        other = reader.read_busy(5.0)  # another floor: read anew
-        assert other is not None and other is not busy and other.queued == {(0, 1): 40.0, (1, 0): 7.0, (1, 2): 26.0}
-        assert read(reader).version == busy.version and reader.read_busy(5.0) is not other  # (read() in between)
-        page.begin()
-        page.queue_peak[50 & 1, 0, 0] = 90  # a queue of 90 held in bucket 50
-        page.set_peak_bucket(50)
-        page.end()
-        held = reader.read_busy(25.0)
-        assert held is not None and held.peaks and held.queued[(0, 0)] == 90.0
-        assert reader.read_busy(25.0) is not held  # a held peak: read anew every time
-        clock["ns"] += 2 * PEAK_BUCKET_NS  # two buckets on: the peak is gone
-        gone = reader.read_busy(25.0)
-        assert gone is not None and not gone.peaks and (0, 0) not in gone.queued
-        assert reader.read_busy(25.0) is gone
-        with open(page.path, "r+b") as f:
-            f.seek(24)
-            f.write(struct.pack("<QQQ", 2 * 10**6 + 1, gone.version, gone.updates + 1))  # stopped mid-update
-        assert reader.read_busy(25.0) is None  # a changed page mid-update: nothing this period
-    finally:
-        reader.close()
-        page.close()
+    clock, page, reader = clocked_page
+    write(page, queue_depth=np.array([[0, 40, 0], [7, 0, 26]]))
+    page.publish_penalty(np.array([[0.0, 0.0, 0.2], [0.0, 0.0, 0.0]]))
+    busy = reader.read_busy(25.0)
+    assert isinstance(busy, PageBusy) and busy.updates == 2 and not busy.peaks
+    assert busy.queued == {(0, 1): 40.0, (1, 2): 26.0} and busy.penalised == [(0, 2)]
+    assert reader.read_busy(25.0) is busy  # no update: the same object
+    other = reader.read_busy(5.0)  # another floor: read anew
+    assert other is not None and other is not busy and other.queued == {(0, 1): 40.0, (1, 0): 7.0, (1, 2): 26.0}
+    assert read(reader).version == busy.version and reader.read_busy(5.0) is not other  # (read() in between)
+    page.begin()
+    page.queue_peak[50 & 1, 0, 0] = 90  # a queue of 90 held in bucket 50
+    page.set_peak_bucket(50)
+    page.end()
+    held = reader.read_busy(25.0)
+    assert held is not None and held.peaks and held.queued[(0, 0)] == 90.0
+    assert reader.read_busy(25.0) is not held  # a held peak: read anew every time
+    clock["ns"] += 2 * PEAK_BUCKET_NS  # two buckets on: the peak is gone
+    gone = reader.read_busy(25.0)
+    assert gone is not None and not gone.peaks and (0, 0) not in gone.queued
+    assert reader.read_busy(25.0) is gone
+    with open(page.path, "r+b") as f:
+        f.seek(24)
+        f.write(struct.pack("<QQQ", 2 * 10**6 + 1, gone.version, gone.updates + 1))  # stopped mid-update
+    assert reader.read_busy(25.0) is None  # a changed page mid-update: nothing this period
+    reader.close()
     with pytest.raises(StatsPageError, match="closed"):
         reader.read_busy(25.0)
 
