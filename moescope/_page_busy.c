@@ -46,7 +46,11 @@ static PyObject *busy(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "busy: layers and experts must be in [1, 2**31)");
         goto done;
     }
-    long long n = layers * experts;
+    long long n = layers * experts; /* < 2^62 */
+    if (n > (PY_SSIZE_T_MAX - HEADER_BYTES) / 32) {
+        PyErr_Format(PyExc_ValueError, "busy: a %lld x %lld page is past any buffer", layers, experts);
+        goto done;
+    }
     if (view.len < HEADER_BYTES || (view.len - HEADER_BYTES) / 32 < n) {
         PyErr_Format(PyExc_ValueError, "busy: a %lld x %lld page needs %lld bytes, got %zd", layers, experts,
                      HEADER_BYTES + 32 * n, view.len);

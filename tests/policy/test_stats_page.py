@@ -548,6 +548,8 @@ def test_the_busy_experts_are_made_natively_as_numpy_makes_them() -> None:
         native.busy(bytearray(95), 1, 1, 1.0, 0, 0)
     with pytest.raises(ValueError, match="layers and experts"):
         native.busy(bytearray(4096), 0, 4, 1.0, 0, 0)
+    with pytest.raises(ValueError, match="past any buffer"):
+        native.busy(bytearray(4096), 2**31 - 1, 2**31 - 1, 1.0, 0, 0)
     with pytest.raises(TypeError):
         native.busy("not bytes", 1, 1, 1.0, 0, 0)  # type: ignore[arg-type]
 
