@@ -99,4 +99,3 @@ def build_c(source: Path, *, name: str) -> Path:
     if not binary.exists() or binary.stat().st_mtime < source.stat().st_mtime:
         subprocess.run(["gcc", "-O2", "-Wall", "-Werror", "-o", str(binary), str(source)], check=True)
     return binary
-

@@ -466,10 +466,7 @@ class TraceOutput:
             # the routing health is stored-form already (_layer_health_attributes): only what is
             # added to it here is cleaned (a span_attributes pass over the whole set was half the cost)
             index = layer.layer
-            attrs: Attributes = {"moe.layer": index}
-            health = per_layer.get(index)
-            if health is not None:
-                attrs.update(health)
+            attrs = self._layer_head(index, per_layer, {})  # (its device time may be NaN: cleaned below)
             extra: Attributes = {}
             device = device_by_layer.get(index)
             if device is not None:
