@@ -339,12 +339,13 @@ def one_run(config: Config, arm: str, *, duration_s: float, workdir: Path, nvtx_
             run["agent_cpu_pct"] = 100.0 * (cpu_s(agent.pid) - agent_cpu0) / window_s
             run["agent_rss_bytes"] = status_bytes(agent.pid, "VmHWM")
             run["agent_rss_end_bytes"] = status_bytes(agent.pid, "VmRSS")
-            # of which private (heap, arrays) vs the producers' rings mapped in (shared memory)
+            # of which private (heap, arrays) vs shared memory: the rings are the producers' pages
+            # (made, sized and written by each producer, charged to its cgroup and counted in its
+            # RSS); the agent maps only each ring's header page and copies the rest out (preadv), so
+            # RssShmem is ~4 KB a ring and the two RSS bars (less and with the rings) differ by that
+            # (docs/memory.md)
             run["agent_rss_anon_bytes"] = status_bytes(agent.pid, "RssAnon")
             run["agent_rss_shmem_bytes"] = status_bytes(agent.pid, "RssShmem")
-            # the rings are the producers' pages (made, sized and written by each producer, charged to
-            # its cgroup and counted in its RSS too), mapped whole at attach: RssShmem is constant from
-            # then on, so the peak less it is the agent's own (docs/memory.md)
             run["agent_private_peak_bytes"] = run["agent_rss_bytes"] - run["agent_rss_shmem_bytes"]
             try:
                 run["metrics_before_stop"] = scrape(metrics_port)

@@ -202,6 +202,8 @@ BLOB_EARLY_DRAIN_FRACTION = 4
 SPAN_ROUND_BYTES = 1 << 20  # copy_ext's buffer grows in whole MiB (fewer regrowths as drains vary)
 STALLED_SLOT_NS = 1_000_000_000  # a reserved slot never committed for this long is skipped
 DEFAULT_BATCH_RECORDS = 1 << 16
+STRINGS_READ_BYTES = 1 << 20  # NvtxRing.read_strings copies the string region this much at a time
+PEEK_MIN_RECORDS = 1024  # NvtxRing.committed's copy holds at least this many records (64 KiB)
 MAX_RING_RECORDS = 1 << 24  # the library's largest ring (MOESCOPE_NVTX_RING_RECORDS)
 # Caps on what a producer can make the agent hold (docs/hardening.md). The library records at most
 # 65536 texts (its intern table) and ids above that never come from it; each text is at most
@@ -761,7 +763,12 @@ class NvtxRing:
             size = os.fstat(fd).st_size
             if size < HEADER_BYTES:
                 raise NvtxUnavailable(f"{path} is not a moescope NVTX ring (too small)")
-            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            # Only the header is mapped (the positions and flags shared with the producers):
+            # records, texts and payload bytes are copied out with preadv (_fill), so the agent's
+            # RSS does not take in the producer's whole ring (13.3 MB each by default, 106 MB of
+            # RssShmem with eight producers), and a file cut short past its header reads as
+            # zeros where a mapping would raise SIGBUS.
+            self._map = mmap.mmap(fd, HEADER_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             raise
@@ -800,14 +807,15 @@ class NvtxRing:
         self.strings_bytes = strings_bytes
         self.blob_bytes = blob_bytes
         self.payload_max_bytes = payload_max
-        self.records = np.frombuffer(self._map, dtype=RECORD_DTYPE, count=capacity, offset=ring_offset)
-        self._blob = np.frombuffer(self._map, dtype=np.uint8, count=blob_bytes, offset=blob_offset)
+        self.ring_offset = ring_offset
+        self.blob_offset = blob_offset
+        self._peek: np.ndarray | None = None  # committed()'s copy of the records it checks, reused
+        self.short_reads = 0  # copies that met the end of the file (a ring cut short): zeros read
         self._blob_head = ctypes.c_uint64.from_buffer(self._map, OFF_BLOB_HEAD)
         self._blob_tail = ctypes.c_uint64.from_buffer(self._map, OFF_BLOB_TAIL)
         # blob bytes below _epoch_blob are free once every record below _epoch_records is read
         self._epoch: tuple[int, int] | None = None
         self._span_buffer: np.ndarray | None = None  # copy_ext's buffer, reused while nothing views it
-        self._seq = self.records["seq"]
         # 8-byte aligned scalars: single loads/stores on x86-64 (see docs/nvtx-transport.md)
         self._head = ctypes.c_uint64.from_buffer(self._map, OFF_HEAD)
         self._tail = ctypes.c_uint64.from_buffer(self._map, OFF_TAIL)
@@ -876,27 +884,51 @@ class NvtxRing:
         n = min(avail, max_records)
         if n <= 0:
             return 0, 0
-        positions = tail + np.arange(n, dtype=np.uint64)
-        seqs = self._seq[(positions & np.uint64(self.mask)).astype(np.intp)]
-        ok = seqs == positions + np.uint64(1)
+        peek = self._peek
+        if peek is None or len(peek) < n:  # the largest drain so far, in powers of two
+            peek = self._peek = np.empty(max(PEEK_MIN_RECORDS, 1 << (n - 1).bit_length()), dtype=_RECORD_VOID)
+        seqs = self._records_into(peek[:n], tail).view(RECORD_DTYPE)["seq"]
+        ok = seqs == tail + 1 + np.arange(n, dtype=np.uint64)
         if ok.all():
             return n, avail - n
         ready = int(np.argmin(ok))
         return ready, avail - ready
 
     def read(self, n: int) -> np.ndarray:
-        """Copies n committed records from tail (committed() must have said so), then frees them."""
+        """Copies n committed records from tail (committed() must have said so), then frees them.
+        A copy of its own, made after committed() saw their sequence numbers: what one copy reads
+        of a record is complete only if its seq was read before the rest of it, and a single copy
+        does not order its loads (the producer writes the fields, then the seq)."""
         tail = self.tail
-        start = tail & self.mask
-        first = min(n, self.capacity - start)
-        out = np.empty(n, dtype=_RECORD_VOID)
-        ring = self.records.view(_RECORD_VOID)
-        out[:first] = ring[start : start + first]
-        if n > first:
-            out[first:] = ring[: n - first]
+        out = self._records_into(np.empty(n, dtype=_RECORD_VOID), tail)
         # release the slots only after the copy: producers reuse them once tail moves
         self._tail.value = tail + n
         return out.view(RECORD_DTYPE)
+
+    def _records_into(self, out: np.ndarray, tail: int) -> np.ndarray:
+        """The len(out) record slots from position ``tail`` on (the ring wraps), copied into ``out``."""
+        n = len(out)
+        start = tail & self.mask
+        first = min(n, self.capacity - start)
+        raw = out.view(np.uint8)
+        self._fill(raw[: first * RECORD_BYTES], self.ring_offset + start * RECORD_BYTES)
+        if n > first:
+            self._fill(raw[first * RECORD_BYTES :], self.ring_offset)
+        return out
+
+    def _fill(self, out: np.ndarray, offset: int) -> None:
+        """``out`` (contiguous bytes) <- the file's bytes from ``offset``. Past the end of the file
+        (a producer truncated it) zeros are read, counted in short_reads: a record of zeros is never
+        committed, a payload entry of zeros is malformed; nothing faults."""
+        view = out.data  # (contiguous bytes: a writable memoryview)
+        done, size = 0, len(view)
+        while done < size:
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got <= 0:
+                out[done:] = 0
+                self.short_reads += 1
+                return
+            done += got
 
     def skip(self, n: int) -> None:
         self._tail.value = self.tail + n
@@ -922,8 +954,9 @@ class NvtxRing:
             start, n = lo & (self.blob_bytes - 1), head - lo
             first = min(n, self.blob_bytes - start)
             span = self._span(n)
-            span[:first] = self._blob[start : start + first]
-            span[first:] = self._blob[: n - first]
+            self._fill(span[:first], self.blob_offset + start)
+            if n > first:
+                self._fill(span[first:], self.blob_offset)
             rel = (pos.astype(np.int64) - lo) * inside
             _, sizes = _entry_headers(span, rel)
             inside &= (sizes > 0) & (sizes <= self.payload_max_bytes) & (rel + BLOB_ENTRY_BYTES + sizes <= n)
@@ -962,23 +995,34 @@ class NvtxRing:
         used = min(int(self._strings_used.value), self.strings_bytes)
         out: list[tuple[int, int, int, int, bytes]] = []
         offset = self._strings_read
-        base = self.strings_offset
         while offset + STRING_ENTRY_BYTES <= used:
-            entry_bytes, kind, flags, sid, domain_id, text_bytes = struct.unpack_from(
-                "<IHHIII", self._map, base + offset
-            )
-            if (
-                entry_bytes < STRING_ENTRY_BYTES
-                or offset + entry_bytes > used
-                or text_bytes > entry_bytes - STRING_ENTRY_BYTES
-            ):
-                # entries below strings_used are complete (published after the write): corrupt;
-                # stop here, never read past what was published
+            # what was published since the last call, copied after strings_used was read, a piece
+            # of at most STRINGS_READ_BYTES at a time (the header's numbers are the producer's)
+            first = offset
+            limit = min(used, first + STRINGS_READ_BYTES)
+            region = bytearray(limit - first)
+            self._fill(np.frombuffer(region, dtype=np.uint8), self.strings_offset + first)
+            while offset + STRING_ENTRY_BYTES <= limit:
+                entry_bytes, kind, flags, sid, domain_id, text_bytes = struct.unpack_from("<IHHIII", region,
+                                                                                          offset - first)
+                if (
+                    entry_bytes < STRING_ENTRY_BYTES
+                    or offset + entry_bytes > used
+                    or text_bytes > entry_bytes - STRING_ENTRY_BYTES
+                ):
+                    # entries below strings_used are complete (published after the write): corrupt;
+                    # stop here, never read past what was published
+                    self.strings_corrupt_at = offset
+                    self._strings_read = offset
+                    return out
+                if offset + entry_bytes > limit:
+                    break  # complete, past this piece: the next piece starts with it
+                start = offset - first + STRING_ENTRY_BYTES
+                out.append((kind, flags, sid, domain_id, bytes(region[start : start + text_bytes])))
+                offset += entry_bytes
+            if offset == first:  # (an entry longer than a piece: not one the library writes)
                 self.strings_corrupt_at = offset
                 break
-            start = base + offset + STRING_ENTRY_BYTES
-            out.append((kind, flags, sid, domain_id, bytes(self._map[start : start + text_bytes])))
-            offset += entry_bytes
         self._strings_read = offset
         return out
 
@@ -991,8 +1035,7 @@ class NvtxRing:
 
     def close(self) -> None:
         for name in ("_head", "_tail", "_strings_used", "_attached", "_consumer_pid", "_heartbeat",
-                     "_attach_count", "_exited", "_counters", "records", "_seq", "_blob", "_blob_head",
-                     "_blob_tail"):
+                     "_attach_count", "_exited", "_counters", "_blob_head", "_blob_tail"):
             if hasattr(self, name):
                 delattr(self, name)
         if hasattr(self, "_map") and not self._map.closed:
@@ -1014,7 +1057,7 @@ _STAT_NAMES: tuple[str, ...] = (
     "sink_errors", "deep_nesting", "stale_rings_removed", "ranges_lost_end", "parent_unknown",
     "string_entries_dropped", "string_region_corrupt", "ranges_open_overflow",
     "ext_payloads_lost", "ext_payload_corrupt_dropped", "ext_payload_carry_dropped",
-    "schema_entries_dropped",
+    "schema_entries_dropped", "ring_short_reads",
 )
 
 
@@ -1224,6 +1267,9 @@ class NvtxCollector:
                     self._handle_stall(ring, now_ns, exited)
                 break
         ring.release_blob()
+        if ring.short_reads:
+            self._stats["ring_short_reads"] += ring.short_reads
+            ring.short_reads = 0
         self._sync_producer_counters()
         if check_threads:
             self._last_thread_check_ns = now_ns
