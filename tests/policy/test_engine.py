@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 import threading
 from pathlib import Path
 from typing import Unpack
@@ -18,7 +19,7 @@ from moescope.agent.policy.actuator import CommandResult
 from moescope.agent.policy.audit import AuditLog, AuditRecord
 from moescope.agent.policy.config import PolicyConfig, load_policy
 from moescope.agent.policy.engine import PolicyEngine, PolicyLoop
-from moescope.agent.policy.rules import ACTIONS, Signals
+from moescope.agent.policy.rules import ACTIONS, COMPARISONS, TIME_EPS_S, Intent, RuleInstance, Signals, State
 from moescope.errors import UsageError
 
 DEFAULTS = load_policy()
@@ -391,3 +392,86 @@ def test_policy_loop_runs_its_after_period_hook_on_each_wake_up_and_survives_its
     # after each evaluation, on the same wake-up; one failure counted, apart from the source's
     assert hooked[:6] == [1, 2, 3, 4, 5, 6]
     assert loop.after_errors == 1 and loop.source_errors == 0
+
+
+def _reference_step(inst: RuleInstance, value: float, t_s: float) -> Intent | None:
+    """RuleInstance.step as specified (docs/policy.md), through the spec's condition methods: the
+    engine's step resolves the comparisons once and must move the same way."""
+    if math.isnan(value):
+        return None
+    inst.last_value, inst.last_t_s = value, t_s
+    spec = inst.spec
+    if inst.state in (State.ARMED, State.PENDING, State.COOLING):
+        if spec.fire_condition(value):
+            inst.count += 1
+            inst.window_values.append(value)
+        else:
+            inst.count = 0
+            inst.window_values.clear()
+            inst.suppressed_streak = 0
+        if t_s + TIME_EPS_S < inst.cooldown_until_s:
+            inst.state = State.COOLING
+            return None
+        if inst.count >= spec.window_evals and not inst.in_flight:
+            inst.state = State.PENDING
+            return Intent.FIRE
+        inst.state = State.PENDING if inst.count else State.ARMED
+        return None
+    if spec.clear_condition(value):
+        inst.clear_count += 1
+        inst.window_values.append(value)
+    else:
+        inst.clear_count = 0
+        inst.window_values.clear()
+        inst.suppressed_streak = 0
+    inst.state = State.CLEARING if inst.clear_count else State.FIRING
+    if inst.clear_count >= spec.clear_window_evals and t_s + TIME_EPS_S >= inst.cooldown_until_s and not inst.in_flight:
+        return Intent.REVERT
+    return None
+
+
+@pytest.mark.parametrize("comparison", sorted(COMPARISONS))
+def test_an_instance_steps_as_its_rule_says_for_every_comparison(comparison: str) -> None:
+    """Random values around both thresholds, NaN among them, fires and reverts applied as the engine
+    does: the step and the reference move through the same states and return the same intents."""
+    upward = comparison in (">", ">=")
+    base = load_policy(None).rule("expert_queue_soft_limit")
+    spec = dataclasses.replace(base, comparison=comparison, fire=50.0 if upward else 10.0,
+                               clear=25.0 if upward else 30.0, window_evals=3, clear_window_evals=2, cooldown_s=1.0)
+    rng = random.Random(comparison)
+    fast, slow = RuleInstance(spec, (0, 1)), RuleInstance(spec, (0, 1))
+    intents = set()
+    for i in range(3000):
+        t_s = i * PERIOD_S
+        value = rng.choice([math.nan, 0.0, 10.0, 25.0, 30.0, 50.0, 90.0, rng.uniform(0, 100)])
+        got, want = fast.step(value, t_s), _reference_step(slow, value, t_s)
+        assert got == want, (i, value)
+        for inst in (fast, slow):
+            if got is Intent.FIRE:
+                inst.mark_fired(t_s)
+            elif got is Intent.REVERT:
+                inst.mark_reverted(t_s)
+        intents.add(got)
+        assert (fast.state, fast.count, fast.clear_count, list(fast.window_values), fast.suppressed_streak) == (
+            slow.state, slow.count, slow.clear_count, list(slow.window_values), slow.suppressed_streak), i
+    assert intents == {None, Intent.FIRE, Intent.REVERT}
+
+
+def test_policy_loop_stops_mid_wait_and_stops_twice() -> None:
+    """stop() ends the loop's wait at once, whatever its period (an hour here), from any thread
+    and more than once."""
+    engine = PolicyEngine(only("slo_latency"), audit=AuditLog(), dry_run=True)
+    waited = threading.Event()
+
+    def source() -> Signals:
+        waited.set()
+        return Signals(t_s=0.0, request_p99_ms=10.0)
+
+    loop = PolicyLoop(engine, source, period_s=3600.0)
+    loop.start()
+    assert waited.wait(60)  # its first evaluation made: the loop now waits out its hour
+    stopper = threading.Thread(target=loop.stop, kwargs={"timeout_s": 60.0})
+    stopper.start()
+    loop.stop(timeout_s=60.0)
+    stopper.join(60.0)
+    assert not loop._thread.is_alive() and not stopper.is_alive()
