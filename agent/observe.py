@@ -693,12 +693,17 @@ class HeldLogs(logging.Handler):
 
 
 _INGRESS_DROPS = frozenset(DROP_NAMES.values())
+# An NVTX ring's records the agent never received that no "*drop*" counter holds: slots claimed and
+# never committed (a writer that died or stalled mid-record, a ring file cut short), and what a
+# previous agent left in the ring at attach. (The producer's own drops are its *_dropped counters.)
+_NVTX_LOSSES = frozenset(("lost_uncommitted", "skipped_at_attach"))
 
 
 def _is_drop(counter: str) -> bool:
-    """A source counter that counts lost events: named "*drop*", or one of the ingress probe's
-    in-kernel loss counters (ring full, connection evicted, in-flight table full)."""
-    return "drop" in counter or counter in _INGRESS_DROPS
+    """A source counter that counts lost events: named "*drop*", one of the ingress probe's
+    in-kernel loss counters (ring full, connection evicted, in-flight table full), or an NVTX
+    ring's records lost on the agent's side."""
+    return "drop" in counter or counter in _INGRESS_DROPS or counter in _NVTX_LOSSES
 
 
 _PARSER_ANOMALIES = (

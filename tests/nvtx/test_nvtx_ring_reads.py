@@ -4,13 +4,20 @@ cut short under it reads as zeros, counted, where a mapping would have raised SI
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 
 from nvtx_helpers import WAIT_S, Capture, Producer, drain_until_finished
 
+from moescope.agent.daemon import Daemon
+from moescope.agent.export.processor import ExportStats
+from moescope.agent.metrics import Metrics
+from moescope.agent.observe import Observers
+from moescope.agent.pipeline import Pipeline
 from moescope.collectors.nvtx import HEADER_BYTES, OFF_RING_OFFSET, RECORD_BYTES, NvtxCollector, ring_path
 
 
@@ -83,3 +90,34 @@ def test_a_ring_cut_short_under_the_agent_reads_as_zeros_counted(start_producer:
     assert stats["records_received"] == keep, stats
     assert stats["lost_uncommitted"] == emitted - keep, stats
     assert stats["dropped_ring_full"] == 0
+
+
+def test_records_lost_on_the_agents_side_are_reported_as_drops(start_producer: Callable[..., Producer]) -> None:
+    """The cut-short ring's lost records reach the agent's drop reports: its summary line, the
+    per-source drop counter on /metrics and the per-pid drops of the ranks panel."""
+    producer = start_producer("--mode", "flood", "--threads", "1", "--count", "3000")
+    producer.expect_line("ready")
+    fd = os.open(ring_path(producer.pid, directory=producer.ring_dir), os.O_RDWR)
+    metrics = Metrics()
+    no_export = types.SimpleNamespace(stats=lambda: ExportStats(0, 0, 0, 0, 0, 0, 0, 0))  # (traces off here)
+    obs = Observers(args=argparse.Namespace(no_policy=True), daemon=Daemon(),
+                    pipeline=Pipeline(spans=None, metrics=metrics), tracing=no_export,  # type: ignore[arg-type]
+                    metrics=metrics, metrics_server=None)
+    collector = NvtxCollector(producer.pid, sink=Capture(), directory=producer.ring_dir)
+    try:
+        producer.go()
+        producer.expect_line("done")
+        assert producer.wait() == 0
+        ring_offset = int.from_bytes(os.pread(fd, 8, OFF_RING_OFFSET), "little")
+        os.ftruncate(fd, ring_offset + 100 * RECORD_BYTES)
+        drain_until_finished(collector)
+    finally:
+        collector.close()
+        os.close(fd)
+    obs.nvtx.append(collector)
+    lost = collector.stats()["lost_uncommitted"]
+    assert lost == 2900
+    assert obs._nvtx_drops_per_pid() == {producer.pid: lost}
+    row = next(s for s in obs._source_stats() if s.name == "nvtx")
+    assert row.drops_total == lost
+    assert metrics.get("moescope_agent_events_dropped", source="nvtx", reason="lost_uncommitted") == lost
