@@ -480,13 +480,13 @@ class PolicyLoop:
         self.source_errors = 0
         self.after_errors = 0
         self.skipped = 0
-        self._stop = threading.Event()
         # The loop sleeps on this lock, held until stop() releases it: a timed acquire is one C call,
         # where Event.wait runs threading.Condition's Python (~30 µs more a wake-up of a cold
         # thread on this VM; the loop wakes five times a second for its whole life)
         self._sleep = threading.Lock()
         self._sleep.acquire()
-        self._stop_lock = threading.Lock()  # (stop() from two threads releases the sleep lock once)
+        self._stopped = False  # set once, under _stop_lock: stop() from two threads releases once
+        self._stop_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="moescope-policy-loop", daemon=True)
 
     def start(self) -> None:
@@ -495,7 +495,7 @@ class PolicyLoop:
     def _run(self) -> None:
         name_thread("ms-policy")  # what `top -H` and the agent's CPU-by-thread line show
         next_s = time.monotonic()
-        while not self._stop.is_set():
+        while not self._stopped:
             try:
                 signals = self.source()
                 if signals is None:
@@ -524,7 +524,7 @@ class PolicyLoop:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         with self._stop_lock:
-            if not self._stop.is_set():
-                self._stop.set()
+            if not self._stopped:
+                self._stopped = True
                 self._sleep.release()
         self._thread.join(timeout_s)
