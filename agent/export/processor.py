@@ -22,6 +22,11 @@ where the same batches cost 5-6 alone; beside the runtime the agent's CPU fell ~
 still encodes whatever is queued when it wakes (spans another thread ended since the last round,
 or a caller that never calls encode_queued): nothing depends on the main loop calling it. Encoded
 payloads count as queued until written; an encoding error fails its spans (counted, logged).
+Once a caller encodes, a full batch no longer wakes the worker (half the queue does): at the
+reference load a 2 s round makes ~700-1400 spans, and the wake at every 512 had the worker take
+the rest of the round's spans and encode them itself, cold, beside the main loop — 2.15 of the
+agent's ~21 ms/s on its export thread, 0.31 after (docs/benchmarks.md "The export worker woken once
+a round").
 """
 
 from __future__ import annotations
@@ -112,6 +117,12 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self._encoded: deque[tuple[Any, int]] = deque()
         self._encoded_spans = 0  # spans in _encoded
         self._encoding = 0  # spans taken by encode_queued, not yet in _encoded
+        # The queue length whose reaching wakes the worker: a batch, until a caller encodes
+        # (encode_queued), then half the queue. A thread that encodes what it made once a round
+        # (the agent's main loop) would otherwise have the worker woken mid-round at every batch
+        # to encode the rest itself, cold and contending for the GIL (docs/benchmarks.md "The export
+        # worker woken once a round"); half the queue still leaves it room to drain before drops.
+        self._wake_at = self._max_batch
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._flush_requests: list[threading.Event] = []
@@ -145,7 +156,27 @@ class BoundedBatchSpanProcessor(SpanProcessor):
                 return
             self._queue.append(span)
             self._accepted += 1
-            wake = len(self._queue) >= self._max_batch
+            wake = len(self._queue) == self._wake_at  # (reaching it: the worker drains all it finds)
+        if wake:
+            self._wake.set()
+
+    def on_end_sampled(self, spans: Sequence[ReadableSpan]) -> None:
+        """``on_end`` for several finished spans at once, each known sampled (SpanFactory's, made
+        under the ALWAYS_ON sampler): one lock for them all. Past the queue bound the rest are
+        dropped and counted, as ``on_end`` drops them one by one."""
+        with self._lock:
+            if self._closing:
+                self._dropped_shutdown += len(spans)
+                return
+            queue = self._queue
+            before = len(queue)
+            room = self._max_queue - before - self._encoded_spans - self._encoding
+            if room < len(spans):
+                self._dropped_full += len(spans) - max(room, 0)
+                spans = spans[:max(room, 0)]
+            queue.extend(spans)
+            self._accepted += len(spans)
+            wake = before < self._wake_at <= len(queue)
         if wake:
             self._wake.set()
 
@@ -158,6 +189,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         if encoder is None:
             return 0
         with self._lock:
+            self._wake_at = max(self._max_batch, self._max_queue // 2)  # a caller encodes: see __init__
             if self._closing or not self._queue:
                 return 0
             spans = list(self._queue)

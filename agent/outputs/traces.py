@@ -200,6 +200,15 @@ class TraceOutput:
 
     # ------------------------------------------------------------------ Output
     def export(self, batch: Sequence[JoinEvent]) -> None:
+        # the batch's spans reach the export queue together (SpanFactory.hold)
+        holding = self.spans.hold()
+        try:
+            self._export_events(batch)
+        finally:
+            if holding:
+                self.spans.release()
+
+    def _export_events(self, batch: Sequence[JoinEvent]) -> None:
         for event in batch:
             match event:
                 case StepSeen(step=b):
