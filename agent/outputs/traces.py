@@ -54,7 +54,7 @@ from moescope.agent.join import (
     StepSeen,
     TelemetrySeen,
 )
-from moescope.agent.request_phases import PHASES, RequestBreakdown
+from moescope.agent.request_phases import RequestBreakdown
 from moescope.agent.routing_health import LayerTable, StepsTable
 from moescope.collectors.host import MemorySignal
 from moescope.collectors.moe_convention import ROUTER_RANGE, FfnColumns, LayerColumns, LayerEvent, StepEvent
@@ -297,8 +297,9 @@ class TraceOutput:
         if phases is not None:
             # the phases tile [start, end] in order: each child starts where the previous one ended;
             # prefill and decode link to the steps they ran in that other traces own
-            at = phases.start_ns
+            at = phases.start_ns + off
             cut = phases.prefill_steps
+            children: list[tuple[str, int, int, Attributes | None, tuple[SpanLink, ...]]] = []
             for phase, ns in phases.phase_ns().items():
                 span_links: tuple[SpanLink, ...] = ()
                 attributes: Attributes | None = None
@@ -307,10 +308,9 @@ class TraceOutput:
                     self._counts["step_links"] += len(span_links)
                     if unlinked:
                         attributes = {"moe.phase.steps_unlinked": unlinked}
-                spans.record(PHASE_SPAN_NAMES[phase], start_ns=at + off, end_ns=at + ns + off, parent=parent,
-                             attributes=attributes, links=span_links)
+                children.append((PHASE_SPAN_NAMES[phase], at, at + ns, attributes, span_links))
                 at += ns
-            n += len(PHASES)
+            n += spans.record_siblings(parent, children)
         error = None if record.answered else "connection closed before a response was written"
         net_events = []
         for net in self._net_events.for_request(peer_addr=record.peer_addr, peer_port=record.peer_port,

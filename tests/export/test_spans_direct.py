@@ -96,6 +96,19 @@ def _workload(factory: SpanFactory) -> None:
     assert factory.record_children("moe.layer", parent=parent, children=stored) == 3
     assert factory.record_children("moe.layer", parent=SpanContext(0, 0, False),
                                    children=[(440, 430, {"a": 1}), (450, 460, {})]) == 2
+    # record_siblings (a request's phases), made while the factory holds its finished spans: names,
+    # attributes to clean, links plain and shared, past the limits, an invalid parent, end before start
+    holding = factory.hold()
+    siblings = [
+        ("receive", 500, 510, None, ()),
+        ("prefill", 510, 505, {"moe.phase.steps_unlinked": 3, "n": None, "arr": [1, 2]},
+         (SpanLink(remote, SHARED_LINK), SpanLink(remote, {"x": 1}))),
+        ("decode", 520, 530, many, [SpanLink(remote, {"x": 1, "y": 2, "z": 3}) for _ in range(4)]),
+    ]
+    assert factory.record_siblings(parent, siblings) == 3
+    assert factory.record_siblings(SpanContext(0, 0, False), siblings[:2]) == 2
+    if holding:
+        factory.release()
 
 
 def _fields(span: ReadableSpan) -> dict[str, Any]:
@@ -121,7 +134,7 @@ def test_direct_spans_equal_sdk_spans() -> None:
         _workload(direct)
         _workload(sdk)
         a, b = list(direct_out.get_finished_spans()), list(sdk_out.get_finished_spans())
-        assert len(a) == len(b) == 21
+        assert len(a) == len(b) == 26
         assert [_fields(s) for s in a] == [_fields(s) for s in b]
         assert spans_to_line(a) == spans_to_line(b) == request_to_line(encode_spans(b))
     over = {s.name: s for s in a}["over-limits"]
