@@ -275,10 +275,16 @@ class TraceOutput:
         if phases is not None:
             attrs.update(breakdown_attributes(phases))
         off = self.epoch_offset_ns
-        server = spans.start(
-            "http.server.request", start_ns=record.start_ns + off, kind=SpanKind.SERVER, attributes=attrs
-        )
-        parent = server.get_span_context()
+        error = None if record.answered else "connection closed before a response was written"
+        net_events = []
+        for net in self._net_events.for_request(peer_addr=record.peer_addr, peer_port=record.peer_port,
+                                                 start_ns=record.start_ns, end_ns=record.end_ns):
+            name, net_attrs = span_event_fields(net, reset_reasons=reset_reason_name)
+            net_events.append(SpanEvent(name, net.ts_ns + off, net_attrs))
+        # the server span whole in one call (all of it is known now), before its children: one
+        # finished span, not a live one ended after them
+        parent = spans.record("http.server.request", start_ns=record.start_ns + off, end_ns=record.end_ns + off,
+                              kind=SpanKind.SERVER, attributes=attrs, events=net_events, error=error)
         n = 1
         # per step of the request (oldest first), the link to its owner's span in another trace (None
         # where this trace holds the step: its owner subtree, made here; or where none is left of it)
@@ -311,13 +317,6 @@ class TraceOutput:
                 children.append((PHASE_SPAN_NAMES[phase], at, at + ns, attributes, span_links))
                 at += ns
             n += spans.record_siblings(parent, children)
-        error = None if record.answered else "connection closed before a response was written"
-        net_events = []
-        for net in self._net_events.for_request(peer_addr=record.peer_addr, peer_port=record.peer_port,
-                                                 start_ns=record.start_ns, end_ns=record.end_ns):
-            name, net_attrs = span_event_fields(net, reset_reasons=reset_reason_name)
-            net_events.append(SpanEvent(name, net.ts_ns + off, net_attrs))
-        spans.end(server, end_ns=record.end_ns + off, events=net_events, error=error)
         self._counts["spans"] += n
 
     # ------------------------------------------------------------------ steps
