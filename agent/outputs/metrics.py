@@ -292,7 +292,8 @@ class MetricsOutput:
             m.inc("moescope_response_sent_bytes", record.bytes_out)
         if event.steps:
             wait_s = max(0, event.steps[0].step.start_ns - record.start_ns) / 1e9
-            m.observe("moescope_request_queue_wait_seconds", wait_s)
+            with self._lock:  # held with the breakdown's values until the next flush (one bucketed update)
+                self._pending_observations.add("moescope_request_queue_wait_seconds", wait_s)
         phases = event.breakdown
         if phases is not None:
             self._breakdown(phases, answered=record.answered)
