@@ -622,6 +622,30 @@ class SpanFactory:
         span = self.start(name, start_ns=start_ns, parent=parent, kind=kind, attributes=attributes, links=links)
         return self.end(span, end_ns=end_ns, events=events, error=error)
 
+    def _contexts_under(self, parent: SpanContext, count: int) -> tuple[SpanContext | None, list[SpanContext]]:
+        """The parent its children name (None where ``parent`` is not valid) and ``count`` new span
+        contexts for them, as _direct_parts makes them: in the parent's trace with its trace state
+        and flags, or each a new root where the parent is not valid."""
+        valid = parent.is_valid
+        if valid:
+            flags = _SAMPLED_RANDOM if parent.trace_flags.random_trace_id else _SAMPLED
+            trace_id, trace_state = parent.trace_id, parent.trace_state
+        else:
+            flags, trace_state, trace_id = self._root_flags, _NO_TRACE_STATE, 0
+        new_span_id, new_trace_id, plain = self._ids.generate_span_id, self._ids.generate_trace_id, self._plain_contexts
+        contexts: list[SpanContext] = []
+        for _ in range(count):
+            if not valid:
+                trace_id = new_trace_id()
+            span_id = new_span_id()
+            if plain and 0 < span_id <= _SPAN_ID_MAX and 0 < trace_id <= _TRACE_ID_MAX:
+                # SpanContext(...) without its checks: the ids were just checked, the flags are ours
+                contexts.append(tuple.__new__(SpanContext, (trace_id, span_id, False, flags, trace_state, True)))
+            else:
+                contexts.append(SpanContext(trace_id, span_id, is_remote=False, trace_flags=flags,
+                                            trace_state=trace_state))
+        return (parent if valid else None), contexts
+
     def record_siblings(self, parent: SpanContext,
                         children: Sequence[tuple[str, int, int, Mapping[str, Any] | None, Sequence[SpanLink]]]) -> int:
         """One INTERNAL span under ``parent`` per ``(name, start_ns, end_ns, attributes, links)``, each
@@ -632,25 +656,11 @@ class SpanFactory:
             for name, start_ns, end_ns, attributes, links in children:
                 self.record(name, start_ns=start_ns, end_ns=end_ns, parent=parent, attributes=attributes, links=links)
             return len(children)
-        valid = parent.is_valid
-        if valid:
-            flags = _SAMPLED_RANDOM if parent.trace_flags.random_trace_id else _SAMPLED
-            trace_id, trace_state = parent.trace_id, parent.trace_state
-            span_parent: SpanContext | None = parent
-        else:  # (each child a new root, as _direct_parts makes it)
-            flags, trace_state, span_parent = self._root_flags, _NO_TRACE_STATE, None
-        new_span_id, new_trace_id = self._ids.generate_span_id, self._ids.generate_trace_id
-        plain, limit = self._plain_contexts, self._limits.max_span_attributes
+        span_parent, contexts = self._contexts_under(parent, len(children))
+        limit = self._limits.max_span_attributes
         finished = self._finished
         internal = SpanKind.INTERNAL
-        for name, start_ns, end_ns, attributes, links in children:
-            if not valid:
-                trace_id = new_trace_id()
-            span_id = new_span_id()
-            if plain and 0 < span_id <= _SPAN_ID_MAX and 0 < trace_id <= _TRACE_ID_MAX:
-                context = tuple.__new__(SpanContext, (trace_id, span_id, False, flags, trace_state, True))
-            else:
-                context = SpanContext(trace_id, span_id, is_remote=False, trace_flags=flags, trace_state=trace_state)
+        for context, (name, start_ns, end_ns, attributes, links) in zip(contexts, children, strict=True):
             attrs: dict[str, Any] | BoundedAttributes = span_attributes(attributes) if attributes else {}
             if limit is not None and len(attrs) > limit:
                 attrs = BoundedAttributes(limit, attrs, immutable=False, max_value_len=None)  # counted
@@ -674,16 +684,9 @@ class SpanFactory:
                 self.record(name, start_ns=start_ns, end_ns=end_ns, parent=parent, attributes=attributes)
                 made += 1
             return made
-        # the parent's trace, as _direct_parts takes it (an invalid parent: each child a new root)
-        valid = parent.is_valid
-        if valid:
-            flags = _SAMPLED_RANDOM if parent.trace_flags.random_trace_id else _SAMPLED
-            trace_id, trace_state = parent.trace_id, parent.trace_state
-        else:
-            flags, trace_state = self._root_flags, _NO_TRACE_STATE
-        span_parent = parent if valid else None
-        new_span_id, new_trace_id = self._ids.generate_span_id, self._ids.generate_trace_id
-        plain, limit = self._plain_contexts, self._limits.max_span_attributes
+        children = list(children)
+        span_parent, contexts = self._contexts_under(parent, len(children))
+        limit = self._limits.max_span_attributes
         resource, info, scope = self._resource, self._info, self._scope
         on_end: Callable[[ReadableSpan], None] = self._processor.on_end
         held = self._held
@@ -691,14 +694,7 @@ class SpanFactory:
             on_end = held.append
         internal = SpanKind.INTERNAL
         made = 0
-        for start_ns, end_ns, attrs in children:
-            if not valid:
-                trace_id = new_trace_id()
-            span_id = new_span_id()
-            if plain and 0 < span_id <= _SPAN_ID_MAX and 0 < trace_id <= _TRACE_ID_MAX:
-                context = tuple.__new__(SpanContext, (trace_id, span_id, False, flags, trace_state, True))
-            else:
-                context = SpanContext(trace_id, span_id, is_remote=False, trace_flags=flags, trace_state=trace_state)
+        for context, (start_ns, end_ns, attrs) in zip(contexts, children, strict=True):
             span_attrs: dict[str, Any] | BoundedAttributes = attrs
             if limit is not None and len(attrs) > limit:
                 span_attrs = BoundedAttributes(limit, attrs, immutable=True, max_value_len=None)  # counted

@@ -9,22 +9,14 @@ import time
 from collections.abc import Sequence
 
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from test_encode_queued import PlainExporter as Names
 
 from moescope.agent.export.processor import BoundedBatchSpanProcessor, Deadline
 from moescope.agent.export.spans import SpanFactory
 
 HOLD_MS = 3_600_000  # a schedule delay no test reaches: the worker wakes only when told to
-
-
-class Names(SpanExporter):
-    def __init__(self) -> None:
-        self.batches: list[list[str]] = []
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        self.batches.append([span.name for span in spans])
-        return SpanExportResult.SUCCESS
 
 
 class EncodingNames(Names):
