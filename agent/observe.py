@@ -58,6 +58,12 @@ POLICY_RETRY_S = 1.0
 # live view and /metrics alone and samples once a second (it was 0.25 % of a core at 5 Hz: a sixth
 # of an idle agent). The policy loop switches it back at its next evaluation when that changes.
 HOST_VIEW_PERIOD_S = 1.0
+# ... and while nobody watches live either (no `agent top` on the state file, no --tui), every 5 s:
+# /metrics is scraped every 15-30 s, and each sample was a wake-up of its own thread (~0.3-0.5 ms/s
+# on this VM, two thirds of it the wake-up: docs/benchmarks.md "The export worker woken once a
+# round; a request's spans in one call"). A live view brings it back to once a second at the next
+# pacing (the policy's next evaluation; without a policy, the main loop's next round).
+HOST_IDLE_PERIOD_S = 5.0
 EXPORT_STATS_PERIOD_NS = 250_000_000
 # The pipeline's held-back per-step metrics are written into the registry by every scrape (a
 # refresh hook) and by the daemon this often, which only bounds what they hold between scrapes:
@@ -153,10 +159,16 @@ class Observers:
         """The quiet loop's longest period: the live interval while a live view reads (this
         process's --tui, or `agent top` on the state file: PeriodicPublisher.watched), else the
         daemon's default (agent/daemon.py: a round with data has a set-up cost of its own)."""
-        publisher = self.publisher
-        watched = self.live_view or (publisher is not None and publisher.watched())
+        watched = self._watched()
         self.daemon.set_idle_period(live_idle_period_ns(self.args.interval) if watched else DEFAULT_IDLE_PERIOD_NS)
+        if self.policy is None:  # (with a policy, its evaluations pace the host sampler)
+            self._pace_host(policy_signal=False)
         return None
+
+    def _watched(self) -> bool:
+        """Whether a live view reads now: this process's --tui, or `agent top` on the state file."""
+        publisher = self.publisher
+        return self.live_view or (publisher is not None and publisher.watched())
 
     def _publish_metrics(self, now_ns: int) -> None:
         """Self-metrics and the live view's source rows, on the daemon thread (sources are polled
@@ -461,13 +473,17 @@ class Observers:
 
     def _pace_host(self, *, policy_signal: bool) -> None:
         """The host sampler at the policy's period (its configured sample_period_ms) while it
-        carries the policy's memory signal, else once a second (HOST_VIEW_PERIOD_S)."""
+        carries the policy's memory signal, else once a second while a live view reads
+        (HOST_VIEW_PERIOD_S) and every HOST_IDLE_PERIOD_S while nobody does."""
         telemetry = self.telemetry  # read once: the daemon thread may detach it meanwhile
         if telemetry is None:
             return
         engine = self.policy
         policy_period_s = engine.config.sample_period_s if engine is not None else DEFAULT_PERIOD_S
-        period_s = policy_period_s if policy_signal else HOST_VIEW_PERIOD_S
+        if policy_signal:
+            period_s = policy_period_s
+        else:
+            period_s = HOST_VIEW_PERIOD_S if self._watched() else HOST_IDLE_PERIOD_S
         for source in telemetry.sources:
             if source.name == "host":
                 source.set_period(period_s)

@@ -303,7 +303,9 @@ def test_the_agent_paces_its_quiet_rounds_by_whether_a_live_view_reads(tmp_path:
                                      interval_s=0.25, reader_linger_s=30.0)
     assert publisher.readers is not None
     obs = SimpleNamespace(publisher=None, live_view=False, daemon=Daemon(period_ns=BASE_NS),
-                          args=SimpleNamespace(interval=0.25))
+                          args=SimpleNamespace(interval=0.25), policy=None, telemetry=None)
+    obs._watched = lambda: Observers._watched(obs)  # type: ignore[arg-type]
+    obs._pace_host = lambda **kw: Observers._pace_host(obs, **kw)  # type: ignore[arg-type]  # (no sampler here)
     try:
         Observers._pace_rounds(obs, 0)  # type: ignore[arg-type]  # no state file at all: nobody can watch
         assert obs.daemon.idle_period_ns == DEFAULT_IDLE_PERIOD_NS

@@ -1,6 +1,7 @@
 """agent/observe.py: the host-memory sampler keeps the policy's 200 ms period only while it is the
 policy's memory signal; where the runtime's device-pool accounting (or NVML) is, it feeds the live
-view alone and samples once a second, and it is back at 200 ms at the next evaluation that needs it."""
+view and /metrics alone and samples once a second while a live view reads, every 5 s while nobody
+does, and it is back at 200 ms at the next evaluation that needs it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import replace
 
 from moescope.agent.daemon import Daemon
 from moescope.agent.metrics import Metrics
-from moescope.agent.observe import HOST_VIEW_PERIOD_S, Observers
+from moescope.agent.observe import HOST_IDLE_PERIOD_S, HOST_VIEW_PERIOD_S, Observers
 from moescope.agent.pipeline import Pipeline
 from moescope.agent.policy.audit import AuditLog
 from moescope.agent.policy.config import load_policy
@@ -40,11 +41,12 @@ class RuntimeView:
         return Signals(t_s=time.monotonic(), device_memory_used_ratio=self.ratio)
 
 
-def _observers(*, no_policy: bool = False) -> tuple[Observers, SampledSource]:
+def _observers(*, no_policy: bool = False, watched: bool = True) -> tuple[Observers, SampledSource]:
     metrics = Metrics()
-    obs = Observers(args=argparse.Namespace(no_policy=no_policy), daemon=Daemon(),
+    obs = Observers(args=argparse.Namespace(no_policy=no_policy, interval=1.0), daemon=Daemon(),
                     pipeline=Pipeline(spans=None, metrics=metrics),
                     tracing=None, metrics=metrics, metrics_server=None)  # type: ignore[arg-type]
+    obs.live_view = watched  # (as --tui sets it; `agent top` reading the state file is the other way)
     host = SampledSource(HostCollector(os.getpid()), emit=lambda _r: None)
     obs.telemetry = SampledSources((host,))
     return obs, host
@@ -90,4 +92,28 @@ def test_the_host_sampler_follows_the_policy_s_configured_sample_period() -> Non
 def test_without_a_policy_the_host_sampler_feeds_the_view_once_a_second() -> None:
     obs, host = _observers(no_policy=True)
     obs._pace_host(policy_signal=False)  # what _attach_telemetry does under --no-policy
+    assert host.period_s == HOST_VIEW_PERIOD_S
+
+
+def test_while_nobody_watches_the_view_s_sampler_slows_to_its_idle_period() -> None:
+    obs, host = _observers(watched=False)
+    obs.pipeline.sink(TelemetryRecord("host", host_sample()))
+    obs.stats_signals = RuntimeView(0.42)  # the runtime's pool is the policy's signal: the view's sampler
+    obs.policy_signals()
+    assert host.period_s == HOST_IDLE_PERIOD_S
+    obs.live_view = True  # someone watches live: once a second from the next evaluation
+    obs.policy_signals()
+    assert host.period_s == HOST_VIEW_PERIOD_S
+    obs.live_view = False
+    obs.stats_signals = RuntimeView(math.nan)  # the host signal is the policy's again: its period, watched or not
+    obs.policy_signals()
+    assert host.period_s == DEFAULT_PERIOD_S
+
+
+def test_without_a_policy_the_main_loop_s_rounds_pace_the_sampler() -> None:
+    obs, host = _observers(no_policy=True, watched=False)
+    obs._pace_rounds(0)
+    assert host.period_s == HOST_IDLE_PERIOD_S
+    obs.live_view = True
+    obs._pace_rounds(0)
     assert host.period_s == HOST_VIEW_PERIOD_S
