@@ -531,11 +531,7 @@ class SpanFactory:
             links=links, kind=kind, instrumentation_info=self._info, status=status, start_time=start_ns,
             end_time=end_ns, instrumentation_scope=self._scope,
         )
-        held = self._held
-        if held is not None and self._holder == get_ident():
-            held.append(span)
-        else:
-            self._processor.on_end(span)
+        self._sink()(span)
 
     # --- holding finished spans --------------------------------------------------------------
     def hold(self) -> bool:
@@ -550,6 +546,13 @@ class SpanFactory:
         self._holder = get_ident()
         self._held = []
         return True
+
+    def _sink(self) -> Callable[[ReadableSpan], None]:
+        """Where this thread's finished spans go now: the held list while it holds, else the processor."""
+        held = self._held
+        if held is not None and self._holder == get_ident():
+            return held.append
+        return self._processor.on_end
 
     def release(self) -> None:
         """Hand the held spans on, in the order they finished, and stop holding."""
@@ -688,10 +691,7 @@ class SpanFactory:
         span_parent, contexts = self._contexts_under(parent, len(children))
         limit = self._limits.max_span_attributes
         resource, info, scope = self._resource, self._info, self._scope
-        on_end: Callable[[ReadableSpan], None] = self._processor.on_end
-        held = self._held
-        if held is not None and self._holder == get_ident():
-            on_end = held.append
+        on_end = self._sink()
         internal = SpanKind.INTERNAL
         made = 0
         for context, (start_ns, end_ns, attrs) in zip(contexts, children, strict=True):
