@@ -52,7 +52,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -344,8 +344,9 @@ class StepEvent:
 
     __slots__ = ("pid", "tid", "start_ns", "end_ns", "tokens", "requests", "request_tokens", "_layers",
                  "device_time_us", "_columns")
-    __match_args__ = ("pid", "tid", "start_ns", "end_ns", "tokens", "requests", "request_tokens", "layers",
-                      "device_time_us")
+    # (a ClassVar: mypyc, which compiles this module, keeps it on the class for `match`)
+    __match_args__: ClassVar[tuple[str, ...]] = ("pid", "tid", "start_ns", "end_ns", "tokens", "requests",
+                                                 "request_tokens", "layers", "device_time_us")
 
     def __init__(self, pid: int, tid: int, start_ns: int, end_ns: int, tokens: int | None,
                  requests: list[int] | None = None, request_tokens: dict[int, tuple[int, int]] | None = None,

@@ -225,7 +225,11 @@ MAX_CARRY_BLOB_BYTES = 64 << 20
 
 def injection_library_path() -> Path:
     """The built injection library (pip install -e . / scripts/setup.sh builds it)."""
-    path = Path(__file__).resolve().parent / "nvtx_inject" / LIBRARY_NAME
+    # found from the package's folder, not this module's file: the module may be the compiled build
+    # (moescope/compiled.py), which lives under build/compiled/
+    import moescope.collectors as package
+
+    path = Path(package.__path__[0]).resolve() / "nvtx_inject" / LIBRARY_NAME
     if not path.is_file():
         raise NvtxUnavailable(
             f"NVTX injection library not built ({path} missing): run `bash scripts/setup.sh`"
@@ -1068,6 +1072,9 @@ def _past_early_drain_marks(ring: NvtxRing) -> bool:
             or ring.blob_in_flight() >= ring.blob_bytes // BLOB_EARLY_DRAIN_FRACTION)
 
 
+_NOT_RUN = SourceHealth()  # frozen: one shared "not run yet"
+
+
 class NvtxCollector:
     """Drains one process's NVTX ring. Source shape for the agent's daemon loop: poll(now_ns) -> int
     (records drained), stats() -> dict[str, int], close()."""
@@ -1088,6 +1095,7 @@ class NvtxCollector:
         self.pid = pid
         self._sink = sink
         self.drain_period_ns = drain_period_ns
+        self._health = _NOT_RUN  # until the first drain
         self._last_drain_ns: int | None = None  # the first poll always drains
         # Monotonic time at which the last full drain began: every record committed before it has
         # been handed to the sink (the pipeline joins requests that ended before this).
@@ -1186,8 +1194,6 @@ class NvtxCollector:
         return self._finished
 
     # -- Source protocol
-
-    _health = SourceHealth()  # frozen: one shared "not run yet" until the first drain
 
     def poll(self, now_ns: int, *, force: bool = False) -> int:
         started_ns = _monotonic_ns()

@@ -77,8 +77,9 @@ class Source(Protocol):
 
     name: str
 
-    def poll(self, now_ns: int) -> int:
-        """Handle whatever is pending, emitting records; return how many events were handled."""
+    def poll(self, now_ns: int) -> int | None:
+        """Handle whatever is pending, emitting records; return how many events were handled (None
+        counts as none)."""
         ...
 
     def stats(self) -> dict[str, int]:

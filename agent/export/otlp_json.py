@@ -24,10 +24,10 @@ import json
 import logging
 import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -291,14 +291,18 @@ def _encode_attributes(attributes: Mapping[str, Any]) -> str:
     return "[" + ",".join(out) + "]" if out else ""
 
 
-def _cached(obj: Any, encode: Any, *, cache: dict[int, tuple[Any, str]] = _object_cache, limit: int = 64) -> str:
+_Text = TypeVar("_Text", str, bytes)
+
+
+def _cached(obj: Any, encode: Callable[[Any], _Text], *, cache: dict[int, tuple[Any, _Text]],
+            limit: int = 64) -> _Text:
     """encode(obj), kept by the object's identity (the object is kept with its text, so its id is
     not reused while cached): for objects that never change once made (otlp_proto keeps message
     bytes in a cache of its own the same way)."""
     entry = cache.get(id(obj))
     if entry is not None and entry[0] is obj:
         return entry[1]
-    text: str = encode(obj)
+    text = encode(obj)
     if len(cache) >= limit:
         cache.clear()
     cache[id(obj)] = (obj, text)
@@ -517,11 +521,11 @@ def _request_parts(
     parts: list[str | Sequence[ReadableSpan]] = ['{"resourceSpans":[']
     for r, (resource, scopes) in enumerate(groups):
         parts.append(',{"resource":' if r else '{"resource":')
-        parts.append(_cached(resource, _resource))
+        parts.append(_cached(resource, _resource, cache=_object_cache))
         parts.append(',"scopeSpans":[')
         for i, (scope, members) in enumerate(scopes):
             parts.append(',{"scope":' if i else '{"scope":')
-            parts.append(_cached(scope, _scope) if scope is not None else "{}")
+            parts.append(_cached(scope, _scope, cache=_object_cache) if scope is not None else "{}")
             parts.append(',"spans":[')
             parts.append(members)
             parts.append("]")

@@ -21,7 +21,7 @@ with no message object in between.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -61,9 +61,9 @@ def available() -> bool:
     return _native is not None
 
 
-def _cached(obj: Any, encode: Any) -> bytes:
+def _cached(obj: Any, encode: Callable[[Any], bytes]) -> bytes:
     """encode(obj) kept by identity in this module's cache (otlp_json's helper, bytes here)."""
-    return _cached_by_id(obj, encode, cache=_cache, limit=_CACHE_LIMIT)  # type: ignore[arg-type,return-value]
+    return _cached_by_id(obj, encode, cache=_cache, limit=_CACHE_LIMIT)
 
 
 def _varint(value: int) -> bytes:

@@ -37,7 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast
 
 from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, Context, attach, detach, set_value
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
@@ -50,13 +50,20 @@ log = logging.getLogger(__name__)
 _ERROR_LOG_INTERVAL_NS = 10_000_000_000  # at most one export-error line per 10 s per processor
 
 
-@runtime_checkable
 class EncodingExporter(Protocol):
     """An exporter whose work splits into encoding (CPU, any thread) and export (I/O, the worker)."""
 
     def encode(self, spans: Sequence[ReadableSpan]) -> Any: ...
 
     def export_encoded(self, payload: Any) -> SpanExportResult: ...
+
+
+def _as_encoding(exporter: SpanExporter) -> EncodingExporter | None:
+    """The exporter as an EncodingExporter where it has both methods (a duck check: the agent's hot
+    path is compiled with mypyc, which has no runtime-checkable protocols)."""
+    if callable(getattr(exporter, "encode", None)) and callable(getattr(exporter, "export_encoded", None)):
+        return cast(EncodingExporter, exporter)
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +120,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self._on_stats = on_stats
         self._queue: deque[ReadableSpan] = deque()
         # encoded payloads (encode_queued) waiting for the worker, with their span counts
-        self._encoder: EncodingExporter | None = exporter if isinstance(exporter, EncodingExporter) else None
+        self._encoder: EncodingExporter | None = _as_encoding(exporter)
         self._encoded: deque[tuple[Any, int]] = deque()
         self._encoded_spans = 0  # spans in _encoded
         self._encoding = 0  # spans taken by encode_queued, not yet in _encoded

@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from moescope.agent.policy.actuator import ActionOutcome, Actuator, CommandFailed, RuntimeState, describe_plan
 from moescope.agent.policy.audit import AuditLog, AuditRecord, now_unix_s
@@ -458,6 +458,12 @@ class PolicyEngine:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
+class Evaluator(Protocol):
+    """What PolicyLoop drives: a PolicyEngine, or a stand-in with its ``evaluate``."""
+
+    def evaluate(self, signals: Signals) -> object: ...
+
+
 class PolicyLoop:
     """Calls engine.evaluate(source()) every period on its own thread (drift-free schedule).
     A source that raises or returns None is counted and skipped; the loop never stops on bad data.
@@ -467,7 +473,7 @@ class PolicyLoop:
 
     def __init__(
         self,
-        engine: PolicyEngine,
+        engine: Evaluator,
         source: Callable[[], Signals | None],
         *,
         period_s: float,
@@ -487,10 +493,10 @@ class PolicyLoop:
         self._sleep.acquire()
         self._stopped = False  # set once, under _stop_lock: stop() from two threads releases once
         self._stop_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="moescope-policy-loop", daemon=True)
+        self._loop_thread = threading.Thread(target=self._run, name="moescope-policy-loop", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        self._loop_thread.start()
 
     def _run(self) -> None:
         name_thread("ms-policy")  # what `top -H` and the agent's CPU-by-thread line show
@@ -527,4 +533,4 @@ class PolicyLoop:
             if not self._stopped:
                 self._stopped = True
                 self._sleep.release()
-        self._thread.join(timeout_s)
+        self._loop_thread.join(timeout_s)

@@ -50,7 +50,7 @@ class _Engine:
 def test_the_policy_loop_an_exporter_and_the_state_file_name_their_threads(tmp_path: Path) -> None:
     processor = BoundedBatchSpanProcessor(_Exporter(), max_queue_spans=8, max_batch_spans=4, schedule_delay_ms=50,
                                           name="file")
-    loop = PolicyLoop(_Engine(), lambda: None, period_s=0.05)  # type: ignore[arg-type]  # a stand-in engine
+    loop = PolicyLoop(_Engine(), lambda: None, period_s=0.05)  # a stand-in engine (PolicyLoop's Evaluator)
     state = st.StatePublisher(state_dir=tmp_path)
     now = time.time()
     snapshot = st.Snapshot(header=st.Header(agent_pid=os.getpid(), started_unix_s=now), taken_unix_s=now)
@@ -58,7 +58,7 @@ def test_the_policy_loop_an_exporter_and_the_state_file_name_their_threads(tmp_p
     loop.start()
     publisher.start()
     try:
-        threads = [processor._worker, loop._thread, publisher._thread]
+        threads = [processor._worker, loop._loop_thread, publisher._thread]
         assert _names_of(threads) == {"moescope-export-file": "ms-export-file", "moescope-policy-loop": "ms-policy",
                                       "moescope-state": "ms-state"}
         deadline = time.monotonic() + WAIT_S

@@ -17,7 +17,7 @@ from sample_trace import emit_sample
 
 from moescope.agent.export import ExportFlags, build_tracing, resolve_export_config
 from moescope.agent.export.file_exporter import OtlpJsonFileExporter, trace_files
-from moescope.agent.export.processor import BoundedBatchSpanProcessor, Deadline, EncodingExporter
+from moescope.agent.export.processor import BoundedBatchSpanProcessor, Deadline, _as_encoding
 from moescope.agent.export.spans import SpanFactory
 
 HOLD_MS = 3_600_000  # a schedule delay no test reaches: the worker wakes only when told to
@@ -78,8 +78,8 @@ def _accounted(stats: Any) -> int:
 
 def test_the_file_exporter_is_an_encoding_exporter(tmp_path: Path) -> None:
     exporter = OtlpJsonFileExporter(tmp_path, max_file_bytes=1 << 20, files_keep=2)
-    assert isinstance(exporter, EncodingExporter)
-    assert not isinstance(PlainExporter(), EncodingExporter)
+    assert _as_encoding(exporter) is exporter
+    assert _as_encoding(PlainExporter()) is None
 
 
 def test_encoded_on_the_caller_and_written_by_the_worker() -> None:

@@ -474,4 +474,4 @@ def test_policy_loop_stops_mid_wait_and_stops_twice() -> None:
     stopper.start()
     loop.stop(timeout_s=60.0)
     stopper.join(60.0)
-    assert not loop._thread.is_alive() and not stopper.is_alive()
+    assert not loop._loop_thread.is_alive() and not stopper.is_alive()
