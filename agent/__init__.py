@@ -2,6 +2,12 @@
 
 import os
 
+from moescope import compiled
+
+# The compiled hot path (moescope/compiled.py) where it matches the sources: before any module of
+# this package is imported.
+compiled.install()
+
 # The agent does no heavy linear algebra. Asking numpy's BLAS for one thread (instead of the pool
 # it starts when numpy loads) keeps the agent single-threaded until it drops its privileges, which
 # has to happen before any other thread exists (agent/privileges.py); it also saves the pool's

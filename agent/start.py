@@ -43,7 +43,7 @@ from dataclasses import replace
 from types import FrameType
 from typing import IO, Any
 
-from moescope import errors, procfs
+from moescope import compiled, errors, procfs
 from moescope.agent import privileges
 from moescope.agent import state as st
 from moescope.agent.allocator import Allocator
@@ -471,6 +471,8 @@ def _observe(
         else:
             print(f"agent: observing {names} without kernel timing (--no-collector.ingress: no request spans, "
                   f"steps traced on their own); attached in {attach_s:.2f} s", file=sys.stderr, flush=True)
+        # on: mypyc's build of the per-step / per-request modules; off says why (moescope/compiled.py)
+        print(f"agent: compiled hot path {compiled.status()}", file=sys.stderr, flush=True)
         # Before any thread exists (Observers.build starts the exporters): see agent/privileges.py.
         if not args.keep_privileges:
             print(f"agent: {privileges.drop_to(privileges_to_keep(args))}", file=sys.stderr, flush=True)

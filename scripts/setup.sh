@@ -134,5 +134,7 @@ if [ "$(cat "$VENV/.moescope-stamp" 2>/dev/null)" != "$stamp" ] || ! "$VENV/bin/
     "${PIP[@]}" -e ".[test,hf]"
     echo "$stamp" > "$VENV/.moescope-stamp"
 fi
+# The agent's hot path compiled with mypyc (moescope/compiled.py): rebuilt only when its sources change.
+"$VENV/bin/python" scripts/compile_hot.py || die "compiling the hot path with mypyc failed (scripts/compile_hot.py)"
 "$VENV/bin/python" -c 'import bcc' || die "bcc not importable from the venv"
 say "ready: $VENV (kernel $KREL, headers $(readlink -f "$MOD/build"))"
