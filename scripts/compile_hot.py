@@ -50,10 +50,7 @@ def copy_sources(tree: Path) -> None:
         for path in source.rglob("*"):
             if path.suffix not in (".py", ".pyi") or "__pycache__" in path.parts:
                 continue
-            rel = path.relative_to(source)
-            if source == compiled.REPO / "moescope" and rel.parts[0] in compiled.NAMESPACED_FOLDERS:
-                continue  # (no such folder inside moescope/: the mapping is one way)
-            out = target / rel
+            out = target / path.relative_to(source)
             out.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, out)
 

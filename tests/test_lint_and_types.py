@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from moescope.compiled import NAMESPACED_FOLDERS  # the folders setup.py installs as subpackages
+
 REPO = Path(__file__).resolve().parent.parent
 TREE = REPO / "build" / "mypy-tree"
-# The folders setup.py installs as subpackages of `moescope` (its NAMESPACED_FOLDERS).
-NAMESPACED_FOLDERS = ("agent", "collectors", "probes", "examples")
 # mypy and ruff are slow enough to need more than the suite's default per-test timeout on a cold cache.
 GATE_TIMEOUT_S = 600
 MYPY_LOCATION = re.compile(r"^(?P<path>[^:\s]+\.py)(?P<rest>:\d+:.*)$")
