@@ -26,21 +26,41 @@
 
 #include "double_repr.h"
 
+/* The text is written either into memory of its own (data) or, where the caller wants bytes,
+ * straight into the bytes object it returns (bytes: no copy of a ~0.1-1 MB text at the end, and
+ * none of the page faults of that copy's fresh memory). */
 typedef struct {
     char *data;
     size_t len, cap;
+    PyObject *bytes; /* NULL, or the bytes object data lives in (its size is cap until the end) */
 } Buf;
 
 static int buf_reserve(Buf *b, size_t extra) {
     if (b->len + extra <= b->cap) return 0;
     size_t cap = b->cap ? b->cap : 4096;
     while (cap < b->len + extra) cap *= 2;
-    char *data = PyMem_Realloc(b->data, cap);
-    if (!data) {
-        PyErr_NoMemory();
-        return -1;
+    if (b->bytes != NULL) {
+        if (_PyBytes_Resize(&b->bytes, (Py_ssize_t)cap) < 0) return -1; /* (frees it on failure) */
+        b->data = PyBytes_AS_STRING(b->bytes);
+    } else {
+        char *data = PyMem_Realloc(b->data, cap);
+        if (!data) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        b->data = data;
     }
-    b->data = data;
+    b->cap = cap;
+    return 0;
+}
+
+/* A Buf that writes into a new bytes object of `cap` bytes. */
+static int buf_into_bytes(Buf *b, size_t cap) {
+    if (cap < 4096) cap = 4096;
+    b->bytes = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)cap);
+    if (b->bytes == NULL) return -1;
+    b->data = PyBytes_AS_STRING(b->bytes);
+    b->len = 0;
     b->cap = cap;
     return 0;
 }
@@ -53,6 +73,20 @@ static int buf_add(Buf *b, const char *s, size_t n) {
 }
 
 #define ADD_LIT(b, lit) buf_add((b), (lit), sizeof(lit) - 1)
+
+/* v as 16 lowercase hex digits, as "%016llx" writes it (snprintf was ~2 % of the agent's main
+ * thread at the reference load: three ids a span). */
+static int buf_hex16(Buf *b, unsigned long long v) {
+    static const char digits[] = "0123456789abcdef";
+    if (buf_reserve(b, 16) < 0) return -1;
+    char *p = b->data + b->len;
+    for (int i = 15; i >= 0; i--) {
+        p[i] = digits[v & 0xf];
+        v >>= 4;
+    }
+    b->len += 16;
+    return 0;
+}
 
 /* Decimal text of v, as "%lld" writes it (snprintf was most of an int array's cost: a layer span
  * carries two E-long arrays of counts). */
@@ -461,21 +495,20 @@ static int add_span(Buf *b, PyObject *span, PyObject *link_text, PyObject *event
     Fields f = t.f;
     PyObject *attrs = f.attributes, *message = t.message;
     long kind = t.kind, code = t.code;
-    char head[96];
-    int n = snprintf(head, sizeof head, "{\"traceId\":\"%016llx%016llx\",\"spanId\":\"%016llx\"", t.hi, t.lo, t.span_id);
     rc = ERROR;
-    if (buf_add(b, head, (size_t)n) < 0) goto done;
+    if (ADD_LIT(b, "{\"traceId\":\"") < 0 || buf_hex16(b, t.hi) < 0 || buf_hex16(b, t.lo) < 0
+        || ADD_LIT(b, "\",\"spanId\":\"") < 0 || buf_hex16(b, t.span_id) < 0 || ADD_LIT(b, "\"") < 0)
+        goto done;
     if (f.parent != Py_None) {
-        n = snprintf(head, sizeof head, ",\"parentSpanId\":\"%016llx\"", t.parent_id);
-        if (buf_add(b, head, (size_t)n) < 0) goto done;
+        if (ADD_LIT(b, ",\"parentSpanId\":\"") < 0 || buf_hex16(b, t.parent_id) < 0 || ADD_LIT(b, "\"") < 0)
+            goto done;
     }
     if (PyUnicode_GET_LENGTH(f.name) > 0) {
         if (ADD_LIT(b, ",\"name\":") < 0) goto done;
         if ((rc = add_string(b, f.name)) != OK) goto done;
         rc = ERROR;
     }
-    n = snprintf(head, sizeof head, ",\"kind\":%ld", kind + 1);
-    if (buf_add(b, head, (size_t)n) < 0) goto done;
+    if (ADD_LIT(b, ",\"kind\":") < 0 || buf_fmt_i64(b, (long long)kind + 1) < 0) goto done;
 #define TIME_FIELD(lit, t)                                                        \
     if ((rc = add_time(b, lit, sizeof(lit) - 1, (t))) != OK) goto done;
     TIME_FIELD(",\"startTimeUnixNano\":\"", f.start)
@@ -494,8 +527,9 @@ static int add_span(Buf *b, PyObject *span, PyObject *link_text, PyObject *event
         rc = ERROR;
     }
     if (code) {
-        n = snprintf(head, sizeof head, "%s\"code\":%ld", message != NULL ? "," : "", code);
-        if (buf_add(b, head, (size_t)n) < 0) goto done;
+        if ((message != NULL && ADD_LIT(b, ",") < 0) || ADD_LIT(b, "\"code\":") < 0
+            || buf_fmt_i64(b, (long long)code) < 0)
+            goto done;
     }
     if (ADD_LIT(b, "},\"flags\":") < 0) goto done;
     if ((rc = add_flags(b, f.parent)) != OK) goto done;
@@ -527,7 +561,7 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     Buf b = {0};
     size_t hint = last_text_len + last_text_len / 8;
     if (hint > ((size_t)64 << 20)) hint = (size_t)64 << 20;
-    if (hint && buf_reserve(&b, hint) < 0) goto fail;
+    if (as_bytes ? buf_into_bytes(&b, hint) < 0 : (hint && buf_reserve(&b, hint) < 0)) goto fail;
     if (as_bytes && buf_add(&b, prefix.buf, (size_t)prefix.len) < 0) goto fail;
     Py_ssize_t n = PyTuple_GET_SIZE(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -547,11 +581,18 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     }
     if (as_bytes && buf_add(&b, suffix.buf, (size_t)suffix.len) < 0) goto fail;
     last_text_len = b.len;
-    out = as_bytes ? PyBytes_FromStringAndSize(b.data ? b.data : "", (Py_ssize_t)b.len)
-                   : PyUnicode_FromStringAndSize(b.data ? b.data : "", (Py_ssize_t)b.len);
+    if (as_bytes) {
+        if (_PyBytes_Resize(&b.bytes, (Py_ssize_t)b.len) == 0) {
+            out = b.bytes; /* (the Buf's reference, handed over) */
+            b.bytes = NULL;
+        }
+    } else {
+        out = PyUnicode_FromStringAndSize(b.data ? b.data : "", (Py_ssize_t)b.len);
+    }
 fail:
     Py_DECREF(seq);
-    PyMem_Free(b.data);
+    if (b.bytes != NULL) Py_DECREF(b.bytes);
+    else if (!as_bytes) PyMem_Free(b.data);
 done:
     if (prefix.buf) PyBuffer_Release(&prefix);
     if (suffix.buf) PyBuffer_Release(&suffix);
@@ -765,6 +806,8 @@ done:
 /* encode_pb(spans, fallback, link_pb, event_pb, shared_type, span_type) -> bytes: each span as a
  * `spans` field of ScopeSpans (tag, length, Span message); fallback(span) gives the Span message
  * bytes of a span this does not take. */
+static size_t last_pb_len; /* as last_text_len, for the protobuf messages */
+
 static PyObject *encode_pb(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *spans, *fallback, *link_pb, *event_pb, *shared_type, *span_type;
@@ -776,6 +819,9 @@ static PyObject *encode_pb(PyObject *self, PyObject *args) {
     PyObject *out = NULL;
     Buf b = {0};
     Py_ssize_t n = PyTuple_GET_SIZE(seq);
+    size_t hint = last_pb_len + last_pb_len / 8;
+    if (hint > ((size_t)64 << 20)) hint = (size_t)64 << 20;
+    if (buf_into_bytes(&b, hint) < 0) goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *span = PyTuple_GET_ITEM(seq, i);
         int rc = pb_span(&b, span, link_pb, event_pb, shared_type, span_type);
@@ -789,10 +835,14 @@ static PyObject *encode_pb(PyObject *self, PyObject *args) {
             if (added != OK) goto fail;
         }
     }
-    out = PyBytes_FromStringAndSize(b.data ? b.data : "", (Py_ssize_t)b.len);
+    last_pb_len = b.len;
+    if (_PyBytes_Resize(&b.bytes, (Py_ssize_t)b.len) == 0) {
+        out = b.bytes; /* (the Buf's reference, handed over) */
+        b.bytes = NULL;
+    }
 fail:
     Py_DECREF(seq);
-    PyMem_Free(b.data);
+    Py_XDECREF(b.bytes);
     return out;
 }
 
