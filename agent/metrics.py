@@ -486,7 +486,8 @@ class Metrics:
                 raise _wrong_kind(drop, family, "inc")
             family.labels(name).inc()
 
-    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
+    def inc(self, name: str, amount: float, **labels: str) -> None:
+        # (amount has no default: mypyc 2.4 cannot write the text signature of a default before **labels)
         child = self._child(name, labels)
         if child is None:
             return
@@ -741,7 +742,7 @@ class MetricsServer:
         self.addr = addr
         self.requested_port = port
         self._server: _MetricsHttpServer | None = None
-        self._thread: threading.Thread | None = None
+        self._server_thread: threading.Thread | None = None
         self._wake: tuple[int, int] | None = None  # the pipe stop() wakes the serving loop with
 
     def start(self) -> int:
@@ -763,7 +764,7 @@ class MetricsServer:
         wake = os.pipe()
         thread = threading.Thread(target=server.serve_until, args=(wake[0],), name="moescope-metrics-http",
                                   daemon=True)
-        self._server, self._thread, self._wake = server, thread, wake
+        self._server, self._server_thread, self._wake = server, thread, wake
         thread.start()
         if thread.native_id is not None:
             name_thread("ms-metrics-http", tid=thread.native_id)
@@ -778,16 +779,16 @@ class MetricsServer:
     def stop(self) -> None:
         if self._wake is not None:
             os.write(self._wake[1], b"x")
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        if self._server_thread is not None:
+            self._server_thread.join(timeout=5)
         if self._server is not None:
             self._server.server_close()
             self._server = None
-        if self._wake is not None and (self._thread is None or not self._thread.is_alive()):
+        if self._wake is not None and (self._server_thread is None or not self._server_thread.is_alive()):
             for fd in self._wake:
                 os.close(fd)
             self._wake = None
-        self._thread = None
+        self._server_thread = None
 
 
 class _Delegate(Collector):

@@ -427,7 +427,7 @@ NETNS_COUNTERS: tuple[tuple[str, str], ...] = (
 class CounterSink(Protocol):
     """What publish_net_signals needs of moescope.agent.metrics.Metrics (which has it)."""
 
-    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None: ...
+    def inc(self, name: str, amount: float, **labels: str) -> None: ...
 
 
 def publish_net_signals(metrics: CounterSink, record: NetSignalRecord) -> None:

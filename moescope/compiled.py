@@ -36,18 +36,20 @@ from types import ModuleType
 
 # The modules compiled (mypyc's group: they call each other natively). Each must be imported only
 # through moescope.agent or moescope.collectors, whose __init__ installs the finder first.
-# Left out: agent/metrics.py (mypyc 2.4 cannot write the text signature of `inc(self, name, amount=1.0,
-# **labels)`); agent/observe.py (agent/start.py subclasses its Observers, and a compiled class takes
-# no interpreted subclass); collectors/nvtx.py (its ring reader deletes attributes to drop its views,
-# which a compiled class does not allow, and its cost is the ring reads, not Python); the neutral
-# modules under moescope/ (a serving process imports them without the finder, so they could meet
-# compiled modules as pure-Python copies).
+# (agent/metrics.py is in: its `inc` takes its amount without a default, since mypyc 2.4 cannot
+# write the text signature of a default before **labels, and its server thread is not `_thread`,
+# which mypyc names `__thread` in C, a GCC keyword.) Left out: agent/observe.py (agent/start.py
+# subclasses its Observers, and a compiled class takes no interpreted subclass); collectors/nvtx.py
+# (its ring reader deletes attributes to drop its views, which a compiled class does not allow, and
+# its cost is the ring reads, not Python); the neutral modules under moescope/ (a serving process
+# imports them without the finder, so they could meet compiled modules as pure-Python copies).
 HOT_MODULES: tuple[str, ...] = (
     "moescope.agent.daemon",
     "moescope.agent.export.otlp_json",
     "moescope.agent.export.processor",
     "moescope.agent.export.spans",
     "moescope.agent.join",
+    "moescope.agent.metrics",
     "moescope.agent.outputs.kernel_requests",
     "moescope.agent.outputs.metrics",
     "moescope.agent.outputs.traces",

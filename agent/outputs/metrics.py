@@ -287,7 +287,7 @@ class MetricsOutput:
         record = event.record
         if self._kernel_totals is None:  # else counted in the kernel (use_kernel_totals)
             m.observe("moescope_request_duration_seconds", (record.end_ns - record.start_ns) / 1e9)
-            m.inc("moescope_requests")
+            m.inc("moescope_requests", 1.0)
             m.inc("moescope_request_received_bytes", record.bytes_in)
             m.inc("moescope_response_sent_bytes", record.bytes_out)
         if event.steps:

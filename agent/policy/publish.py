@@ -31,7 +31,7 @@ SEVERITY = {"firing": 0, "clearing": 1, "pending": 2, "cooling": 3, "armed": 4}
 
 
 class MetricsSink(Protocol):
-    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None: ...
+    def inc(self, name: str, amount: float, **labels: str) -> None: ...
     def set(self, name: str, value: float, **labels: str) -> None: ...
     def set_policy_state(self, *, rule: str, state: str) -> None: ...
     def set_counter_total(self, name: str, total: float, **labels: str) -> None: ...
@@ -113,7 +113,7 @@ def policy_snapshot(engine: PolicyEngine, *, actions: int = 20) -> Policy:
 
 def metrics_hook(metrics: MetricsSink) -> AuditHook:
     def hook(rec: AuditRecord) -> None:
-        metrics.inc("moescope_policy_actions", rule=rec.rule, action=rec.action, outcome=outcome_label(rec))
+        metrics.inc("moescope_policy_actions", 1.0, rule=rec.rule, action=rec.action, outcome=outcome_label(rec))
 
     return hook
 
