@@ -215,3 +215,31 @@ def test_sdk_path_kept_where_direct_would_differ() -> None:
     limited = TracerProvider(sampler=ALWAYS_ON, span_limits=SpanLimits(max_span_attribute_length=8))
     assert SpanFactory(limited.get_tracer("t")).direct is False  # value truncation: the SDK does it
     assert SpanFactory(TracerProvider(sampler=ALWAYS_ON).get_tracer("t")).direct is True
+
+
+def test_finished_span_sets_exactly_the_fields_the_sdk_constructor_sets() -> None:
+    """The factory builds ReadableSpan objects without the SDK's keyword constructor (spans.py
+    finished_span): the same type and the same instance fields, each the object given. An SDK that
+    adds, renames or derives a field fails here."""
+    from opentelemetry.sdk.util.instrumentation import InstrumentationInfo, InstrumentationScope
+    from opentelemetry.trace import Link, Status
+
+    from moescope.agent.export.spans import finished_span
+
+    context = SpanContext(1 << 70, 7, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    parent = SpanContext(1 << 70, 3, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    args: dict[str, Any] = dict(
+        name="moe.step", context=context, parent=parent, kind=SpanKind.SERVER, attributes={"a": 1},
+        links=(Link(parent),), events=(), status=Status(StatusCode.ERROR, "boom"), start_time=10, end_time=20,
+        resource=Resource.create({"service.name": "t"}), instrumentation_info=InstrumentationInfo("moescope"),
+        instrumentation_scope=InstrumentationScope("moescope"),
+    )
+    sdk = ReadableSpan(**args)
+    ours = finished_span(args["name"], context, parent, args["kind"], args["attributes"], args["links"],
+                         args["events"], args["status"], 10, 20, args["resource"], args["instrumentation_info"],
+                         args["instrumentation_scope"])
+    assert type(ours) is ReadableSpan
+    assert vars(ours).keys() == vars(sdk).keys()
+    for key, value in vars(sdk).items():
+        assert getattr(ours, key) is value or getattr(ours, key) == value, key
+    assert spans_to_line([ours]) == spans_to_line([sdk])
