@@ -256,7 +256,15 @@ def test_the_poller_reads_the_page_between_calls(start_runtime: StartRuntime) ->
             by_call = RuntimeState.from_stats(rt.stats(), previous=None)
             assert held.penalty == {(0, 5): 0.3} == {k: v for k, v in by_call.penalty.items() if v}
             assert held.tokens == by_call.tokens and held.entropy_bits == by_call.entropy_bits
-            assert held.queue_depth == {k: v for k, v in by_call.queue_depth.items() if v}
+            # queue_depth is the last step's until the batcher's idle tick (every 0.5 s) clears it:
+            # on a loaded machine that tick can fall between the page read and this call. Then the
+            # call's queue_peak (the deepest of the last 200-400 ms) still holds what the page had.
+            live = {k: v for k, v in by_call.queue_depth.items() if v}
+            if live or not held.queue_depth:
+                assert held.queue_depth == live
+            else:
+                assert all(by_call.queue_peak.get(k, 0) >= v for k, v in held.queue_depth.items()), \
+                    (held.queue_depth, by_call.queue_peak)
         finally:
             calls.close()
         # penalised: reported so its rule can clear; and each queue the deepest of the latest one and
