@@ -54,7 +54,14 @@ static int buf_reserve(Buf *b, size_t extra) {
     return 0;
 }
 
-/* A Buf that writes into a new bytes object of `cap` bytes. */
+/* The room a new text starts with: about the last one's size (a batch's text is ~0.1-0.5 MB; grown
+ * from 4 KB it was copied a dozen times), at most 64 MB. */
+static size_t size_hint(size_t last_len) {
+    size_t hint = last_len + last_len / 8;
+    return hint > ((size_t)64 << 20) ? (size_t)64 << 20 : hint;
+}
+
+/* A Buf that writes into a new bytes object of `cap` bytes (at least 4 KB). */
 static int buf_into_bytes(Buf *b, size_t cap) {
     if (cap < 4096) cap = 4096;
     b->bytes = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)cap);
@@ -540,8 +547,7 @@ done:
     return rc;
 }
 
-/* The size of the last text made: the next one starts with about that much room (a batch's text is
- * ~0.1-0.5 MB; grown from 4 KB it was copied a dozen times). Read and written with the GIL held. */
+/* The size of the last text made (size_hint). Read and written with the GIL held. */
 static size_t last_text_len;
 
 static PyObject *encode(PyObject *self, PyObject *args) {
@@ -559,8 +565,7 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     PyObject *seq = PySequence_Tuple(spans);
     if (!seq) goto done;
     Buf b = {0};
-    size_t hint = last_text_len + last_text_len / 8;
-    if (hint > ((size_t)64 << 20)) hint = (size_t)64 << 20;
+    size_t hint = size_hint(last_text_len);
     if (as_bytes ? buf_into_bytes(&b, hint) < 0 : (hint && buf_reserve(&b, hint) < 0)) goto fail;
     if (as_bytes && buf_add(&b, prefix.buf, (size_t)prefix.len) < 0) goto fail;
     Py_ssize_t n = PyTuple_GET_SIZE(seq);
@@ -819,9 +824,7 @@ static PyObject *encode_pb(PyObject *self, PyObject *args) {
     PyObject *out = NULL;
     Buf b = {0};
     Py_ssize_t n = PyTuple_GET_SIZE(seq);
-    size_t hint = last_pb_len + last_pb_len / 8;
-    if (hint > ((size_t)64 << 20)) hint = (size_t)64 << 20;
-    if (buf_into_bytes(&b, hint) < 0) goto fail;
+    if (buf_into_bytes(&b, size_hint(last_pb_len)) < 0) goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *span = PyTuple_GET_ITEM(seq, i);
         int rc = pb_span(&b, span, link_pb, event_pb, shared_type, span_type);
