@@ -77,10 +77,15 @@ DEFAULT_MAX_BUFFERED_LAYERS = 50_000
 DEFAULT_MAX_BUFFERED_TREE_BYTES = 32 << 20
 LAYER_TREE_OVERHEAD_BYTES = 160
 # A kept step's table stays a view of its group (StepsTable) when everything the group holds is at
-# most this: the copy (~10 µs a step) buys nothing there, and the group keeps making the steps'
-# health in one pass (agent/outputs/traces.py). A round of the reference model's steps is a group
-# of ~3-10 KB; a DeepSeek-V3 batch's decoded payload (~2 MB) is copied out of as before.
+# most SHARED_GROUP_MAX_BYTES, or at most SHARED_GROUP_BYTES_PER_STEP for each of its steps: the
+# copy (~10 µs a step, a dataclass and 13 arrays) buys nothing there, and the group keeps making
+# the steps' health in one pass (agent/outputs/traces.py). The reference model's quiet 2 s rounds
+# are groups of ~90-110 steps holding 64-128 KB (~1 KB a step; measured live, 2026-12-06): until
+# then the absolute bound alone copied every one of them, ~6 % of the agent's CPU at the reference
+# load (docs/benchmarks.md). A DeepSeek-V3 batch (~2 MB, ~120 KB a step) is copied out of as before.
+# At most a group's steps x 4 KiB stays pinned by one kept step, and only until it is retired.
 SHARED_GROUP_MAX_BYTES = 64 << 10
+SHARED_GROUP_BYTES_PER_STEP = 4 << 10
 DRAIN_ALL_NS = 2**63 - 1
 INT32_MAX = 2**31 - 1  # per-step token counts per expert fit (a bigger one is a bad payload, counted)
 
@@ -260,8 +265,8 @@ def _own_tree(b: BufferedStep) -> None:
             columns.experts_time_us = [None if v is None else v.copy() for v in columns.experts_time_us]
     table = b.table
     if table.block is not None and table.block.base is not None:
-        if b.group is not None and _group_bytes(b.group) <= SHARED_GROUP_MAX_BYTES:
-            return  # a small group is kept whole (SHARED_GROUP_MAX_BYTES)
+        if b.group is not None and _group_bytes(b.group) <= shared_group_bound(len(b.group)):
+            return  # a small group is kept whole (SHARED_GROUP_MAX_BYTES, SHARED_GROUP_BYTES_PER_STEP)
         block = table.block.copy()
         e = table.num_experts
         b.table = dataclasses.replace(
@@ -269,6 +274,11 @@ def _own_tree(b: BufferedStep) -> None:
             **{name: getattr(table, name).copy() for name in _TABLE_COLUMNS},
         )
     b.group = None
+
+
+def shared_group_bound(steps: int) -> int:
+    """The most a group of ``steps`` steps may hold for its kept steps to stay views of it."""
+    return max(SHARED_GROUP_MAX_BYTES, SHARED_GROUP_BYTES_PER_STEP * steps)
 
 
 def _group_bytes(group: StepsTable) -> int:
@@ -290,7 +300,7 @@ def _group_bytes(group: StepsTable) -> int:
     try:
         return total + memoryview(base).nbytes
     except TypeError:
-        return SHARED_GROUP_MAX_BYTES + 1
+        return 1 << 62  # unknown: never small enough to keep
 
 
 _GROUP_COLUMNS = tuple(f.name for f in dataclasses.fields(StepsTable) if f.name != "blocks")

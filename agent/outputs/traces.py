@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import reduce
 from operator import add, mul
+from typing import Any
 
 import numpy as np
 from opentelemetry.trace import SpanContext, SpanKind
@@ -139,6 +140,12 @@ class LayerSampler:
         return False
 
 Attributes = dict[str, AttributeValue]
+# A step table as Python lists: its layers, its health columns (_HEALTH_COLUMNS order), and per
+# layer either its per-expert tokens and dropped (E <= MAX_ARRAY_EXPERTS) or its top experts' ids
+# and tokens.
+_HealthLists = tuple[list[int], list[list[Any]], list[list[Any]], list[list[Any]]]
+_HEALTH_COLUMNS = ("router_entropy_bits", "router_entropy_normalised", "gini", "entropy_bits", "entropy_normalised",
+                   "max_share", "cv", "tokens_total", "dropped_total", "drop_fraction")
 NAN = float("nan")
 
 # The span under the server span for each phase (agent/request_phases.py PHASES order).
@@ -197,6 +204,7 @@ class TraceOutput:
         self._counts: dict[str, int] = dict.fromkeys(("spans", "step_links", "owner_subtrees"), 0)
         # the latest join StepsTable and its steps' step-span attributes, computed for all at once
         self._group_health: tuple[StepsTable, list[Attributes]] | None = None
+        self._group_lists: tuple[StepsTable, _HealthLists] | None = None  # ... and its table as lists
 
     # ------------------------------------------------------------------ Output
     def export(self, batch: Sequence[JoinEvent]) -> None:
@@ -331,23 +339,30 @@ class TraceOutput:
             "thread.id": step.tid,
         }
 
+    def _health_lists(self, b: BufferedStep) -> _HealthLists:
+        """The step's table as Python lists (``_table_lists``): a step still in its join group takes
+        its rows of the group's lists, made once for the whole group (a quiet round of the
+        reference model is one group of ~100 steps: one pass instead of ~13 small ones a step)."""
+        group = b.group
+        if group is None:
+            return _table_lists(b.table)
+        cached = self._group_lists
+        if cached is None or cached[0] is not group:
+            cached = self._group_lists = (group, _group_lists(group))
+        layers, columns, first, second = cached[1]
+        r = group.rows_per_step
+        part = slice(b.group_index * r, (b.group_index + 1) * r)
+        return layers, [column[part] for column in columns], first[part], second[part]
+
     def _layer_health_attributes(self, b: BufferedStep) -> dict[int, Attributes]:
         num_experts = b.num_experts
-        t = b.table
         per_layer: dict[int, Attributes] = {}
         # whole columns to Python at once (per-element numpy scalars cost ~10x)
-        columns = zip(
-            t.layers.tolist(), t.router_entropy_bits.tolist(), t.router_entropy_normalised.tolist(),
-            t.gini.tolist(), t.entropy_bits.tolist(), t.entropy_normalised.tolist(), t.max_share.tolist(),
-            t.cv.tolist(), t.tokens_total.tolist(), t.dropped_total.tolist(), t.drop_fraction.tolist(),
-            strict=True,
-        )
-        arrays = num_experts <= MAX_ARRAY_EXPERTS
-        if arrays:
-            first, second = t.tokens.tolist(), t.dropped.tolist()
+        layers, health, first, second = self._health_lists(b)
+        columns = zip(layers, *health, strict=True)
+        if num_experts <= MAX_ARRAY_EXPERTS:
             first_key, second_key = "moe.expert.tokens", "moe.expert.dropped"
-        else:  # the top experts of every layer in one call over the [L, E] table
-            first, second = top_experts_by_row(t.tokens)
+        else:  # the top experts of every layer, from one call over the [L, E] table
             first_key, second_key = "moe.expert.top_ids", "moe.expert.top_tokens"
         # each layer's attributes as a span stores them (a NaN left out, arrays as tuples, an empty
         # one left out): the layer spans take them without another cleaning pass
@@ -788,6 +803,27 @@ def _top_experts(values: np.ndarray) -> list[int]:
 # |count| at most this keeps count * E + id exact in int64 and the counts exact as float64, so the
 # combined key orders experts as _top_experts does
 _EXACT_COUNT_MAX = 1 << 53
+
+
+def _expert_lists(tokens: np.ndarray, dropped: np.ndarray) -> tuple[list[list[Any]], list[list[Any]]]:
+    """Per row of [rows, E] tables, the arrays a layer span carries: every expert's tokens and
+    dropped where E <= MAX_ARRAY_EXPERTS, else the top experts' ids and tokens."""
+    if tokens.shape[1] <= MAX_ARRAY_EXPERTS:
+        return tokens.tolist(), dropped.tolist()
+    return top_experts_by_row(tokens)
+
+
+def _table_lists(t: LayerTable) -> _HealthLists:
+    first, second = _expert_lists(t.tokens, t.dropped)
+    return t.layers.tolist(), [getattr(t, name).tolist() for name in _HEALTH_COLUMNS], first, second
+
+
+def _group_lists(g: StepsTable) -> _HealthLists:
+    """``_table_lists`` of every step of a group at once, step after step (slice a step's rows)."""
+    e = g.num_experts
+    blocks = g.blocks.reshape(-1, 2 * e)  # [k R, 2E]: the steps' rows in order
+    first, second = _expert_lists(blocks[:, :e], blocks[:, e:])
+    return g.layers.tolist(), [getattr(g, name).tolist() for name in _HEALTH_COLUMNS], first, second
 
 
 def top_experts_by_row(counts: np.ndarray) -> tuple[list[list[int]], list[list[float]]]:

@@ -340,3 +340,43 @@ def test_a_step_kept_with_its_tree_holds_copies_not_its_batch(pad_rows: int) -> 
             assert np.shares_memory(b.table.block, payload) and np.shares_memory(b.table.gini, b.group.gini)
         _assert_tables_equal(b.table, keeper.tables[i])
         np.testing.assert_array_equal(columns.counts, counts[i])
+
+
+@pytest.mark.parametrize("pad_rows", [0, 600])
+def test_a_long_round_of_small_steps_stays_one_group(pad_rows: int) -> None:
+    # The reference model's quiet rounds: ~100 steps of ~1 KB each, past SHARED_GROUP_MAX_BYTES in
+    # all but within SHARED_GROUP_BYTES_PER_STEP a step: the kept steps stay views of their group
+    # (no copy per step; the group makes their health in one pass). Steps of ~40 KB each (as a
+    # production-shape batch; here padded) are copied out of, however many there are.
+    from moescope.agent.join import (
+        SHARED_GROUP_BYTES_PER_STEP,
+        SHARED_GROUP_MAX_BYTES,
+        _group_bytes,
+        shared_group_bound,
+    )
+
+    k = 80
+    rng = np.random.default_rng(13)
+    counts, entropy = _batch(rng, k)
+    payload = np.zeros((k, L + pad_rows, 2 * E), dtype=np.int32)  # the steps' blocks within the decoded batch
+    payload[:, :L] = counts
+    counts = payload[:, :L]
+    shared = payload.nbytes <= SHARED_GROUP_BYTES_PER_STEP * k
+    assert shared is (pad_rows == 0)
+    join = RequestJoin(clock=lambda: 100_000_000)
+    keeper = _KeepsTrees()
+    join.add_output(keeper)
+    join.on_steps(_steps(counts, entropy, [10_000_000 * (i + 1) for i in range(k)], copy=False))
+    group = keeper.groups[0]
+    assert group is not None and all(g is group for g in keeper.groups)  # one run
+    assert _group_bytes(group) > SHARED_GROUP_MAX_BYTES  # past the absolute bound either way
+    assert (_group_bytes(group) <= shared_group_bound(k)) is shared
+    for i, b in enumerate(keeper.steps):
+        assert b.step.layer_count == L  # tree kept
+        if shared:  # the run kept: each table its row of the group's arrays
+            assert b.group is group and b.group_index == i
+            assert np.shares_memory(b.table.block, payload) and np.shares_memory(b.table.gini, group.gini)
+        else:  # the run let go, each table its own
+            assert b.group is None
+            assert not np.shares_memory(b.table.block, payload) and not np.shares_memory(b.table.gini, group.gini)
+        _assert_tables_equal(b.table, keeper.tables[i])

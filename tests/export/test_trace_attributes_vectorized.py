@@ -202,3 +202,49 @@ def test_steps_health_attributes_are_each_steps_floats_bit_for_bit(seed: int) ->
                 assert got[name] == value and type(got[name]) is type(value), name
                 if isinstance(value, float):
                     assert struct.pack("<d", got[name]) == struct.pack("<d", value), name
+
+
+def _same_values(got: list[object], want: list[object]) -> None:
+    """Equal Python values of the same types, NaN where NaN (bit for bit for floats)."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert type(g) is type(w)
+        if isinstance(w, float):
+            assert struct.pack("<d", g) == struct.pack("<d", w)
+        else:
+            assert g == w
+
+
+@pytest.mark.parametrize("experts", [16, 64, 65, 256])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_groups_table_lists_are_each_steps_lists(experts: int, seed: int) -> None:
+    # the layer spans' health of a step still in its join group is read from lists made once for
+    # the group: step by step, the per-step lists (the same values and types; the top experts past
+    # MAX_ARRAY_EXPERTS), NaN and empty layers too
+    from moescope.agent.routing_health import steps_table
+
+    rng = np.random.default_rng(seed)
+    k, rows = 9, 5
+    blocks = rng.integers(0, 4 if seed == 2 else 50, size=(k, rows, 2 * experts)).astype(np.int32)
+    blocks[:, :, experts:] //= 10
+    blocks[3, 1] = 0  # a layer with no tokens
+    entropy = rng.uniform(0.1, 4.0, size=k * rows)
+    entropy[2 * rows + 3] = np.nan  # a router without an entropy
+    table = steps_table(layers=rng.permutation(8)[:rows], blocks=blocks, router_entropy_bits=entropy)
+    assert table is not None
+    layers, columns, first, second = traces._group_lists(table)
+    assert len(columns) == len(traces._HEALTH_COLUMNS)
+    for i in range(k):
+        s_layers, s_columns, s_first, s_second = traces._table_lists(table.step(i))
+        part = slice(i * rows, (i + 1) * rows)
+        assert layers == s_layers
+        for column, s_column in zip(columns, s_columns, strict=True):
+            _same_values(column[part], s_column)
+        for lists, s_lists in ((first, s_first), (second, s_second)):
+            assert len(lists[part]) == len(s_lists) == rows
+            for row, s_row in zip(lists[part], s_lists, strict=True):
+                _same_values(row, s_row)
+        if experts > traces.MAX_ARRAY_EXPERTS:  # top experts: 16 ids and their tokens
+            assert all(len(row) == traces.TOP_EXPERTS_ON_SPANS for row in s_first)
+        else:
+            assert s_first == table.step(i).tokens.tolist()
