@@ -14,7 +14,10 @@ With `--otlp` both agents export OTLP/gRPC (the Jaeger route) to tests/otlp_rece
 in a process of its own, instead of writing OTLP-JSON files. `--b-args '...'` gives B more `agent
 start` arguments: with both trees the same checkout, what one setting costs. Each run also reads
 every agent thread's time on a CPU over the loaded window (schedstat, ns): `thread_ms_per_s_main`,
-`thread_ms_per_s_policy`, ... in the JSON and the printed medians.
+`thread_ms_per_s_policy`, ... in the JSON and the printed medians, and the agent's CPU over its
+runtime's in the same window (`agent_share_of_runtime_cpu_pct`, with pair ratios): per request the
+agent's CPU moves with the VM's speed between runs (pair ratios of 0.92-1.29 for one change on
+2026-12-06), its share of the runtime's less (0.96-1.06 for the same runs).
 
 A baseline tree: `git archive REV | tar -x -C /tmp/base`, with the native libraries copied in
 (agent/native/libmoescope_health.so, collectors/nvtx_inject/libmoescope_nvtx.so). Writes
@@ -120,6 +123,9 @@ def one_run(tree: Path, *, idle_s: float, duration_s: float, extra_args: tuple[s
         "agent_cpu_pct_of_core": 100.0 * agent_s / window_s,
         "agent_cpu_ms_per_request": 1000.0 * agent_s / ok,
         "runtime_cpu_ms_per_request": 1000.0 * runtime_s / ok,
+        # the agent's CPU over its runtime's in the same window: steadier across runs than per request,
+        # which moves with the VM's speed as much as with the agent (docs/benchmarks.md)
+        "agent_share_of_runtime_cpu_pct": 100.0 * agent_s / runtime_s if runtime_s > 0 else float("nan"),
         "throughput_rps": float(load["throughput_rps"]),
         # loaded, per thread (moescope.procfs.name_thread's names), ms on a CPU a second (schedstat):
         # `thread_ms_per_s_main`, ...
@@ -170,16 +176,21 @@ def main(argv: list[str] | None = None) -> int:
     per_pair = [b["agent_cpu_ms_per_request"] / a["agent_cpu_ms_per_request"]
                 for a, b in zip(result.a, result.b, strict=True)]
     summary["pair_ratios_agent_cpu_ms_per_request"] = per_pair
+    per_pair_share = [b["agent_share_of_runtime_cpu_pct"] / a["agent_share_of_runtime_cpu_pct"]
+                      for a, b in zip(result.a, result.b, strict=True)]
+    summary["pair_ratios_agent_share_of_runtime_cpu"] = per_pair_share
     thread_metrics = sorted({key for run in (*result.a, *result.b) for key in run if key.startswith("thread_")})
     for run in (*result.a, *result.b):  # (a thread that came and went in one run reads 0 in the others)
         for key in thread_metrics:
             run.setdefault(key, 0.0)
     for metric in ("agent_idle_cpu_pct_of_core", "agent_cpu_pct_of_core", "agent_cpu_ms_per_request",
-                   "runtime_cpu_ms_per_request", "throughput_rps", *thread_metrics):
+                   "runtime_cpu_ms_per_request", "agent_share_of_runtime_cpu_pct", "throughput_rps",
+                   *thread_metrics):
         print(f"agent_ab: {metric}: A {result.median('a', metric):.2f}, B {result.median('b', metric):.2f} "
               f"(B/A {result.ratio(metric):.3f})")
     print(f"agent_ab: per request, pair ratios B/A: {', '.join(f'{r:.2f}' for r in per_pair)} "
-          f"(median {statistics.median(per_pair):.3f})")
+          f"(median {statistics.median(per_pair):.3f}); the agent's share of its runtime's CPU, pair ratios "
+          f"B/A: {', '.join(f'{r:.2f}' for r in per_pair_share)} (median {statistics.median(per_pair_share):.3f})")
     path = write_result("agent_ab", {"trees": {k: str(v) for k, v in trees.items()}, "pairs": args.pairs,
                                      "idle_s": args.idle_s, "duration_s": args.duration_s,
                                      "export": "otlp-grpc" if args.otlp else "otlp-json-files",
