@@ -73,7 +73,7 @@ def alternate_ab(
             metrics = run()
             getattr(result, label).append(metrics)
             if progress is not None:
-                shown = ", ".join(f"{k} {v:.0f}" for k, v in sorted(metrics.items()))
+                shown = ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items()))
                 progress(f"pair {index + 1}/{pairs} {label.upper()}: {shown}")
     return result
 

@@ -135,6 +135,12 @@ static void shortest(uint64_t ieee_mantissa, uint32_t ieee_exponent, uint64_t *d
     *exponent = e10 + removed;
 }
 
+/* "00" "01" ... "99": two decimal digits at a time */
+static const char DIGIT_PAIRS[201] =
+    "00010203040506070809101112131415161718192021222324252627282930313233343536373839"
+    "40414243444546474849505152535455565758596061626364656667686970717273747576777879"
+    "8081828384858687888990919293949596979899";
+
 size_t double_repr(double v, char *out) {
     uint64_t bits;
     memcpy(&bits, &v, sizeof bits);
@@ -149,14 +155,23 @@ size_t double_repr(double v, char *out) {
     uint64_t d;
     int32_t e;
     shortest(mantissa, exponent, &d, &e);
-    char digits[24];
-    int n = 0;
-    char reversed[24];
-    do {
-        reversed[n++] = (char)('0' + d % 10);
-        d /= 10;
-    } while (d);
-    for (int i = 0; i < n; i++) digits[i] = reversed[n - 1 - i];
+    /* the decimal digits of d, written from the end two at a time (a double has at most 17) */
+    char buffer[24];
+    int at = (int)sizeof buffer;
+    while (d >= 100) {
+        const uint64_t pair = d % 100;
+        d /= 100;
+        at -= 2;
+        memcpy(buffer + at, DIGIT_PAIRS + 2 * pair, 2);
+    }
+    if (d >= 10) {
+        at -= 2;
+        memcpy(buffer + at, DIGIT_PAIRS + 2 * d, 2);
+    } else {
+        buffer[--at] = (char)('0' + d);
+    }
+    const char *digits = buffer + at;
+    int n = (int)sizeof buffer - at;
     const int32_t point = n + e; /* value = 0.digits x 10^point */
     while (n > 1 && digits[n - 1] == '0') n--; /* (a rounded-up last digit may leave a zero) */
     if (point <= -4 || point > 16) {

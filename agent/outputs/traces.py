@@ -496,7 +496,10 @@ class TraceOutput:
                 extra["moe.experts.device_time_us"] = device
             self._fold_layer_attributes(layer, extra, times)
             if extra:
-                attrs.update(span_attributes(extra))
+                # moe/v2's layers (no per-expert FFN or load ranges) add only scalars and the
+                # expert times' one-type lists: _as_stored leaves them as span_attributes would
+                # (tests/export/test_trace_children.py); v1's lists may mix None in: cleaned
+                attrs.update(_as_stored(extra) if not (layer.ffns or layer.loads) else span_attributes(extra))
             out.append((layer.start_ns + off, layer.end_ns + off, attrs))
         return out
 
@@ -644,14 +647,14 @@ class TraceOutput:
 
 def _as_stored(attrs: Attributes) -> Attributes:
     """A layer span's attributes as ``span_attributes`` leaves them, for the values the layer
-    builder makes (Python scalars and lists of one type): a NaN scalar left out, an empty list left
-    out, the others as tuples."""
+    builder makes (Python scalars, None, and lists of one type): None and a NaN scalar left out, an
+    empty list left out, the others as tuples."""
     out: Attributes = {}
     for key, value in attrs.items():
         if type(value) is list:
             if value:
                 out[key] = tuple(value)
-        elif value == value:  # not NaN
+        elif value is not None and value == value:  # not NaN
             out[key] = value
     return out
 

@@ -118,3 +118,41 @@ def test_layer_spans_from_columns_are_the_object_paths(e: int, times: bool, ffns
         assert key in by_layer[2] and key not in by_layer[0]  # layer 0 (position 0) sent no times
         if e > 64:
             assert by_layer[2]["moe.layer.experts.slowest_ids"] == tuple(range(16))  # all tied: by id
+
+
+def test_as_stored_is_span_attributes_for_what_the_layer_builder_adds() -> None:
+    # the object path's layers without per-expert FFN or load ranges (moe/v2) take _as_stored instead
+    # of the span cleaning: for the values they add (scalars, None, NaN, lists of one type, empty
+    # lists) it must leave exactly what span_attributes leaves, in the same order and types
+    from moescope.agent.outputs.traces import _as_stored
+
+    rng = np.random.default_rng(3)
+    pool: list[Any] = [None, float("nan"), 0.0, -2.5, 7, 0, True, "fp16", "", [], [1.5, float("nan"), 2.0],
+                       [3, 1, 2], [0.25], ["a"]]
+    for _ in range(300):
+        keys = [f"k{i}" for i in rng.permutation(8)[: int(rng.integers(0, 8))]]
+        extra = {key: pool[int(rng.integers(0, len(pool)))] for key in keys}
+        got, want = _as_stored(extra), span_attributes(extra)
+        assert list(got) == list(want)
+        for key in want:
+            g, w = got[key], want[key]
+            assert type(g) is type(w) and (g == w or (isinstance(w, tuple) and repr(g) == repr(w))), key
+
+
+def test_a_v2_layer_without_a_token_count_or_device_time_leaves_them_out() -> None:
+    # objects from the per-event path: a fused-experts range with no token count and a NaN device
+    # time: neither key on the layer span (as the span cleaning left them), the others all there
+    columns = _columns(16, times=True, ffns=False, seed=5)
+    layers = columns.materialize()
+    for layer in layers:
+        if layer.experts is not None:
+            layer.experts.tokens = None
+    device = np.full(L, np.nan)
+    step = StepEvent(3, 3, 9_000, 30_000, 64, [7], None, layers, device)
+    spans = _layer_spans(step, 16)[1:]
+    for span in spans:
+        attrs = dict(span.attributes or {})
+        assert "moe.layer.experts.tokens" not in attrs and "moe.experts.device_time_us" not in attrs
+        assert span_attributes(attrs) == attrs
+    with_experts = [dict(s.attributes or {}) for s in spans if "moe.layer.experts.duration_ms" in (s.attributes or {})]
+    assert with_experts and any("moe.layer.experts.time_us" in a for a in with_experts)
