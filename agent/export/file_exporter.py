@@ -53,6 +53,10 @@ def ensure_directory(directory: Path) -> None:
 class OtlpJsonFileExporter(SpanExporter):
     """Writes each batch as one OTLP-JSON line; rotates and bounds the files."""
 
+    # spans already written as OTLP/JSON text (spans.EncodedSpan) are written as they are
+    # (BoundedBatchSpanProcessor.takes_encoded_json, SpanFactory.takes_encoded)
+    takes_encoded_json = True
+
     def __init__(self, directory: Path, *, max_file_bytes: int, files_keep: int) -> None:
         if max_file_bytes < 1 or files_keep < 1:
             raise ValueError("max_file_bytes and files_keep must be >= 1")

@@ -33,7 +33,7 @@ from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan
 
-from moescope.agent.export.spans import SharedAttributes, SharedBoundedAttributes, SharedLink
+from moescope.agent.export.spans import EncodedSpan, SharedAttributes, SharedBoundedAttributes, SharedLink
 
 log = logging.getLogger(__name__)
 
@@ -382,6 +382,12 @@ try:
     from moescope.agent.export import _otlp_span as _native
 except ImportError:  # a source checkout without `pip install -e .`: the Python encoder alone
     _native = None
+# Spans written as text from columns (agent/outputs/traces.py, a step's layer spans), and the type
+# of such a span in a batch (the native encoder appends its text): both only with the native encoder.
+COLUMN_SPANS: Callable[..., list[bytes]] | None = None
+if _native is not None:
+    _native.set_encoded_type(EncodedSpan)
+    COLUMN_SPANS = _native.column_spans
 # The spans of one scope as their comma-joined texts: native where built (the same text, ≈ 5x less
 # CPU), Python otherwise; tests/export checks both against the protobuf route.
 encode_spans_text = _spans_python if _native is None else _spans_native
@@ -475,6 +481,7 @@ def spans_to_line(spans: Sequence[ReadableSpan]) -> str:
     return _request_text(groups)
 
 
+_FIELD_TYPES = frozenset((ReadableSpan, EncodedSpan))  # both keep their resource and scope in these fields
 _RESOURCE_OF = operator.attrgetter("_resource")
 _SCOPE_OF = operator.attrgetter("_instrumentation_scope")
 
@@ -483,7 +490,7 @@ def _one_tracer(spans: Sequence[ReadableSpan], resource: Any, scope: Any) -> boo
     """Whether every span has ``resource`` and ``scope`` (the first span's: the objects, not equal
     ones), as the agent's batches from one tracer have. The factory's spans (exact ReadableSpans)
     are checked on their fields in C-driven passes: the properties cost ~1 µs a span."""
-    if set(map(type, spans)) == {ReadableSpan}:
+    if set(map(type, spans)) <= _FIELD_TYPES:
         resources, scopes = set(map(id, map(_RESOURCE_OF, spans))), set(map(id, map(_SCOPE_OF, spans)))
         return resources == {id(resource)} and scopes == {id(scope)}
     return all(s.resource is resource and (s.instrumentation_scope or None) is scope for s in spans)

@@ -35,8 +35,8 @@ typedef struct {
     PyObject *bytes; /* NULL, or the bytes object data lives in (its size is cap until the end) */
 } Buf;
 
-static int buf_reserve(Buf *b, size_t extra) {
-    if (b->len + extra <= b->cap) return 0;
+/* buf_reserve's growing half (apart, so that the check inlines: it runs for every piece written). */
+static int buf_grow(Buf *b, size_t extra) {
     size_t cap = b->cap ? b->cap : 4096;
     while (cap < b->len + extra) cap *= 2;
     if (b->bytes != NULL) {
@@ -53,6 +53,8 @@ static int buf_reserve(Buf *b, size_t extra) {
     b->cap = cap;
     return 0;
 }
+
+static inline int buf_reserve(Buf *b, size_t extra) { return b->len + extra <= b->cap ? 0 : buf_grow(b, extra); }
 
 /* The room a new text starts with: about the last one's size (a batch's text is ~0.1-0.5 MB; grown
  * from 4 KB it was copied a dozen times), at most 64 MB. */
@@ -113,7 +115,11 @@ static int buf_fmt_i64(Buf *b, long long v) {
 enum { OK = 0, NOT_MINE = 1, ERROR = -1 };
 
 static PyObject *s_context, *s_parent, *s_name, *s_kind, *s_start, *s_end, *s_attributes, *s_events,
-    *s_links, *s_status, *s_status_code, *s_description, *s_value, *sixty_four;
+    *s_links, *s_status, *s_status_code, *s_description, *s_value, *s_text, *sixty_four;
+
+/* The type of a span already written as OTLP/JSON text (agent/export/spans.py EncodedSpan; its
+ * `_text` is the bytes add_span would write for it): encode() appends the text as it is. */
+static PyObject *encoded_type;
 
 /* After a failed lookup or conversion: an AttributeError, TypeError, ValueError or OverflowError
  * means "not a span this takes" (Python's encoder decides); anything else (MemoryError, an
@@ -572,6 +578,15 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *span = PyTuple_GET_ITEM(seq, i);
         if (i && ADD_LIT(&b, ",") < 0) goto fail;
+        if (encoded_type != NULL && (PyObject *)Py_TYPE(span) == encoded_type) {
+            PyObject *text = PyObject_GetAttr(span, s_text);
+            if (!text) goto fail;
+            int added = PyBytes_Check(text) ? buf_add(&b, PyBytes_AS_STRING(text), (size_t)PyBytes_GET_SIZE(text)) : -2;
+            Py_DECREF(text);
+            if (added == -2) PyErr_SetString(PyExc_TypeError, "an encoded span's text is not bytes");
+            if (added < 0) goto fail;
+            continue;
+        }
         int rc = add_span(&b, span, link_text, event_text, shared_type, span_type);
         if (rc == ERROR) goto fail;
         if (rc == NOT_MINE) {
@@ -602,6 +617,154 @@ done:
     if (prefix.buf) PyBuffer_Release(&prefix);
     if (suffix.buf) PyBuffer_Release(&suffix);
     return out;
+}
+
+/* ---- Spans written from columns (agent/outputs/traces.py, a step's layer spans) -----------------
+ *
+ * column_spans(parent, name, span_ids, starts, ends, heads, head_key, rows, head2_key, head2,
+ *              keys, columns, first_key, first, second_key, second, extras) -> list of bytes
+ *
+ * For each i: the text add_span writes for the INTERNAL span `name` under `parent` (a valid
+ * SpanContext tuple without trace state) with span id span_ids[i], times starts[i]..ends[i], no
+ * events or links, status unset, and the attributes, in this order:
+ *   head_key: heads[i];
+ *   where rows[i] >= 0 (r = rows[i]): head2_key: head2; keys[j]: columns[j][r] for each j, a NaN
+ *     float left out; first_key: first[r] and second_key: second[r] where not empty;
+ *   then extras[i] (a dict, as a span stores it: no None, no NaN scalar), in its order.
+ * That is the dict TraceOutput builds for the layer span, written without building it (nor the
+ * span object): tests/export/test_column_spans.py holds the text to add_span's for the same spans.
+ * ValueError where something is not as described (the caller builds the spans the usual way). */
+static int column_value(Buf *b, PyObject *key, PyObject *value, int *first) {
+    if (!*first && ADD_LIT(b, ",") < 0) return ERROR;
+    *first = 0;
+    if (ADD_LIT(b, "{\"key\":") < 0) return ERROR;
+    int rc = add_string(b, key);
+    if (rc != OK) return rc;
+    if (ADD_LIT(b, ",\"value\":") < 0) return ERROR;
+    rc = add_any_value(b, value, 0);
+    if (rc != OK) return rc;
+    return ADD_LIT(b, "}") < 0 ? ERROR : OK;
+}
+
+static int column_span(Buf *b, PyObject *name, unsigned long long hi, unsigned long long lo, unsigned long long parent_id,
+                       PyObject *parent, PyObject *span_id, PyObject *start, PyObject *end, PyObject *head_key,
+                       PyObject *head, Py_ssize_t row, PyObject *head2_key, PyObject *head2, PyObject *keys,
+                       PyObject *columns, PyObject *first_key, PyObject *first, PyObject *second_key, PyObject *second,
+                       PyObject *extra) {
+    if (!PyLong_CheckExact(span_id)) return NOT_MINE;
+    unsigned long long id = PyLong_AsUnsignedLongLong(span_id);
+    if (id == (unsigned long long)-1 && PyErr_Occurred()) return not_mine_or_error();
+    if (ADD_LIT(b, "{\"traceId\":\"") < 0 || buf_hex16(b, hi) < 0 || buf_hex16(b, lo) < 0
+        || ADD_LIT(b, "\",\"spanId\":\"") < 0 || buf_hex16(b, id) < 0 || ADD_LIT(b, "\",\"parentSpanId\":\"") < 0
+        || buf_hex16(b, parent_id) < 0 || ADD_LIT(b, "\",\"name\":") < 0)
+        return ERROR;
+    int rc = add_string(b, name);
+    if (rc != OK) return rc;
+    if (ADD_LIT(b, ",\"kind\":1") < 0) return ERROR; /* INTERNAL (0) + 1 */
+    if ((rc = add_time(b, ",\"startTimeUnixNano\":\"", sizeof(",\"startTimeUnixNano\":\"") - 1, start)) != OK) return rc;
+    if ((rc = add_time(b, ",\"endTimeUnixNano\":\"", sizeof(",\"endTimeUnixNano\":\"") - 1, end)) != OK) return rc;
+    if (ADD_LIT(b, ",\"attributes\":[") < 0) return ERROR;
+    int first_item = 1;
+    if ((rc = column_value(b, head_key, head, &first_item)) != OK) return rc;
+    if (row >= 0) {
+        if ((rc = column_value(b, head2_key, head2, &first_item)) != OK) return rc;
+        Py_ssize_t n = PyTuple_GET_SIZE(keys);
+        for (Py_ssize_t j = 0; j < n; j++) {
+            PyObject *value = PyList_GET_ITEM(PyList_GET_ITEM(columns, j), row);
+            if (PyFloat_CheckExact(value) && isnan(PyFloat_AS_DOUBLE(value))) continue; /* NaN: left out */
+            if ((rc = column_value(b, PyTuple_GET_ITEM(keys, j), value, &first_item)) != OK) return rc;
+        }
+        PyObject *arrays[2][2] = {{first_key, PyList_GET_ITEM(first, row)}, {second_key, PyList_GET_ITEM(second, row)}};
+        for (int k = 0; k < 2; k++) {
+            PyObject *values = arrays[k][1];
+            if (!(PyList_CheckExact(values) || PyTuple_CheckExact(values))) return NOT_MINE;
+            if (PySequence_Fast_GET_SIZE(values) == 0) continue; /* an empty array: left out */
+            if ((rc = column_value(b, arrays[k][0], values, &first_item)) != OK) return rc;
+        }
+    }
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(extra, &pos, &key, &value)) {
+        if (!PyUnicode_CheckExact(key) || PyUnicode_GET_LENGTH(key) == 0 || value == Py_None) return NOT_MINE;
+        if (PyFloat_CheckExact(value) && isnan(PyFloat_AS_DOUBLE(value))) return NOT_MINE;
+        if ((rc = column_value(b, key, value, &first_item)) != OK) return rc;
+    }
+    if (ADD_LIT(b, "],\"status\":{},\"flags\":") < 0) return ERROR;
+    if ((rc = add_flags(b, parent)) != OK) return rc;
+    return ADD_LIT(b, "}") < 0 ? ERROR : OK;
+}
+
+static PyObject *column_spans(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *parent, *name, *span_ids, *starts, *ends, *heads, *head_key, *rows, *head2_key, *head2, *keys, *columns,
+        *first_key, *first, *second_key, *second, *extras;
+    if (!PyArg_ParseTuple(args, "O!UO!O!O!O!UO!UOO!O!UO!UO!O!:column_spans", &PyTuple_Type, &parent, &name,
+                          &PyList_Type, &span_ids, &PyList_Type, &starts, &PyList_Type, &ends, &PyList_Type, &heads,
+                          &head_key, &PyList_Type, &rows, &head2_key, &head2, &PyTuple_Type, &keys, &PyList_Type,
+                          &columns, &first_key, &PyList_Type, &first, &second_key, &PyList_Type, &second,
+                          &PyList_Type, &extras))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(span_ids);
+    Py_ssize_t width = PyTuple_GET_SIZE(keys), height = PyList_GET_SIZE(first);
+    int shaped = PyList_GET_SIZE(starts) == n && PyList_GET_SIZE(ends) == n && PyList_GET_SIZE(heads) == n
+                 && PyList_GET_SIZE(rows) == n && PyList_GET_SIZE(extras) == n && PyList_GET_SIZE(columns) == width
+                 && PyList_GET_SIZE(second) == height;
+    for (Py_ssize_t j = 0; shaped && j < width; j++) {
+        PyObject *column = PyList_GET_ITEM(columns, j);
+        shaped = PyList_CheckExact(column) && PyList_GET_SIZE(column) == height;
+    }
+    if (!shaped) {
+        PyErr_SetString(PyExc_ValueError, "column_spans: lists of different lengths");
+        return NULL;
+    }
+    unsigned long long hi, lo, parent_id;
+    int rc = context_ids(parent, &hi, &lo, &parent_id);
+    if (rc == OK && PyObject_Size(PyTuple_GET_ITEM(parent, 4)) != 0) rc = PyErr_Occurred() ? ERROR : NOT_MINE;
+    if (rc != OK) {
+        if (rc == NOT_MINE) PyErr_SetString(PyExc_ValueError, "column_spans: not a parent context it takes");
+        return NULL;
+    }
+    PyObject *out = PyList_New(n);
+    if (!out) return NULL;
+    Buf b = {0};
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *row_obj = PyList_GET_ITEM(rows, i), *extra = PyList_GET_ITEM(extras, i);
+        Py_ssize_t row = PyLong_CheckExact(row_obj) ? PyLong_AsSsize_t(row_obj) : -2;
+        if (row == -1 && PyErr_Occurred()) goto fail;
+        if (row < -1 || row >= height || !PyDict_CheckExact(extra)) {
+            rc = NOT_MINE;
+        } else {
+            b.len = 0;
+            rc = column_span(&b, name, hi, lo, parent_id, parent, PyList_GET_ITEM(span_ids, i), PyList_GET_ITEM(starts, i),
+                             PyList_GET_ITEM(ends, i), head_key, PyList_GET_ITEM(heads, i), row, head2_key, head2, keys,
+                             columns, first_key, first, second_key, second, extra);
+        }
+        if (rc == ERROR) goto fail;
+        if (rc == NOT_MINE) {
+            PyErr_Format(PyExc_ValueError, "column_spans: span %zd has a value it does not write", i);
+            goto fail;
+        }
+        PyObject *text = PyBytes_FromStringAndSize(b.data, (Py_ssize_t)b.len);
+        if (!text) goto fail;
+        PyList_SET_ITEM(out, i, text);
+    }
+    PyMem_Free(b.data);
+    return out;
+fail:
+    PyMem_Free(b.data);
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyObject *set_encoded_type(PyObject *self, PyObject *type) {
+    (void)self;
+    if (!PyType_Check(type)) {
+        PyErr_SetString(PyExc_TypeError, "set_encoded_type takes a type");
+        return NULL;
+    }
+    Py_INCREF(type);
+    Py_XSETREF(encoded_type, type);
+    Py_RETURN_NONE;
 }
 
 /* ---- OTLP protobuf (agent/export/otlp_proto.py): the same spans as ExportTraceServiceRequest's
@@ -874,6 +1037,12 @@ static PyMethodDef methods[] = {
     {"encode_pb", encode_pb, METH_VARARGS,
      "encode_pb(spans, fallback, link_pb, event_pb, shared_type, span_type) -> bytes: each span as a ScopeSpans "
      "`spans` field (OTLP protobuf)"},
+    {"column_spans", column_spans, METH_VARARGS,
+     "column_spans(parent, name, span_ids, starts, ends, heads, head_key, rows, head2_key, head2, keys, columns, "
+     "first_key, first, second_key, second, extras) -> list of bytes: each span's OTLP/JSON text, written from "
+     "columns (see the source)"},
+    {"set_encoded_type", set_encoded_type, METH_O,
+     "set_encoded_type(type): spans of exactly this type carry their text in `_text`; encode() appends it"},
     {"double_repr", repr_of_double, METH_O, "double_repr(x) -> repr(x) for a finite float, as the encoder writes it"},
     {"fast_doubles", uses_fast_doubles, METH_NOARGS,
      "fast_doubles() -> whether the encoder formats doubles itself (else with CPython's formatter)"},
@@ -890,7 +1059,7 @@ PyMODINIT_FUNC PyInit__otlp_span(void) {
                  {&s_kind, "_kind"},         {&s_start, "_start_time"},      {&s_end, "_end_time"},
                  {&s_attributes, "_attributes"}, {&s_events, "_events"},     {&s_links, "_links"},
                  {&s_status, "_status"},     {&s_status_code, "status_code"}, {&s_description, "description"},
-                 {&s_value, "value"}};
+                 {&s_value, "value"},        {&s_text, "_text"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         *names[i].slot = PyUnicode_InternFromString(names[i].name);
         if (!*names[i].slot) return NULL;

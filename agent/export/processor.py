@@ -121,6 +121,9 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self._queue: deque[ReadableSpan] = deque()
         # encoded payloads (encode_queued) waiting for the worker, with their span counts
         self._encoder: EncodingExporter | None = _as_encoding(exporter)
+        # an exporter that writes OTLP/JSON text takes spans already written as text
+        # (spans.EncodedSpan, SpanFactory.takes_encoded): its `takes_encoded_json`
+        self.takes_encoded_json = bool(getattr(exporter, "takes_encoded_json", False))
         self._encoded: deque[tuple[Any, int]] = deque()
         self._encoded_spans = 0  # spans in _encoded
         self._encoding = 0  # spans taken by encode_queued, not yet in _encoded

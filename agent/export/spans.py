@@ -228,6 +228,31 @@ def finished_span(
     return span
 
 
+class EncodedSpan:
+    """A finished span already written as its OTLP/JSON text (``_text``: what the native encoder
+    writes for the ReadableSpan it stands for), with its tracer's resource and scope. The OTLP/JSON
+    encoders append the text as it is (agent/export/otlp_span.c); the factory makes these only for
+    a span processor whose exporter writes OTLP/JSON (``SpanFactory.takes_encoded``)."""
+
+    def __init__(self, text: bytes, resource: Resource, scope: Any) -> None:
+        self._text = text
+        self._resource = resource
+        self._instrumentation_scope = scope
+
+    @property
+    def resource(self) -> Resource:
+        return self._resource
+
+    @property
+    def instrumentation_scope(self) -> Any:
+        return self._instrumentation_scope
+
+
+# A span handed on as text carries at most this many attributes; a span limit below it sends the
+# spans the SDK's way (its BoundedAttributes drops and counts the oldest).
+ENCODED_MAX_ATTRIBUTES = 64
+
+
 class _DirectSpan(trace.Span):
     """A span the factory builds without the SDK's Span: becomes a ReadableSpan when it ends.
 
@@ -347,7 +372,7 @@ class SpanFactory:
             self._root_flags = _SAMPLED_RANDOM if self._ids.is_trace_id_random() else _SAMPLED
         self._last: tuple[SpanContext | None, Context] = (None, _EMPTY_CONTEXT)  # one tuple: swapped atomically
         # hold(): the finished spans of the holding thread, handed on together by release()
-        self._held: list[ReadableSpan] | None = None
+        self._held: list[Any] | None = None  # (ReadableSpan, or EncodedSpan: hand_on_encoded)
         self._holder = 0  # that thread's ident
         # the last parent given, with its trace id, the flags and the trace state its children take
         self._parent_held: tuple[SpanContext | None, tuple[int, TraceFlags, TraceState]] = (
@@ -585,7 +610,37 @@ class SpanFactory:
         if held:
             self._end_many(held)
 
-    def _end_many(self, spans: list[ReadableSpan]) -> None:
+    # --- spans handed on as text -------------------------------------------------------------
+    def takes_encoded(self, parent: SpanContext) -> bool:
+        """Whether spans under ``parent`` may be handed on now as their OTLP/JSON text
+        (``hand_on_encoded``): on the direct path, while this thread holds (``hold``), with the
+        tracer's one span processor taking a batch and exporting OTLP/JSON text
+        (``BoundedBatchSpanProcessor.takes_encoded_json``), under a valid parent without trace state,
+        and span limits that leave ENCODED_MAX_ATTRIBUTES attributes. Else the caller makes spans."""
+        if self._held is None or self._holder != get_ident() or not self.direct:
+            return False
+        processors = getattr(self._processor, "_span_processors", None)
+        if processors is None or len(processors) != 1 or not getattr(processors[0], "takes_encoded_json", False):
+            return False
+        limit = self._limits.max_span_attributes
+        return (bool(parent.is_valid) and not parent.trace_state and self.tracer._is_enabled()  # type: ignore[attr-defined]
+                and (limit is None or limit >= ENCODED_MAX_ATTRIBUTES))
+
+    def child_span_ids(self, parent: SpanContext, count: int) -> list[int]:
+        """The span ids of ``count`` children of a valid ``parent``, drawn as ``record_children``
+        draws them (one ``generate_span_id`` each, in order)."""
+        new_span_id = self._ids.generate_span_id
+        return [new_span_id() for _ in range(count)]
+
+    def hand_on_encoded(self, texts: list[bytes]) -> None:
+        """Finished spans, each as its OTLP/JSON text, handed on with this thread's held spans (only
+        after ``takes_encoded`` said yes)."""
+        held = self._held
+        assert held is not None
+        resource, scope = self._resource, self._scope
+        held.extend([EncodedSpan(text, resource, scope) for text in texts])
+
+    def _end_many(self, spans: list[Any]) -> None:
         processors = getattr(self._processor, "_span_processors", None)  # the SDK's fan-out, where it is one
         if processors is not None and len(processors) == 1:
             end_sampled = getattr(processors[0], "on_end_sampled", None)

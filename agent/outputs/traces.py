@@ -37,6 +37,7 @@ import numpy as np
 from opentelemetry.trace import SpanContext, SpanKind
 from opentelemetry.util.types import AttributeValue
 
+from moescope.agent.export.otlp_json import COLUMN_SPANS
 from moescope.agent.export.spans import (
     SharedAttributes,
     SpanEvent,
@@ -146,6 +147,13 @@ Attributes = dict[str, AttributeValue]
 _HealthLists = tuple[list[int], list[list[Any]], list[list[Any]], list[list[Any]]]
 _HEALTH_COLUMNS = ("router_entropy_bits", "router_entropy_normalised", "gini", "entropy_bits", "entropy_normalised",
                    "max_share", "cv", "tokens_total", "dropped_total", "drop_fraction")
+# ... and the layer span's attribute for each, in that order (after moe.layer.experts), as
+# _layer_health_attributes writes them; then the two per-expert arrays, or the top experts' lists
+_HEALTH_KEYS = ("moe.router.entropy_bits", "moe.router.entropy_normalized", "moe.expert_load.gini",
+                "moe.expert_load.entropy_bits", "moe.expert_load.entropy_normalized", "moe.expert_load.max_share",
+                "moe.expert_load.cv", "moe.tokens.routed", "moe.tokens.dropped", "moe.tokens.drop_fraction")
+_EXPERT_ARRAY_KEYS = ("moe.expert.tokens", "moe.expert.dropped")
+_TOP_EXPERT_KEYS = ("moe.expert.top_ids", "moe.expert.top_tokens")
 NAN = float("nan")
 
 # The span under the server span for each phase (agent/request_phases.py PHASES order).
@@ -360,10 +368,8 @@ class TraceOutput:
         # whole columns to Python at once (per-element numpy scalars cost ~10x)
         layers, health, first, second = self._health_lists(b)
         columns = zip(layers, *health, strict=True)
-        if num_experts <= MAX_ARRAY_EXPERTS:
-            first_key, second_key = "moe.expert.tokens", "moe.expert.dropped"
-        else:  # the top experts of every layer, from one call over the [L, E] table
-            first_key, second_key = "moe.expert.top_ids", "moe.expert.top_tokens"
+        # per-expert arrays, or the top experts of every layer (from one call over the [L, E] table)
+        first_key, second_key = _EXPERT_ARRAY_KEYS if num_experts <= MAX_ARRAY_EXPERTS else _TOP_EXPERT_KEYS
         # each layer's attributes as a span stores them (a NaN left out, arrays as tuples, an empty
         # one left out): the layer spans take them without another cleaning pass
         for (layer, h_r, h_rn, gini, h, hn, share, cv, routed, dropped, drop_fraction), one, two in zip(
@@ -427,7 +433,6 @@ class TraceOutput:
         sampled = None if with_layers else self._sampled_health.get(b.seq)
         # (a step still in its join group: the group's health, made for all of its steps at once)
         step_attrs = dict(sampled if sampled is not None else self._sampled_step_health(b))
-        per_layer = self._layer_health_attributes(b) if with_layers else {}
         if not with_layers and b.layer_count:
             step_attrs["moe.step.layers_sampled_out"] = True
         device_by_layer: dict[int, float] = {}
@@ -451,9 +456,20 @@ class TraceOutput:
         n = 1
         if with_layers:
             if self.span_detail == "layer":
-                n += spans.record_children("moe.layer", parent=ctx,
-                                           children=self._folded_layers(step, per_layer, device_by_layer))
+                parts = self._layer_parts(step, device_by_layer)
+                made = self._encoded_layers(b, ctx, parts)
+                if made is None:  # as spans: the attribute dicts, the span objects, encoded later
+                    per_layer = self._layer_health_attributes(b)
+                    children: list[tuple[int, int, Attributes]] = []
+                    for start, end, index, extra in parts:
+                        attrs = self._layer_head(index, per_layer, {})
+                        if extra:
+                            attrs.update(extra)
+                        children.append((start, end, attrs))
+                    made = spans.record_children("moe.layer", parent=ctx, children=children)
+                n += made
             else:
+                per_layer = self._layer_health_attributes(b)
                 for layer in step.layers:
                     attrs = self._layer_head(layer.layer, per_layer, device_by_layer)
                     n += self._layer(layer, parent=ctx, attrs=attrs)
@@ -473,67 +489,95 @@ class TraceOutput:
             attrs["moe.experts.device_time_us"] = device
         return attrs
 
-    def _folded_layers(self, step: StepEvent, per_layer: dict[int, Attributes],
-                       device_by_layer: dict[int, float]) -> list[tuple[int, int, Attributes]]:
-        """--span-detail layer: each layer span's (start, end, attributes), the attributes as a span
-        stores them (``SpanFactory.record_children``). A step from the whole-batch parser is read
-        from its columns, with no LayerEvent made; the attributes are the same as from its objects
-        (tests/export/test_trace_children.py)."""
+    def _layer_parts(self, step: StepEvent,
+                     device_by_layer: dict[int, float]) -> list[tuple[int, int, int, Attributes]]:
+        """--span-detail layer: each layer span's (start, end, layer index, attributes after its
+        routing health). A layer span's attributes are ``moe.layer``, its routing health
+        (``_layer_health_attributes``), then these, as a span stores them: its device time, what the
+        router, expert-load and FFN child spans would carry (``_fold_layer_attributes``). A step
+        from the whole-batch parser is read from its columns, with no LayerEvent made; the
+        attributes are the same as from its objects (tests/export/test_trace_children.py)."""
         columns = step.columns
         if columns is not None:
-            return self._folded_columns(columns, per_layer, device_by_layer)
+            return self._column_parts(columns, device_by_layer)
         off = self.epoch_offset_ns
         layers = step.layers
-        out: list[tuple[int, int, Attributes]] = []
+        out: list[tuple[int, int, int, Attributes]] = []
         for layer, times in zip(layers, _experts_time_by_position(layers), strict=True):
-            # the routing health is stored-form already (_layer_health_attributes): only what is
-            # added to it here is cleaned (a span_attributes pass over the whole set was half the cost)
             index = layer.layer
-            attrs = self._layer_head(index, per_layer, {})  # (its device time may be NaN: cleaned below)
             extra: Attributes = {}
             device = device_by_layer.get(index)
             if device is not None:
-                extra["moe.experts.device_time_us"] = device
+                extra["moe.experts.device_time_us"] = device  # (NaN: left out by the cleaning below)
             self._fold_layer_attributes(layer, extra, times)
             if extra:
                 # moe/v2's layers (no per-expert FFN or load ranges) add only scalars and the
                 # expert times' one-type lists: _as_stored leaves them as span_attributes would
                 # (tests/export/test_trace_children.py); v1's lists may mix None in: cleaned
-                attrs.update(_as_stored(extra) if not (layer.ffns or layer.loads) else span_attributes(extra))
-            out.append((layer.start_ns + off, layer.end_ns + off, attrs))
+                extra = _as_stored(extra) if not (layer.ffns or layer.loads) else span_attributes(extra)
+            out.append((layer.start_ns + off, layer.end_ns + off, index, extra))
         return out
 
-    def _folded_columns(self, c: LayerColumns, per_layer: dict[int, Attributes],
-                        device_by_layer: dict[int, float]) -> list[tuple[int, int, Attributes]]:
-        """``_folded_layers`` of a columnar step: what ``_fold_layer_attributes`` adds for each
-        layer LayerColumns.materialize() would make, read from the arrays."""
+    def _column_parts(self, c: LayerColumns,
+                      device_by_layer: dict[int, float]) -> list[tuple[int, int, int, Attributes]]:
+        """``_layer_parts`` of a columnar step: what ``_fold_layer_attributes`` adds for each layer
+        LayerColumns.materialize() would make, read from the arrays."""
         off = self.epoch_offset_ns
         precision_of = self._layer_precision
         times: list[Attributes | None] = (
             _experts_time_of(c.experts_time_us) if c.experts_time_us is not None else [None] * len(c))
         ffns = _ffn_lists(c.ffns) if c.ffns is not None else {}
-        out: list[tuple[int, int, Attributes]] = []
+        out: list[tuple[int, int, int, Attributes]] = []
         for i, (index, start, end, kind, r_start, r_end, has_x, x_start, x_end, x_tokens) in enumerate(zip(
                 c.layer.tolist(), c.start_ns.tolist(), c.end_ns.tolist(), c.router_kind.tolist(),
                 c.router_start_ns.tolist(), c.router_end_ns.tolist(), c.has_experts.tolist(),
                 c.experts_start_ns.tolist(), c.experts_end_ns.tolist(), c.experts_tokens.tolist(), strict=True)):
-            attrs = self._layer_head(index, per_layer, device_by_layer)
+            extra: Attributes = {}
+            device = device_by_layer.get(index)
+            if device is not None:
+                extra["moe.experts.device_time_us"] = device
             precision = precision_of.get(index)
             if precision is not None:
-                attrs["moe.precision"] = precision
+                extra["moe.precision"] = precision
             if kind == ROUTER_RANGE:  # (step vectors: no moe.router range, no duration)
-                attrs["moe.layer.router.duration_ms"] = (r_end - r_start) / 1e6
+                extra["moe.layer.router.duration_ms"] = (r_end - r_start) / 1e6
             ffn = ffns.get(i)
             if ffn is not None:
-                attrs["moe.layer.ffn.experts"], attrs["moe.layer.ffn.tokens"], attrs["moe.layer.ffn.duration_ms"] = ffn
+                extra["moe.layer.ffn.experts"], extra["moe.layer.ffn.tokens"], extra["moe.layer.ffn.duration_ms"] = ffn
             if has_x:
-                attrs["moe.layer.experts.duration_ms"] = (x_end - x_start) / 1e6
-                attrs["moe.layer.experts.tokens"] = x_tokens
+                extra["moe.layer.experts.duration_ms"] = (x_end - x_start) / 1e6
+                extra["moe.layer.experts.tokens"] = x_tokens
                 layer_times = times[i]
                 if layer_times:
-                    attrs.update(layer_times)
-            out.append((start + off, end + off, _as_stored(attrs)))
+                    extra.update(layer_times)
+            out.append((start + off, end + off, index, _as_stored(extra)))
         return out
+
+    def _encoded_layers(self, b: BufferedStep, parent: SpanContext,
+                        parts: list[tuple[int, int, int, Attributes]]) -> int | None:
+        """The step's layer spans written as OTLP/JSON text straight from its table's lists and
+        ``parts`` (agent/export/otlp_span.c ``column_spans``): no routing-health dicts, no span
+        objects, no encoding later; the text is what their spans would encode to
+        (tests/export/test_column_spans.py). Only where the span factory can hand such spans on
+        (``SpanFactory.takes_encoded``: OTLP-JSON export); None: not here, or a value the writer
+        does not take (the caller builds them as spans)."""
+        spans = self.spans
+        if COLUMN_SPANS is None or not parts or not spans.takes_encoded(parent):
+            return None
+        layers, health, first, second = self._health_lists(b)
+        row_of = {layer: row for row, layer in enumerate(layers)}  # (a repeated layer: its last row, as per_layer)
+        keys = _EXPERT_ARRAY_KEYS if b.num_experts <= MAX_ARRAY_EXPERTS else _TOP_EXPERT_KEYS
+        ids = spans.child_span_ids(parent, len(parts))
+        try:
+            texts = COLUMN_SPANS(
+                parent, "moe.layer", ids, [part[0] for part in parts], [part[1] for part in parts],
+                [part[2] for part in parts], "moe.layer", [row_of.get(part[2], -1) for part in parts],
+                "moe.layer.experts", b.num_experts, _HEALTH_KEYS, health, keys[0], first, keys[1], second,
+                [part[3] for part in parts])
+        except ValueError:
+            return None
+        spans.hand_on_encoded(texts)
+        return len(texts)
 
     def _layer(self, layer: LayerEvent, *, parent: SpanContext, attrs: Attributes) -> int:
         """--span-detail expert: the layer span (``attrs``: its attributes, ``moe.layer`` first)
@@ -697,8 +741,9 @@ def _experts_time_of(per_layer: Sequence[np.ndarray | None]) -> list[Attributes 
     for position, time_us in enumerate(per_layer):
         if time_us is None:
             continue
-        if len(time_us) <= MAX_ARRAY_EXPERTS:
-            out[position] = {"moe.layer.experts.time_us": time_us.astype(np.float64).tolist()}
+        if len(time_us) <= MAX_ARRAY_EXPERTS:  # (float32 to Python floats: the same doubles astype gives)
+            out[position] = {"moe.layer.experts.time_us": (
+                time_us.tolist() if time_us.dtype.kind == "f" else time_us.astype(np.float64).tolist())}
         else:
             wide.setdefault(len(time_us), []).append((position, time_us))
     for group in wide.values():
