@@ -619,16 +619,16 @@ class SpanFactory:
         and span limits that leave ENCODED_MAX_ATTRIBUTES attributes. Else the caller makes spans."""
         if self._held is None or self._holder != get_ident() or not self.direct:
             return False
-        processors = getattr(self._processor, "_span_processors", None)
-        if processors is None or len(processors) != 1 or not getattr(processors[0], "takes_encoded_json", False):
+        batch = self._batch_processor()
+        if batch is None or not getattr(batch, "takes_encoded_json", False):
             return False
         limit = self._limits.max_span_attributes
         return (bool(parent.is_valid) and not parent.trace_state and self.tracer._is_enabled()  # type: ignore[attr-defined]
                 and (limit is None or limit >= ENCODED_MAX_ATTRIBUTES))
 
-    def child_span_ids(self, parent: SpanContext, count: int) -> list[int]:
-        """The span ids of ``count`` children of a valid ``parent``, drawn as ``record_children``
-        draws them (one ``generate_span_id`` each, in order)."""
+    def child_span_ids(self, count: int) -> list[int]:
+        """The span ids of ``count`` children of a valid parent, drawn as ``record_children`` draws
+        them (one ``generate_span_id`` each, in order)."""
         new_span_id = self._ids.generate_span_id
         return [new_span_id() for _ in range(count)]
 
@@ -640,13 +640,18 @@ class SpanFactory:
         resource, scope = self._resource, self._scope
         held.extend([EncodedSpan(text, resource, scope) for text in texts])
 
-    def _end_many(self, spans: list[Any]) -> None:
+    def _batch_processor(self) -> Any:
+        """The tracer's one span processor where it takes a batch (``on_end_sampled``), else None."""
         processors = getattr(self._processor, "_span_processors", None)  # the SDK's fan-out, where it is one
-        if processors is not None and len(processors) == 1:
-            end_sampled = getattr(processors[0], "on_end_sampled", None)
-            if end_sampled is not None:
-                end_sampled(spans)  # (the direct path's spans are all sampled: ALWAYS_ON)
-                return
+        if processors is not None and len(processors) == 1 and getattr(processors[0], "on_end_sampled", None):
+            return processors[0]
+        return None
+
+    def _end_many(self, spans: list[Any]) -> None:
+        batch = self._batch_processor()
+        if batch is not None:
+            batch.on_end_sampled(spans)  # (the direct path's spans are all sampled: ALWAYS_ON)
+            return
         on_end = self._processor.on_end
         for span in spans:
             on_end(span)

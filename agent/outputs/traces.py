@@ -567,7 +567,7 @@ class TraceOutput:
         layers, health, first, second = self._health_lists(b)
         row_of = {layer: row for row, layer in enumerate(layers)}  # (a repeated layer: its last row, as per_layer)
         keys = _EXPERT_ARRAY_KEYS if b.num_experts <= MAX_ARRAY_EXPERTS else _TOP_EXPERT_KEYS
-        ids = spans.child_span_ids(parent, len(parts))
+        ids = spans.child_span_ids(len(parts))
         try:
             texts = COLUMN_SPANS(
                 parent, "moe.layer", ids, [part[0] for part in parts], [part[1] for part in parts],
