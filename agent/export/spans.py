@@ -611,10 +611,10 @@ class SpanFactory:
             self._end_many(held)
 
     # --- spans handed on as text -------------------------------------------------------------
-    def takes_encoded(self, parent: SpanContext) -> bool:
-        """Whether spans under ``parent`` may be handed on now as their OTLP/JSON text
-        (``hand_on_encoded``): on the direct path, while this thread holds (``hold``), with the
-        tracer's one span processor taking a batch and exporting OTLP/JSON text
+    def takes_encoded(self, parent: SpanContext | None) -> bool:
+        """Whether spans under ``parent`` (None: root spans, ``root_context``) may be handed on now
+        as their OTLP/JSON text (``hand_on_encoded``): on the direct path, while this thread holds
+        (``hold``), with the tracer's one span processor taking a batch and exporting OTLP/JSON text
         (``BoundedBatchSpanProcessor.takes_encoded_json``), under a valid parent without trace state,
         and span limits that leave ENCODED_MAX_ATTRIBUTES attributes. Else the caller makes spans."""
         if self._held is None or self._holder != get_ident() or not self.direct:
@@ -623,8 +623,25 @@ class SpanFactory:
         if batch is None or not getattr(batch, "takes_encoded_json", False):
             return False
         limit = self._limits.max_span_attributes
-        return (bool(parent.is_valid) and not parent.trace_state and self.tracer._is_enabled()  # type: ignore[attr-defined]
-                and (limit is None or limit >= ENCODED_MAX_ATTRIBUTES))
+        if parent is not None and not (parent.is_valid and not parent.trace_state):
+            return False
+        return self.tracer._is_enabled() and (limit is None or limit >= ENCODED_MAX_ATTRIBUTES)  # type: ignore[attr-defined]
+
+    def root_context(self) -> SpanContext:
+        """The context of a new root span, drawn as ``record`` draws it (its trace id, then its span
+        id): for a root span handed on as text."""
+        trace_id = self._ids.generate_trace_id()
+        span_id = self._ids.generate_span_id()
+        flags = self._root_flags
+        if self._plain_contexts and 0 < span_id <= _SPAN_ID_MAX and 0 < trace_id <= _TRACE_ID_MAX:
+            return tuple.__new__(SpanContext, (trace_id, span_id, False, flags, _NO_TRACE_STATE, True))
+        return SpanContext(trace_id, span_id, is_remote=False, trace_flags=flags, trace_state=_NO_TRACE_STATE)
+
+    def encoded_links(self, links: Sequence[SpanLink]) -> tuple[Link, ...] | None:
+        """A span's SDK links as ``record`` makes them, for a span handed on as text; None where the
+        links limit would drop some (the SDK's BoundedList counts them: the caller makes the span)."""
+        made = self._links(links)
+        return made if type(made) is tuple else None
 
     def child_span_ids(self, count: int) -> list[int]:
         """The span ids of ``count`` children of a valid parent, drawn as ``record_children`` draws

@@ -37,7 +37,7 @@ import numpy as np
 from opentelemetry.trace import SpanContext, SpanKind
 from opentelemetry.util.types import AttributeValue
 
-from moescope.agent.export.otlp_json import COLUMN_SPANS
+from moescope.agent.export.otlp_json import COLUMN_SPANS, PLAIN_SPANS
 from moescope.agent.export.spans import (
     SharedAttributes,
     SpanEvent,
@@ -162,6 +162,23 @@ PHASE_SPAN_NAMES = {"receive": "receive", "queue": "queue wait", "prefill": "pre
 GEN_AI_OPERATION = "text_completion"  # what the reference runtimes serve (POST /v1/completions)
 
 
+# The server span's attributes in the order _request_trace's dict has them (the kernel's record's,
+# then breakdown_attributes'): the keys a span written as text (_request_texts) carries, a None
+# value left out as span_attributes leaves it out.
+_SERVER_KEYS = ("network.transport", "network.protocol.name", "network.peer.address", "network.peer.port",
+                "http.request.size", "http.response.size", "moe.request.key", "moe.connection.generation",
+                "process.pid", "thread.id", "moe.request.steps", "moe.request.time_to_first_byte_ms")
+_BREAKDOWN_KEYS = ("gen_ai.operation.name", "gen_ai.request.model", "gen_ai.response.model",
+                   "gen_ai.usage.input_tokens", "gen_ai.usage.output_tokens",
+                   *(f"moe.request.phase.{phase}_ms" for phase in ("receive", "queue", "prefill", "decode", "write")),
+                   "moe.request.expert_load_ms", "moe.request.routing_ms", "moe.request.ttft_ms",
+                   "moe.request.ttft_source", "moe.request.tpot_ms", "moe.request.output_tokens_reported")
+_SERVER_BREAKDOWN_KEYS = _SERVER_KEYS + _BREAKDOWN_KEYS
+_UNLINKED_KEYS = ("moe.phase.steps_unlinked",)
+_SERVER_KIND = SpanKind.SERVER.value
+_INTERNAL_KIND = SpanKind.INTERNAL.value
+
+
 def breakdown_attributes(b: RequestBreakdown) -> Attributes:
     """The server span's LLM-serving attributes (docs/traces-and-metrics.md "Where the time goes"):
     GenAI semantic conventions where they fit, ``moe.request.*`` for the rest; durations in ms."""
@@ -271,6 +288,11 @@ class TraceOutput:
     def _request_trace(self, event: RequestJoined) -> None:
         record: IngressRecord = event.record
         spans = self.spans
+        if PLAIN_SPANS is not None and record.answered and spans.takes_encoded(None):
+            texts = self._request_texts(event)
+            if texts is not None:
+                self._counts["spans"] += texts
+                return
         attrs: Attributes = {
             "network.transport": "tcp",
             "network.protocol.name": "http",
@@ -301,9 +323,17 @@ class TraceOutput:
         # finished span, not a live one ended after them
         parent = spans.record("http.server.request", start_ns=record.start_ns + off, end_ns=record.end_ns + off,
                               kind=SpanKind.SERVER, attributes=attrs, events=net_events, error=error)
+        links = self._step_owners(event, parent)
         n = 1
-        # per step of the request (oldest first), the link to its owner's span in another trace (None
-        # where this trace holds the step: its owner subtree, made here; or where none is left of it)
+        if phases is not None:
+            n += spans.record_siblings(parent, self._phase_children(phases, links))
+        self._counts["spans"] += n
+
+    def _step_owners(self, event: RequestJoined,
+                     parent: SpanContext) -> list[tuple[BufferedStep, SpanLink | None]]:
+        """Per step of the request (oldest first), the link to its owner's span in another trace
+        (None where this trace holds the step: its owner subtree, made here under ``parent``; or where
+        none is left of it)."""
         links: list[tuple[BufferedStep, SpanLink | None]] = []
         for b, first in zip(event.steps, event.first_claims, strict=True):
             owner = self._owners.get(b.seq)
@@ -316,24 +346,85 @@ class TraceOutput:
                 links.append((b, owner.link if owner is not None else None))
             if b.claims >= b.batch_size:
                 self._owners.pop(b.seq, None)  # every request of the batch has reached the step now
+        return links
+
+    def _phase_children(self, phases: RequestBreakdown, links: list[tuple[BufferedStep, SpanLink | None]],
+                        ) -> list[tuple[str, int, int, Attributes | None, tuple[SpanLink, ...]]]:
+        """The phase spans under the server span: (name, start, end, attributes, links). The phases
+        tile [start, end] in order: each child starts where the previous one ended; prefill and
+        decode link to the steps they ran in that other traces own."""
+        at = phases.start_ns + self.epoch_offset_ns
+        cut = phases.prefill_steps
+        children: list[tuple[str, int, int, Attributes | None, tuple[SpanLink, ...]]] = []
+        for phase, ns in phases.phase_ns().items():
+            span_links: tuple[SpanLink, ...] = ()
+            attributes: Attributes | None = None
+            if phase == "prefill" or phase == "decode":
+                span_links, unlinked = _step_links(links[:cut] if phase == "prefill" else links[cut:])
+                self._counts["step_links"] += len(span_links)
+                if unlinked:
+                    attributes = {"moe.phase.steps_unlinked": unlinked}
+            children.append((PHASE_SPAN_NAMES[phase], at, at + ns, attributes, span_links))
+            at += ns
+        return children
+
+    def _request_texts(self, event: RequestJoined) -> int | None:
+        """The request's trace with its server and phase spans written as OTLP/JSON text from their
+        parts (otlp_span.c ``plain_spans``; its step subtrees as ever): the attributes' values in
+        _SERVER_KEYS order, no dict, no span objects, no encoding later. The text is what the spans
+        the factory makes would encode to (tests/export/test_plain_spans.py). Returns the spans made;
+        None where a server span has events or a value the writer does not take (nothing made: the
+        caller makes the spans the usual way)."""
+        record: IngressRecord = event.record
+        off = self.epoch_offset_ns
+        start_ns, end_ns = record.start_ns + off, record.end_ns + off
+        if self._net_events.for_request(peer_addr=record.peer_addr, peer_port=record.peer_port,
+                                        start_ns=record.start_ns, end_ns=record.end_ns):
+            return None  # (events: the span object's way)
+        values: list[Any] = [
+            "tcp", "http", record.peer_addr, record.peer_port or None, record.bytes_in, record.bytes_out, record.fd,
+            record.generation, record.tgid, record.tid, len(event.steps),
+            (record.first_response_ns - record.start_ns) / 1e6 if record.first_response_ns else None,
+        ]
+        phases = event.breakdown
+        keys: tuple[str, ...] = _SERVER_KEYS
         if phases is not None:
-            # the phases tile [start, end] in order: each child starts where the previous one ended;
-            # prefill and decode link to the steps they ran in that other traces own
-            at = phases.start_ns + off
-            cut = phases.prefill_steps
-            children: list[tuple[str, int, int, Attributes | None, tuple[SpanLink, ...]]] = []
-            for phase, ns in phases.phase_ns().items():
-                span_links: tuple[SpanLink, ...] = ()
-                attributes: Attributes | None = None
-                if phase == "prefill" or phase == "decode":
-                    span_links, unlinked = _step_links(links[:cut] if phase == "prefill" else links[cut:])
-                    self._counts["step_links"] += len(span_links)
-                    if unlinked:
-                        attributes = {"moe.phase.steps_unlinked": unlinked}
-                children.append((PHASE_SPAN_NAMES[phase], at, at + ns, attributes, span_links))
-                at += ns
-            n += spans.record_siblings(parent, children)
-        self._counts["spans"] += n
+            keys = _SERVER_BREAKDOWN_KEYS
+            model = phases.model
+            values += [GEN_AI_OPERATION, model, model,
+                       phases.input_tokens if phases.tokens_reported else None, phases.output_tokens,
+                       phases.receive_ns / 1e6, phases.queue_ns / 1e6, phases.prefill_ns / 1e6,
+                       phases.decode_ns / 1e6, phases.write_ns / 1e6, phases.expert_load_ns / 1e6,
+                       phases.routing_ns / 1e6, phases.ttft_ns / 1e6, phases.ttft_source,
+                       phases.tpot_ns / 1e6 if phases.tpot_ns is not None else None, phases.tokens_reported]
+        spans = self.spans
+        assert PLAIN_SPANS is not None
+        parent = spans.root_context()
+        try:
+            server = PLAIN_SPANS(parent, None, [(parent.span_id, "http.server.request", _SERVER_KIND, start_ns,
+                                                 max(end_ns, start_ns), keys, values, ())])
+        except ValueError:
+            return None
+        spans.hand_on_encoded(server)  # (before its children, as record() has it)
+        links = self._step_owners(event, parent)
+        if phases is None:
+            return 1
+        children = self._phase_children(phases, links)
+        items: list[tuple[int, str, int, int, int, tuple[str, ...], tuple[Any, ...], tuple[Any, ...]]] = []
+        for span_id, (name, start, end, attributes, span_links) in zip(
+                spans.child_span_ids(len(children)), children, strict=True):
+            made = spans.encoded_links(span_links) if span_links else ()
+            if made is None:
+                break
+            unlinked = attributes.get("moe.phase.steps_unlinked") if attributes else None
+            items.append((span_id, name, _INTERNAL_KIND, start, max(end, start), _UNLINKED_KEYS, (unlinked,), made))
+        else:
+            try:
+                spans.hand_on_encoded(PLAIN_SPANS(parent, parent, items))
+                return 1 + len(items)
+            except ValueError:
+                pass
+        return 1 + spans.record_siblings(parent, children)  # (new span ids: nothing else differs)
 
     # ------------------------------------------------------------------ steps
     def _step_attributes(self, b: BufferedStep) -> Attributes:
