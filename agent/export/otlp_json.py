@@ -392,12 +392,13 @@ if _native is not None:
 
 def _plain_spans(trace: Any, parent: Any, items: list[Any]) -> list[bytes]:
     assert _native is not None
-    texts: list[bytes] = _native.plain_spans(trace, parent, items, _link)
+    texts: list[bytes] = _native.plain_spans(trace, parent, items, _link, _event)
     return texts
 
 
-# Spans written as text from their parts (a request's server and phase spans): PLAIN_SPANS(trace,
-# parent, items) -> their texts (otlp_span.c `plain_spans`; links written as the encoder writes them).
+# Spans written as text from their parts (a request's server and phase spans, a step span):
+# PLAIN_SPANS(trace, parent, items) -> their texts (otlp_span.c `plain_spans`; links and events
+# written as the encoder writes them).
 PLAIN_SPANS: Callable[[Any, Any, list[Any]], list[bytes]] | None = _plain_spans if _native is not None else None
 # The spans of one scope as their comma-joined texts: native where built (the same text, ≈ 5x less
 # CPU), Python otherwise; tests/export checks both against the protobuf route.

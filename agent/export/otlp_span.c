@@ -756,29 +756,65 @@ fail:
     return NULL;
 }
 
-/* ---- Spans written from their parts (agent/outputs/traces.py, a request's server and phase spans) -----
+/* ---- Spans written from their parts (agent/outputs/traces.py: a request's server and phase spans,
+ * a step span) ------------------------------------------------------------------------------------
  *
- * plain_spans(trace, parent, items, link_text) -> list of bytes
+ * plain_spans(trace, parent, items, link_text, event_text) -> list of bytes
  *
  * `trace`: a SpanContext tuple whose trace id the spans carry; `parent`: None (each span a root) or
  * the SpanContext tuple of their parent. Each item is (span_id, name, kind, start, end, keys, values,
- * links): kind a SpanKind value, keys a tuple of str and values a list or tuple as long, links a tuple
- * of SDK links (written by link_text, as encode's callback). For each item: the text add_span writes
- * for that span with no events and status unset, whose attributes are the dict {keys[j]: values[j]}
- * as span_attributes leaves it — a None or NaN float value left out, every value a str, bool, int or
- * float. Not building the dict, the span object or their cleaning is the point: a request's six spans
+ * links, events): kind a SpanKind value; keys a tuple of str and values a list or tuple as long, or
+ * keys None and values a dict; links and events tuples of SDK links and events (written by
+ * link_text and event_text, as encode's callbacks). For each item: the text add_span writes for
+ * that span with status unset, whose attributes are the dict {keys[j]: values[j]} (or values) as
+ * span_attributes leaves it: a None, a NaN float or an empty list or tuple left out; every other
+ * value a str, bool, int or float, or a list or tuple of one of those types. Not building the dict
+ * (where keys are given), the span object or their cleaning is the point: a request's six spans
  * were ~30 µs of building and encoding, written here in a few (tests/export/test_plain_spans.py holds
  * the text to the spans the factory makes). ValueError where something is not as described (the
  * caller makes the spans the usual way). */
+
+/* A value as span_attributes stores it, unchanged: OK (write it), NOT_MINE (it would convert or
+ * drop it with a log line: not written here), or SKIP (it leaves it out). */
+enum { SKIP = 2 };
+static int plain_value(PyObject *value) {
+    if (value == Py_None) return SKIP;
+    if (PyFloat_CheckExact(value)) return isnan(PyFloat_AS_DOUBLE(value)) ? SKIP : OK;
+    if (PyUnicode_CheckExact(value) || PyLong_CheckExact(value) || PyBool_Check(value)) return OK;
+    if (!(PyList_CheckExact(value) || PyTuple_CheckExact(value))) return NOT_MINE; /* (numpy: converted) */
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(value);
+    if (n == 0) return SKIP;
+    PyObject **items = PySequence_Fast_ITEMS(value);
+    PyTypeObject *type = Py_TYPE(items[0]);
+    if (type != &PyLong_Type && type != &PyFloat_Type && type != &PyUnicode_Type && type != &PyBool_Type)
+        return NOT_MINE;
+    for (Py_ssize_t i = 1; i < n; i++)
+        if (Py_TYPE(items[i]) != type) return NOT_MINE; /* mixed: converted to one type */
+    return OK;
+}
+
+static int plain_attribute(Buf *b, PyObject *key, PyObject *value, int *first) {
+    int rc = plain_value(value);
+    if (rc == SKIP) return OK;
+    if (rc != OK) return rc;
+    if (!PyUnicode_CheckExact(key) || PyUnicode_GET_LENGTH(key) == 0) return NOT_MINE;
+    if (*first && ADD_LIT(b, ",\"attributes\":[") < 0) return ERROR;
+    return column_value(b, key, value, first);
+}
+
 static int plain_span(Buf *b, unsigned long long hi, unsigned long long lo, PyObject *parent, unsigned long long parent_id,
-                      PyObject *item, PyObject *link_text) {
-    if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 8) return NOT_MINE;
+                      PyObject *item, PyObject *link_text, PyObject *event_text) {
+    if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 9) return NOT_MINE;
     PyObject *span_id = PyTuple_GET_ITEM(item, 0), *name = PyTuple_GET_ITEM(item, 1), *kind = PyTuple_GET_ITEM(item, 2),
              *start = PyTuple_GET_ITEM(item, 3), *end = PyTuple_GET_ITEM(item, 4), *keys = PyTuple_GET_ITEM(item, 5),
-             *values = PyTuple_GET_ITEM(item, 6), *links = PyTuple_GET_ITEM(item, 7);
+             *values = PyTuple_GET_ITEM(item, 6), *links = PyTuple_GET_ITEM(item, 7), *events = PyTuple_GET_ITEM(item, 8);
+    int keyed = keys != Py_None;
     if (!PyLong_CheckExact(span_id) || !PyLong_CheckExact(kind) || !PyUnicode_CheckExact(name)
-        || !PyTuple_CheckExact(keys) || !(PyList_CheckExact(values) || PyTuple_CheckExact(values))
-        || PySequence_Fast_GET_SIZE(values) != PyTuple_GET_SIZE(keys) || !PyTuple_CheckExact(links))
+        || !PyTuple_CheckExact(links) || !PyTuple_CheckExact(events))
+        return NOT_MINE;
+    if (keyed ? !(PyTuple_CheckExact(keys) && (PyList_CheckExact(values) || PyTuple_CheckExact(values))
+                  && PySequence_Fast_GET_SIZE(values) == PyTuple_GET_SIZE(keys))
+              : !PyDict_CheckExact(values))
         return NOT_MINE;
     unsigned long long id = PyLong_AsUnsignedLongLong(span_id);
     if (id == (unsigned long long)-1 && PyErr_Occurred()) return not_mine_or_error();
@@ -799,19 +835,20 @@ static int plain_span(Buf *b, unsigned long long hi, unsigned long long lo, PyOb
     if (ADD_LIT(b, ",\"kind\":") < 0 || buf_fmt_i64(b, (long long)k + 1) < 0) return ERROR;
     if ((rc = add_time(b, ",\"startTimeUnixNano\":\"", sizeof(",\"startTimeUnixNano\":\"") - 1, start)) != OK) return rc;
     if ((rc = add_time(b, ",\"endTimeUnixNano\":\"", sizeof(",\"endTimeUnixNano\":\"") - 1, end)) != OK) return rc;
-    Py_ssize_t n = PyTuple_GET_SIZE(keys);
-    PyObject **items = PySequence_Fast_ITEMS(values);
     int first = 1;
-    for (Py_ssize_t j = 0; j < n; j++) {
-        PyObject *key = PyTuple_GET_ITEM(keys, j), *value = items[j];
-        if (value == Py_None || (PyFloat_CheckExact(value) && isnan(PyFloat_AS_DOUBLE(value)))) continue;
-        if (!PyUnicode_CheckExact(key) || PyUnicode_GET_LENGTH(key) == 0) return NOT_MINE;
-        if (!(PyUnicode_CheckExact(value) || PyLong_CheckExact(value) || PyFloat_CheckExact(value) || PyBool_Check(value)))
-            return NOT_MINE; /* (an array, a numpy scalar: span_attributes converts it) */
-        if (first && ADD_LIT(b, ",\"attributes\":[") < 0) return ERROR;
-        if ((rc = column_value(b, key, value, &first)) != OK) return rc;
+    if (keyed) {
+        Py_ssize_t n = PyTuple_GET_SIZE(keys);
+        PyObject **items = PySequence_Fast_ITEMS(values);
+        for (Py_ssize_t j = 0; j < n; j++)
+            if ((rc = plain_attribute(b, PyTuple_GET_ITEM(keys, j), items[j], &first)) != OK) return rc;
+    } else {
+        Py_ssize_t pos = 0;
+        PyObject *key, *value;
+        while (PyDict_Next(values, &pos, &key, &value))
+            if ((rc = plain_attribute(b, key, value, &first)) != OK) return rc;
     }
     if (!first && ADD_LIT(b, "]") < 0) return ERROR;
+    if ((rc = add_texts(b, ",\"events\":[", sizeof(",\"events\":[") - 1, events, event_text)) != OK) return rc;
     if ((rc = add_texts(b, ",\"links\":[", sizeof(",\"links\":[") - 1, links, link_text)) != OK) return rc;
     if (ADD_LIT(b, ",\"status\":{},\"flags\":") < 0) return ERROR;
     if ((rc = add_flags(b, parent)) != OK) return rc;
@@ -820,8 +857,9 @@ static int plain_span(Buf *b, unsigned long long hi, unsigned long long lo, PyOb
 
 static PyObject *plain_spans(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *trace, *parent, *items, *link_text;
-    if (!PyArg_ParseTuple(args, "O!OO!O:plain_spans", &PyTuple_Type, &trace, &parent, &PyList_Type, &items, &link_text))
+    PyObject *trace, *parent, *items, *link_text, *event_text;
+    if (!PyArg_ParseTuple(args, "O!OO!OO:plain_spans", &PyTuple_Type, &trace, &parent, &PyList_Type, &items, &link_text,
+                          &event_text))
         return NULL;
     unsigned long long hi, lo, own_id, parent_id = 0;
     int rc = context_ids(trace, &hi, &lo, &own_id);
@@ -841,7 +879,7 @@ static PyObject *plain_spans(PyObject *self, PyObject *args) {
     Buf b = {0};
     for (Py_ssize_t i = 0; i < n; i++) {
         b.len = 0;
-        rc = plain_span(&b, hi, lo, parent, parent_id, PyList_GET_ITEM(items, i), link_text);
+        rc = plain_span(&b, hi, lo, parent, parent_id, PyList_GET_ITEM(items, i), link_text, event_text);
         if (rc == ERROR) goto fail;
         if (rc == NOT_MINE) {
             PyErr_Format(PyExc_ValueError, "plain_spans: span %zd has a part it does not write", i);
@@ -1145,7 +1183,7 @@ static PyMethodDef methods[] = {
      "first_key, first, second_key, second, extras) -> list of bytes: each span's OTLP/JSON text, written from "
      "columns (see the source)"},
     {"plain_spans", plain_spans, METH_VARARGS,
-     "plain_spans(trace, parent, items, link_text) -> list of bytes: each span's OTLP/JSON text, written from its "
+     "plain_spans(trace, parent, items, link_text, event_text) -> list of bytes: each span's OTLP/JSON text, written from its "
      "parts (see the source)"},
     {"set_encoded_type", set_encoded_type, METH_O,
      "set_encoded_type(type): spans of exactly this type carry their text in `_text`; encode() appends it"},

@@ -637,6 +637,20 @@ class SpanFactory:
             return tuple.__new__(SpanContext, (trace_id, span_id, False, flags, _NO_TRACE_STATE, True))
         return SpanContext(trace_id, span_id, is_remote=False, trace_flags=flags, trace_state=_NO_TRACE_STATE)
 
+    def child_context(self, parent: SpanContext | None) -> tuple[SpanContext, SpanContext | None]:
+        """A new span's context and the parent it names, drawn as ``record`` draws them (None or an
+        invalid parent: a new root): for a span handed on as text."""
+        if parent is None:
+            return self.root_context(), None
+        named, contexts = self._contexts_under(parent, 1)
+        return contexts[0], named
+
+    def encoded_events(self, events: Sequence[SpanEvent]) -> tuple[Event, ...] | None:
+        """A span's SDK events as ``record`` makes them, for a span handed on as text; None where
+        the events limit would drop some (the caller makes the span)."""
+        made = self._events(events) if events else ()
+        return made if type(made) is tuple else None
+
     def encoded_links(self, links: Sequence[SpanLink]) -> tuple[Link, ...] | None:
         """A span's SDK links as ``record`` makes them, for a span handed on as text; None where the
         links limit would drop some (the SDK's BoundedList counts them: the caller makes the span)."""

@@ -402,7 +402,7 @@ class TraceOutput:
         parent = spans.root_context()
         try:
             server = PLAIN_SPANS(parent, None, [(parent.span_id, "http.server.request", _SERVER_KIND, start_ns,
-                                                 max(end_ns, start_ns), keys, values, ())])
+                                                 max(end_ns, start_ns), keys, values, (), ())])
         except ValueError:
             return None
         spans.hand_on_encoded(server)  # (before its children, as record() has it)
@@ -410,14 +410,14 @@ class TraceOutput:
         if phases is None:
             return 1
         children = self._phase_children(phases, links)
-        items: list[tuple[int, str, int, int, int, tuple[str, ...], tuple[Any, ...], tuple[Any, ...]]] = []
+        items: list[tuple[int, str, int, int, int, tuple[str, ...], tuple[Any, ...], tuple[Any, ...], tuple[()]]] = []
         for span_id, (name, start, end, attributes, span_links) in zip(
                 spans.child_span_ids(len(children)), children, strict=True):
             made = spans.encoded_links(span_links) if span_links else ()
             if made is None:
                 break
             unlinked = attributes.get("moe.phase.steps_unlinked") if attributes else None
-            items.append((span_id, name, _INTERNAL_KIND, start, max(end, start), _UNLINKED_KEYS, (unlinked,), made))
+            items.append((span_id, name, _INTERNAL_KIND, start, max(end, start), _UNLINKED_KEYS, (unlinked,), made, ()))
         else:
             try:
                 spans.hand_on_encoded(PLAIN_SPANS(parent, parent, items))
@@ -536,14 +536,12 @@ class TraceOutput:
                                else [layer.layer for layer in step.layers])
                 device_by_layer = dict(zip(order, device_us.tolist(), strict=True))
         off = self.epoch_offset_ns
-        ctx = spans.record(
-            "moe.step",
-            start_ns=step.start_ns + off,
-            end_ns=step.end_ns + off,
-            parent=parent,
-            attributes={**self._step_attributes(b), **step_attrs, **extra},
-            events=self._device_events(step),
-        )
+        attributes = {**self._step_attributes(b), **step_attrs, **extra}
+        events = self._device_events(step)
+        ctx = self._step_text(step, parent, attributes, events)
+        if ctx is None:
+            ctx = spans.record("moe.step", start_ns=step.start_ns + off, end_ns=step.end_ns + off, parent=parent,
+                               attributes=attributes, events=events)
         n = 1
         if with_layers:
             if self.span_detail == "layer":
@@ -565,6 +563,29 @@ class TraceOutput:
                     attrs = self._layer_head(layer.layer, per_layer, device_by_layer)
                     n += self._layer(layer, parent=ctx, attrs=attrs)
         self._counts["spans"] += n
+        return ctx
+
+    def _step_text(self, step: StepEvent, parent: SpanContext | None, attributes: Attributes,
+                   events: tuple[SpanEvent, ...]) -> SpanContext | None:
+        """The step span handed on as its OTLP/JSON text (otlp_span.c ``plain_spans``: from its
+        attribute dict, with no span object and no encoding later) where the factory takes text;
+        returns its context (its layers' parent, its batch-mates' link). None: not here, or a value
+        the writer does not take (nothing made: the caller records the span)."""
+        spans = self.spans
+        if PLAIN_SPANS is None or not spans.takes_encoded(parent):
+            return None
+        made = spans.encoded_events(events)
+        if made is None:
+            return None
+        ctx, named = spans.child_context(parent)
+        start = step.start_ns + self.epoch_offset_ns
+        try:
+            texts = PLAIN_SPANS(ctx, named, [(ctx.span_id, "moe.step", _INTERNAL_KIND, start,
+                                              max(step.end_ns + self.epoch_offset_ns, start), None, attributes, (),
+                                              made)])
+        except ValueError:
+            return None
+        spans.hand_on_encoded(texts)
         return ctx
 
     @staticmethod

@@ -87,7 +87,7 @@ def test_layer_spans_as_text_are_their_spans_encoded(e: int, columnar: bool, tim
                                                      loads: bool) -> None:
     written = _spans(_step(e, columnar=columnar, times=times, ffns=ffns, loads=loads, seed=e), e, takes=True)
     built = _spans(_step(e, columnar=columnar, times=times, ffns=ffns, loads=loads, seed=e), e, takes=False)
-    assert [type(s) for s in written] == [ReadableSpan] + [EncodedSpan] * L  # the step span, then its layers
+    assert [type(s) for s in written] == [EncodedSpan] * (L + 1)  # the step span (plain_spans), then its layers
     assert [type(s) for s in built] == [ReadableSpan] * (L + 1)
     assert spans_to_bytes(written) == spans_to_bytes(built)
     one_by_one = b",".join(spans_to_bytes([s])[:-1] for s in written)  # each alone: the same text too
@@ -100,7 +100,7 @@ def test_a_value_the_writer_does_not_take_builds_the_spans() -> None:
     precision = {0: "fp16\u00e9", 4: "fp32"}
     written = _spans(_step(16, columnar=True, times=True, ffns=False), 16, takes=True, precision=precision)
     built = _spans(_step(16, columnar=True, times=True, ffns=False), 16, takes=False, precision=precision)
-    assert [type(s) for s in written] == [ReadableSpan] * (L + 1)
+    assert [type(s) for s in written] == [EncodedSpan] + [ReadableSpan] * L  # (the step span: text all the same)
     # (the writer drew its span ids before declining; the spans built after it drew their own)
     assert _ids_in_order(spans_to_bytes(written)) == _ids_in_order(spans_to_bytes(built))
 
@@ -208,7 +208,7 @@ def test_the_agents_file_export_takes_layer_spans_as_text(tmp_path: Any) -> None
         out._step_tree(b, parent=None, extra={})
         held = list(factory._held or [])
         factory.release()
-        assert [type(s) for s in held] == [ReadableSpan] + [EncodedSpan] * L
+        assert [type(s) for s in held] == [EncodedSpan] * (L + 1)
         assert tracing.force_flush(10.0)
     finally:
         stats = tracing.shutdown(10.0)

@@ -1,9 +1,10 @@
-"""A request's server and phase spans written as OTLP/JSON text from their parts
-(agent/export/otlp_span.c ``plain_spans``, ``TraceOutput._request_texts``) are, byte for byte, the
-text the same spans give when built as span objects and encoded: over the pipeline's whole trace
-scenario (keep-alive, a batch of three sharing steps it owns and links to, an unanswered request, an
-expired step, fd reuse; both span details), phase spans linking to many owner steps, requests with
-no breakdown, and a retransmit event (that server span is built as an object). Where a value is one
+"""A request's server and phase spans and a step span written as OTLP/JSON text from their parts
+(agent/export/otlp_span.c ``plain_spans``, ``TraceOutput._request_texts`` and ``_step_text``) are,
+byte for byte, the text the same spans give when built as span objects and encoded: over the
+pipeline's whole trace scenario (keep-alive, a batch of three sharing steps it owns and links to, an
+unanswered request, an expired step, unjoined steps, fd reuse, step spans' device-memory events;
+both span details), phase spans linking to many owner steps, requests with no breakdown, and a
+retransmit event (that server span is built as an object). Where a value is one
 the writer does not take (a non-ASCII model name) the spans are built the usual way. The writer
 refuses malformed parts with ValueError."""
 
@@ -84,6 +85,10 @@ def test_the_scenarios_request_spans_as_text_are_their_spans_encoded(detail: str
     phases = [w for w, b in zip(written, built, strict=True) if b.name in ("receive", "queue wait", "prefill", "decode",
                                                                            "response write")]
     assert phases and all(type(w) is EncodedSpan for w in phases)
+    steps = [(w, b) for w, b in zip(written, built, strict=True) if b.name == "moe.step"]
+    # every step span went as text, with its device-memory event (and the unjoined ones as roots)
+    assert steps and all(type(w) is EncodedSpan for w, _ in steps) and all(b.events for _, b in steps)
+    assert any(b.parent is None for _, b in steps) and any(b.parent is not None for _, b in steps)
     one_by_one = b",".join(spans_to_bytes([s])[:-1] for s in written)  # each alone: the same text too
     assert one_by_one == b",".join(spans_to_bytes([s])[:-1] for s in built)
 
@@ -181,7 +186,7 @@ TRACE = SpanContext(7 << 64 | 9, 11, is_remote=False, trace_flags=TraceFlags(Tra
 
 def _item(**changes: Any) -> tuple[Any, ...]:
     item: dict[str, Any] = dict(span_id=21, name="decode", kind=0, start=100, end=150, keys=("a", "b", "c", "d"),
-                                values=[1.5, None, float("nan"), "x"], links=())
+                                values=[1.5, None, float("nan"), "x"], links=(), events=())
     item.update(changes)
     return tuple(item.values())
 
@@ -206,11 +211,23 @@ def test_plain_spans_writes_what_it_is_given() -> None:
                         b'"status":{},"flags":256}')
     root = PLAIN_SPANS(TRACE, None, [_item(values=[None, None, None, None])])[0]
     assert b"parentSpanId" not in root and b"attributes" not in root
+    # a dict (keys None), arrays of one type as they are, empty ones left out (as span_attributes does)
+    text = PLAIN_SPANS(TRACE, TRACE, [_item(keys=None, values={"r": [3, 1], "e": (), "f": (0.5, float("nan")),
+                                                                 "n": None, "b": True})])[0]
+    assert (b'"attributes":[{"key":"r","value":{"arrayValue":{"values":[{"intValue":"3"},{"intValue":"1"}]}}},'
+            b'{"key":"f","value":{"arrayValue":{"values":[{"doubleValue":0.5},{"doubleValue":"NaN"}]}}},'
+            b'{"key":"b","value":{"boolValue":true}}],"status"') in text
 
 
 @pytest.mark.parametrize(("parent", "item"), [
     (TRACE, _item(values=[1.5, None])),  # fewer values than keys
-    (TRACE, _item(values=[(1, 2), None, None, None])),  # an array: span_attributes converts it
+    (TRACE, _item(values=[(1, 2.5), None, None, None])),  # a mixed array: span_attributes converts it
+    (TRACE, _item(values=[[None], None, None, None])),
+    (TRACE, _item(values=[np.arange(3), None, None, None])),
+    (TRACE, _item(keys=None, values={"a": np.float64(1.0)})),  # a dict's values likewise
+    (TRACE, _item(keys=None, values={"": 1})),
+    (TRACE, _item(keys=None, values=[("a", 1)])),  # keys None: a dict
+    (TRACE, _item(events=[])),  # not a tuple
     (TRACE, _item(values=[np.int64(3), None, None, None])),  # a numpy scalar, likewise
     (TRACE, _item(values=[1 << 64, None, None, None])),  # past int64: the Python encoder leaves it out
     (TRACE, _item(values=["caf\u00e9", None, None, None])),  # non-ASCII: the Python encoder's
