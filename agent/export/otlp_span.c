@@ -694,6 +694,20 @@ static int column_span(Buf *b, PyObject *name, unsigned long long hi, unsigned l
     return ADD_LIT(b, "}") < 0 ? ERROR : OK;
 }
 
+/* Span i's text, as its writer (rc) left it in b, into the list out: 0, or -1 with an exception set
+ * (ValueError naming `what` where the writer did not take the span). */
+static int take_text(PyObject *out, Py_ssize_t i, const Buf *b, int rc, const char *what) {
+    if (rc == ERROR) return -1;
+    if (rc == NOT_MINE) {
+        PyErr_Format(PyExc_ValueError, "%s: span %zd has a value it does not write", what, i);
+        return -1;
+    }
+    PyObject *text = PyBytes_FromStringAndSize(b->data, (Py_ssize_t)b->len);
+    if (!text) return -1;
+    PyList_SET_ITEM(out, i, text);
+    return 0;
+}
+
 static PyObject *column_spans(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *parent, *name, *span_ids, *starts, *ends, *heads, *head_key, *rows, *head2_key, *head2, *keys, *columns,
@@ -739,14 +753,7 @@ static PyObject *column_spans(PyObject *self, PyObject *args) {
                              PyList_GET_ITEM(ends, i), head_key, PyList_GET_ITEM(heads, i), row, head2_key, head2, keys,
                              columns, first_key, first, second_key, second, extra);
         }
-        if (rc == ERROR) goto fail;
-        if (rc == NOT_MINE) {
-            PyErr_Format(PyExc_ValueError, "column_spans: span %zd has a value it does not write", i);
-            goto fail;
-        }
-        PyObject *text = PyBytes_FromStringAndSize(b.data, (Py_ssize_t)b.len);
-        if (!text) goto fail;
-        PyList_SET_ITEM(out, i, text);
+        if (take_text(out, i, &b, rc, "column_spans") < 0) goto fail;
     }
     PyMem_Free(b.data);
     return out;
@@ -880,14 +887,7 @@ static PyObject *plain_spans(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         b.len = 0;
         rc = plain_span(&b, hi, lo, parent, parent_id, PyList_GET_ITEM(items, i), link_text, event_text);
-        if (rc == ERROR) goto fail;
-        if (rc == NOT_MINE) {
-            PyErr_Format(PyExc_ValueError, "plain_spans: span %zd has a part it does not write", i);
-            goto fail;
-        }
-        PyObject *text = PyBytes_FromStringAndSize(b.data, (Py_ssize_t)b.len);
-        if (!text) goto fail;
-        PyList_SET_ITEM(out, i, text);
+        if (take_text(out, i, &b, rc, "plain_spans") < 0) goto fail;
     }
     PyMem_Free(b.data);
     return out;

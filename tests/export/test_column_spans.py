@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import SpanContext, TraceFlags
-from test_spans_direct import CountingIds
+from test_spans_direct import BatchTaking, CountingIds
 from test_trace_children import _columns
 
 from moescope.agent.export import SpanFactory
@@ -32,21 +32,6 @@ pytestmark = pytest.mark.skipif(COLUMN_SPANS is None, reason="the native encoder
 
 L = 9  # test_trace_children._columns' layers
 RESOURCE = Resource.create({"service.name": "t"})
-
-
-class _Batch(SpanProcessor):
-    """The tracer's one processor: takes a batch (on_end_sampled), and says whether its exporter
-    writes OTLP/JSON text."""
-
-    def __init__(self, *, takes_encoded_json: bool) -> None:
-        self.takes_encoded_json = takes_encoded_json
-        self.spans: list[Any] = []
-
-    def on_end(self, span: ReadableSpan) -> None:
-        self.spans.append(span)
-
-    def on_end_sampled(self, spans: list[Any]) -> None:
-        self.spans.extend(spans)
 
 
 def _step(e: int, *, columnar: bool, times: bool, ffns: bool, loads: bool = False, seed: int = 1) -> StepEvent:
@@ -63,7 +48,7 @@ def _step(e: int, *, columnar: bool, times: bool, ffns: bool, loads: bool = Fals
 
 
 def _spans(step: StepEvent, e: int, *, takes: bool, precision: dict[int, str] | None = None) -> list[Any]:
-    batch = _Batch(takes_encoded_json=takes)
+    batch = BatchTaking(takes_encoded_json=takes)
     provider = TracerProvider(sampler=ALWAYS_ON, resource=RESOURCE, id_generator=CountingIds())
     provider.add_span_processor(batch)
     factory = SpanFactory(provider.get_tracer("moescope"))
@@ -113,7 +98,7 @@ def _ids_in_order(line: bytes) -> bytes:
 
 
 def test_not_holding_or_not_json_builds_the_spans() -> None:
-    batch = _Batch(takes_encoded_json=True)
+    batch = BatchTaking(takes_encoded_json=True)
     provider = TracerProvider(sampler=ALWAYS_ON, resource=RESOURCE, id_generator=CountingIds())
     provider.add_span_processor(batch)
     factory = SpanFactory(provider.get_tracer("moescope"))
@@ -123,12 +108,12 @@ def test_not_holding_or_not_json_builds_the_spans() -> None:
     assert factory.takes_encoded(parent)
     assert not factory.takes_encoded(SpanContext(0, 0, is_remote=False))  # an invalid parent
     factory.release()
-    provider.add_span_processor(_Batch(takes_encoded_json=True))  # two processors: spans for both
+    provider.add_span_processor(BatchTaking(takes_encoded_json=True))  # two processors: spans for both
     assert factory.hold()
     assert not factory.takes_encoded(parent)
     factory.release()
     other = TracerProvider(sampler=ALWAYS_ON, resource=RESOURCE)
-    other.add_span_processor(_Batch(takes_encoded_json=False))
+    other.add_span_processor(BatchTaking(takes_encoded_json=False))
     other_factory = SpanFactory(other.get_tracer("moescope"))
     assert other_factory.hold() and not other_factory.takes_encoded(parent)
     other_factory.release()

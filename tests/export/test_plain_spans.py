@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 import pytest
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import SpanContext, TraceFlags
 from phase_requests import ModelRequest, model_request
-from test_spans_direct import CountingIds
+from test_spans_direct import BatchTaking, CountingIds
 
 from moescope.agent.export import SpanFactory
 from moescope.agent.export.otlp_json import PLAIN_SPANS, spans_to_bytes
@@ -30,29 +30,15 @@ from moescope.agent.outputs.traces import MAX_STEP_LINKS, TraceOutput
 from moescope.agent.pipeline import Pipeline
 from moescope.collectors.netsig import NetSignalRecord
 from moescope.probes.netsig.loader import NetEvent
-from tests.pipeline.scenario import EPOCH_OFFSET_NS, RETENTION_NS, FakeClock, build_step, feed, main_scenario, record
+from tests.pipeline.scenario import EPOCH_OFFSET_NS, RETENTION_NS, FakeClock, feed, feed_linked_steps, main_scenario
 
 pytestmark = pytest.mark.skipif(PLAIN_SPANS is None, reason="the native encoder is not built")
 
 RESOURCE = Resource.create({"service.name": "t"})
 
 
-class _Batch(SpanProcessor):
-    """The tracer's one processor: takes a batch, and says whether its exporter writes OTLP/JSON text."""
-
-    def __init__(self, *, takes_encoded_json: bool) -> None:
-        self.takes_encoded_json = takes_encoded_json
-        self.spans: list[Any] = []
-
-    def on_end(self, span: ReadableSpan) -> None:
-        self.spans.append(span)
-
-    def on_end_sampled(self, spans: list[Any]) -> None:
-        self.spans.extend(spans)
-
-
-def _factory(*, takes: bool) -> tuple[SpanFactory, _Batch]:
-    batch = _Batch(takes_encoded_json=takes)
+def _factory(*, takes: bool) -> tuple[SpanFactory, BatchTaking]:
+    batch = BatchTaking(takes_encoded_json=takes)
     provider = TracerProvider(sampler=ALWAYS_ON, resource=RESOURCE, id_generator=CountingIds())
     provider.add_span_processor(batch)
     return SpanFactory(provider.get_tracer("moescope")), batch
@@ -97,22 +83,8 @@ def _linked_spans(*, takes: bool) -> list[Any]:
     """Two requests over MAX_STEP_LINKS + 4 steps: the first owns them, the second's prefill and
     decode link to them (the slowest MAX_STEP_LINKS of the decode steps; the rest counted)."""
     factory, batch = _factory(takes=takes)
-    rng = np.random.default_rng(5)
     clock = FakeClock()
-    pipeline = Pipeline(spans=factory, clock=clock, epoch_offset_ns=EPOCH_OFFSET_NS)
-    n = MAX_STEP_LINKS + 4
-    steps = [build_step(rng, pid=1, tid=1, start_ms=10 + 25 * i, end_ms=10 + 25 * i + 1 + (7 * i) % (n - 1),
-                        keys=[3, 4], tokens=4) for i in range(n)]
-    for s in steps:
-        clock.now_ns = s.end_ns
-        pipeline.on_steps([s])
-    end_ms = 25 * n + 100
-    for fd, port, end in ((3, 1, end_ms), (4, 2, end_ms + 5)):
-        rec = record(pid=1, tid=1, fd=fd, generation=1, seq=fd, peer=("127.0.0.1", port), start_ms=0, end_ms=end,
-                     bytes_in=1, bytes_out=1)
-        clock.now_ns = rec.end_ns
-        pipeline.on_request(rec)
-    pipeline.expire(flush=True)
+    feed_linked_steps(Pipeline(spans=factory, clock=clock, epoch_offset_ns=EPOCH_OFFSET_NS), clock, MAX_STEP_LINKS + 4)
     return batch.spans
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.id_generator import IdGenerator
@@ -25,6 +25,21 @@ from moescope.agent.export.otlp_json import request_to_line, spans_to_line
 from moescope.agent.export.spans import SharedBoundedAttributes, SharedLink, shared_attributes
 
 SHARED_LINK = shared_attributes({"moe.link": "step.owner"})
+
+
+class BatchTaking(SpanProcessor):
+    """A tracer's one processor that takes a batch (``on_end_sampled``, as the agent's does) and
+    says whether its exporter writes OTLP/JSON text (the factory hands text on only then)."""
+
+    def __init__(self, *, takes_encoded_json: bool) -> None:
+        self.takes_encoded_json = takes_encoded_json
+        self.spans: list[Any] = []
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self.spans.append(span)
+
+    def on_end_sampled(self, spans: list[Any]) -> None:
+        self.spans.extend(spans)
 
 
 class CountingIds(IdGenerator):

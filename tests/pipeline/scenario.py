@@ -277,6 +277,28 @@ def runtime_state(precision: dict[int, str]) -> RuntimeState:
     )
 
 
+def feed_linked_steps(pipeline: Any, clock: FakeClock, n: int, *, seed: int = 5) -> list[StepEvent]:
+    """Two requests (fds 3 and 4) over ``n`` steps of a batch of both: the first to arrive owns
+    every step, the second's prefill and decode link to them. Step 0 is the prefill; the decode
+    steps' durations are distinct (1 + (7 i mod n-1) ms). Returns the steps."""
+    rng = np.random.default_rng(seed)
+    steps = [build_step(rng, pid=1, tid=1, start_ms=10 + 25 * i, end_ms=10 + 25 * i + 1 + (7 * i) % (n - 1),
+                        keys=[3, 4], tokens=4) for i in range(n)]
+    for s in steps:
+        clock.now_ns = s.end_ns
+        pipeline.on_steps([s])
+    end_ms = 25 * n + 100
+    first = record(pid=1, tid=1, fd=3, generation=1, seq=1, peer=("127.0.0.1", 1), start_ms=0, end_ms=end_ms,
+                   bytes_in=1, bytes_out=1)
+    later = record(pid=1, tid=1, fd=4, generation=1, seq=2, peer=("127.0.0.1", 2), start_ms=0, end_ms=end_ms + 5,
+                   bytes_in=1, bytes_out=1)
+    for rec in (first, later):
+        clock.now_ns = rec.end_ns
+        pipeline.on_request(rec)
+    pipeline.expire(flush=True)
+    return steps
+
+
 def feed(scenario: Scenario, pipeline: Any, clock: FakeClock) -> None:
     """Telemetry first, then steps and records in arrival order with the clock at each arrival;
     finally retire every buffered step (``expire(flush=True)``, as on shutdown)."""

@@ -30,6 +30,7 @@ from .scenario import (
     Scenario,
     build_step,
     feed,
+    feed_linked_steps,
     main_scenario,
     record,
     ref_layer,
@@ -444,26 +445,11 @@ def test_phase_spans_link_at_most_the_slowest_steps(tmp_path: Path) -> None:
     MAX_STEP_LINKS of the steps another trace owns, the slowest, in time order, and counts the rest."""
     from moescope.agent.outputs.traces import MAX_STEP_LINKS
 
-    rng = np.random.default_rng(5)
     tracing = _memory_tracing(tmp_path)
     clock = FakeClock()
     pipeline = Pipeline(spans=tracing.factory, clock=clock, epoch_offset_ns=OFF)
     n = MAX_STEP_LINKS + 4
-    # step 0 is the prefill; the decode steps' durations are distinct: 1 + (7 i mod n-1) ms
-    steps = [build_step(rng, pid=1, tid=1, start_ms=10 + 25 * i, end_ms=10 + 25 * i + 1 + (7 * i) % (n - 1),
-                        keys=[3, 4], tokens=4) for i in range(n)]
-    for s in steps:
-        clock.now_ns = s.end_ns
-        pipeline.on_steps([s])
-    end_ms = 25 * n + 100
-    first = record(pid=1, tid=1, fd=3, generation=1, seq=1, peer=("127.0.0.1", 1), start_ms=0, end_ms=end_ms,
-                   bytes_in=1, bytes_out=1)
-    later = record(pid=1, tid=1, fd=4, generation=1, seq=2, peer=("127.0.0.1", 2), start_ms=0, end_ms=end_ms + 5,
-                   bytes_in=1, bytes_out=1)
-    for rec in (first, later):
-        clock.now_ns = rec.end_ns
-        pipeline.on_request(rec)
-    pipeline.expire(flush=True)
+    steps = feed_linked_steps(pipeline, clock, n)
     stats = pipeline.stats()
     spans = _read(tracing)
     owner_trace = next(s for s in spans if s.name == "http.server.request" and s.attributes["moe.request.key"] == 3)
