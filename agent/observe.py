@@ -102,6 +102,7 @@ class Observers:
         self._export_published_ns = 0
         self._held_metrics_ns = 0
         self._wanted: tuple[tuple[RuleSpec, ...], frozenset[str]] | None = None  # the rules, their signals
+        self._host_paced: tuple[object, int, float] | None = None  # (telemetry, its sources, period) last set
         self._retire_hooked = False
         self.publisher: st.PeriodicPublisher | None = None
         self.live_view = False  # the live view runs in this process (--tui): always watched
@@ -484,7 +485,12 @@ class Observers:
             period_s = policy_period_s
         else:
             period_s = HOST_VIEW_PERIOD_S if self._watched() else HOST_IDLE_PERIOD_S
-        for source in telemetry.sources:
+        sources = telemetry.sources
+        paced = (telemetry, len(sources), period_s)
+        if self._host_paced == paced:
+            return  # (the policy's wake asks every period; the sources are set when that changes)
+        self._host_paced = paced
+        for source in sources:
             if source.name == "host":
                 source.set_period(period_s)
 

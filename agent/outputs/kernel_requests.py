@@ -47,6 +47,9 @@ class KernelRequestWindow:
         # second and the live view for the panel, while the readings change every period.
         self._delta_cache: _Delta | None = None
         self._p99_cache: tuple[tuple[int, int], float] | None = None  # the p99 of that difference
+        # the oldest and newest readings (None before two): what _delta reads, five times a second
+        # on the policy's thread, without taking the lock (one lock round trip was ~5 µs of a wake)
+        self._ends: tuple[tuple[int, RequestTotals], tuple[int, RequestTotals]] | None = None
 
     def tick(self, now_ns: int) -> None:
         """Daemon tick hook: a reading every period."""
@@ -65,14 +68,17 @@ class KernelRequestWindow:
             horizon = now - self.window_ns
             while len(self._readings) > 1 and self._readings[1][0] <= horizon:
                 self._readings.popleft()
+            readings = self._readings
+            # the window's two ends, replaced whole: readers take them without the lock
+            self._ends = (readings[0], readings[-1]) if len(readings) >= 2 else None
 
     def _delta(self) -> _Delta | None:
         """(the readings' times, seconds covered, the difference, the newest reading); None before
         two readings. The difference is computed once per pair of readings."""
-        with self._lock:
-            if len(self._readings) < 2:
-                return None
-            (first_ns, first), (last_ns, last) = self._readings[0], self._readings[-1]
+        ends = self._ends  # (one attribute read: sample() replaces it whole)
+        if ends is None:
+            return None
+        (first_ns, first), (last_ns, last) = ends
         key = (first_ns, last_ns)
         cached = self._delta_cache
         if cached is not None and cached[0] == key:

@@ -32,7 +32,7 @@ from moescope.agent.join import (
 from moescope.agent.outputs.values import float_or_none, int_or_none
 from moescope.agent.phase_table import PHASE_ROWS, Phases, PhaseStat
 from moescope.agent.policy.actuator import RuntimeState
-from moescope.agent.policy.rules import Signals
+from moescope.agent.policy.rules import Signals, make_signals
 from moescope.agent.request_phases import RequestBreakdown
 from moescope.agent.routing_health import NAN, LayerTable, RoutingHealthWindow
 from moescope.collectors.host import MemorySignal
@@ -475,7 +475,7 @@ class WindowsOutput:
                 values["request_tpot_p99_ms"] = phases.tpot_p99(now)
         if overrides:
             values.update(overrides)
-        return Signals(t_s=now / 1e9 if t_s is None else t_s, **values)  # type: ignore[arg-type]
+        return make_signals(now / 1e9 if t_s is None else t_s, values)
 
     def _routing_signals(self, table: LayerTable) -> tuple[dict[int, float], dict[int, float]]:
         """The policy's Gini and router-entropy ratio per layer of a routing table (NaN left out),

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from moescope.agent.policy.actuator import PLACEMENT_FIELDS, CommandFailed, ControlConnection, RuntimeState
-from moescope.agent.policy.rules import RuleSpec, Signals, fires_upward
+from moescope.agent.policy.rules import RuleSpec, Signals, fires_upward, make_signals
 from moescope.agent.routing_health import LayerRouting, RoutingHealthWindow, normalised_router_entropy
 from moescope.collectors.registry import SourceHealth
 from moescope.stats_page import LAYOUT_NAME, PageBusy, PageSnapshot, StatsPageError, StatsPageReader
@@ -273,17 +273,14 @@ class RuntimeStatsSignals:
             self.last_read_ok, self.last_read_error = False, str(exc)
             if self.poll_errors == 1:
                 log.warning("policy: cannot read runtime stats: %s (counting further failures)", exc)
-            return Signals(t_s=now_s)
+            return make_signals(now_s, {})
         self.last_read_ok, self.last_read_error = True, None
         self.last_state = state  # the agent's live view shows precision and residency from it
         now_ns = int(now_s * 1e9)
         if not self.with_routing:
             self._health, self._prev_tokens = None, {}  # a baseline again if routing is turned back on
-            return Signals(
-                t_s=now_s,
-                device_memory_used_ratio=self._memory_ratio(state),
-                expert_queue_tokens=self._queue(state, now_s, page),
-            )
+            return make_signals(now_s, {"device_memory_used_ratio": self._memory_ratio(state),
+                                        "expert_queue_tokens": self._queue(state, now_s, page)})
         experts = state.experts
         if self._health is None or self._health.num_experts != experts:
             self._health = RoutingHealthWindow(duration_ns=int(self.window_s * 1e9), num_experts=experts)
@@ -310,13 +307,9 @@ class RuntimeStatsSignals:
         for layer in self._health.layers():
             gini[layer] = self._health.layer_stats(layer, now_ns).gini
             entropy[layer] = normalised_router_entropy(self._health.router_entropy_bits(layer, now_ns), experts)
-        return Signals(
-            t_s=now_s,
-            device_memory_used_ratio=self._memory_ratio(state),
-            expert_queue_tokens=self._queue(state, now_s),
-            expert_load_gini=gini,
-            router_entropy_ratio=entropy,
-        )
+        return make_signals(now_s, {"device_memory_used_ratio": self._memory_ratio(state),
+                                    "expert_queue_tokens": self._queue(state, now_s),
+                                    "expert_load_gini": gini, "router_entropy_ratio": entropy})
 
     def _floor(self) -> float:
         return max(self.queue_floor, 1e-9)  # (0: any queue above 0)
