@@ -88,6 +88,7 @@ class Observers:
         self.telemetry: SampledSources | None = None
         self.policy: Any = None
         self.policy_loop: Any = None
+        self._policy_failures = 0  # evaluations and peeks that raised, of the policy loops stopped so far
         self.stats_signals: Any = None
         self.runtime_stats: RuntimeStatsSource | None = None
         self.nvtx_records: Any = None
@@ -429,6 +430,8 @@ class Observers:
     def _stop_policy_loop(self) -> None:
         if self.policy_loop is not None:
             self.policy_loop.stop()
+            # (a failing evaluation is logged once; the summary says how many there were)
+            self._policy_failures += self.policy_loop.source_errors + self.policy_loop.after_errors
             if self.policy_loop.after_period is not None:
                 self.daemon.take_back_peeks()
             self.policy_loop = None
@@ -578,7 +581,9 @@ class Observers:
         lines.append(f"export: {_fmt_export(export)}")
         if self.policy is not None or self._closed_audit_records:
             current = len(self.policy.audit.recent()) if self.policy is not None else 0
-            lines.append(f"policy: {current + self._closed_audit_records} audit records")
+            loop = self.policy_loop
+            failed = self._policy_failures + (loop.source_errors + loop.after_errors if loop is not None else 0)
+            lines.append(f"policy: {current + self._closed_audit_records} audit records, {failed} evaluations failed")
         signals = self.stats_signals
         if signals is not None and signals.polls:
             page = f", {signals.page_errors} stats page errors" if signals.page_errors else ""

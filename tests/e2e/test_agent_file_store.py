@@ -129,6 +129,9 @@ def test_files_hold_every_request_and_step(bpf: None, file_run: FileRun, file_re
     assert reads is not None, file_run.output
     total, from_page, failed = map(int, reads.groups())
     assert failed == 0 and 0 < from_page < total, file_run.output
+    # ... and no evaluation of the policy raised (one would be logged once and counted here)
+    evaluations = re.search(r"^agent: policy: \d+ audit records, (\d+) evaluations failed$", file_run.output, re.M)
+    assert evaluations is not None and evaluations.group(1) == "0", file_run.output
     print(f"\ne2e file store: {len(file_report.servers)} server spans ({len(file_report.completions)} joined, "
           f"{len(policy)} policy spans), {len(file_report.owner_steps)} owner steps, "
           f"{len(file_report.linked_steps)} step links, {len(file_run.spans)} spans")
