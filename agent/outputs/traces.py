@@ -162,9 +162,8 @@ PHASE_SPAN_NAMES = {"receive": "receive", "queue": "queue wait", "prefill": "pre
 GEN_AI_OPERATION = "text_completion"  # what the reference runtimes serve (POST /v1/completions)
 
 
-# The server span's attributes in the order _request_trace's dict has them (the kernel's record's,
-# then breakdown_attributes'): the keys a span written as text (_request_texts) carries, a None
-# value left out as span_attributes leaves it out.
+# The server span's attributes in order (server_attributes: the kernel record's, then the
+# breakdown's; the phases in agent/request_phases.py PHASES order).
 _SERVER_KEYS = ("network.transport", "network.protocol.name", "network.peer.address", "network.peer.port",
                 "http.request.size", "http.response.size", "moe.request.key", "moe.connection.generation",
                 "process.pid", "thread.id", "moe.request.steps", "moe.request.time_to_first_byte_ms")
@@ -179,26 +178,26 @@ _SERVER_KIND = SpanKind.SERVER.value
 _INTERNAL_KIND = SpanKind.INTERNAL.value
 
 
-def breakdown_attributes(b: RequestBreakdown) -> Attributes:
-    """The server span's LLM-serving attributes (docs/traces-and-metrics.md "Where the time goes"):
-    GenAI semantic conventions where they fit, ``moe.request.*`` for the rest; durations in ms."""
-    attrs: Attributes = {"gen_ai.operation.name": GEN_AI_OPERATION}
-    if b.model is not None:
-        attrs["gen_ai.request.model"] = b.model
-        attrs["gen_ai.response.model"] = b.model
-    if b.input_tokens is not None and b.tokens_reported:
-        attrs["gen_ai.usage.input_tokens"] = b.input_tokens
-    attrs["gen_ai.usage.output_tokens"] = b.output_tokens
-    for phase, ns in b.phase_ns().items():
-        attrs[f"moe.request.phase.{phase}_ms"] = ns / 1e6
-    attrs["moe.request.expert_load_ms"] = b.expert_load_ns / 1e6
-    attrs["moe.request.routing_ms"] = b.routing_ns / 1e6
-    attrs["moe.request.ttft_ms"] = b.ttft_ns / 1e6
-    attrs["moe.request.ttft_source"] = b.ttft_source
-    if b.tpot_ns is not None:
-        attrs["moe.request.tpot_ms"] = b.tpot_ns / 1e6
-    attrs["moe.request.output_tokens_reported"] = b.tokens_reported
-    return attrs
+def server_attributes(event: RequestJoined) -> tuple[tuple[str, ...], list[Any]]:
+    """The server span's attribute keys and values, in order (``_SERVER_KEYS``, then with a breakdown
+    ``_BREAKDOWN_KEYS``: the LLM-serving attributes of docs/traces-and-metrics.md "Where the time
+    goes", GenAI semantic conventions where they fit, ``moe.request.*`` for the rest, durations in
+    ms). A None value is an attribute the span leaves out. Both ways of making the span take these:
+    a dict of them, or the text written from them (``TraceOutput._request_texts``)."""
+    record = event.record
+    values: list[Any] = [
+        "tcp", "http", record.peer_addr, record.peer_port or None, record.bytes_in, record.bytes_out, record.fd,
+        record.generation, record.tgid, record.tid, len(event.steps),
+        (record.first_response_ns - record.start_ns) / 1e6 if record.first_response_ns else None,
+    ]
+    b = event.breakdown
+    if b is None:
+        return _SERVER_KEYS, values
+    values += [GEN_AI_OPERATION, b.model, b.model, b.input_tokens if b.tokens_reported else None, b.output_tokens,
+               b.receive_ns / 1e6, b.queue_ns / 1e6, b.prefill_ns / 1e6, b.decode_ns / 1e6, b.write_ns / 1e6,
+               b.expert_load_ns / 1e6, b.routing_ns / 1e6, b.ttft_ns / 1e6, b.ttft_source,
+               b.tpot_ns / 1e6 if b.tpot_ns is not None else None, b.tokens_reported]
+    return _SERVER_BREAKDOWN_KEYS, values
 
 
 class TraceOutput:
@@ -288,35 +287,21 @@ class TraceOutput:
     def _request_trace(self, event: RequestJoined) -> None:
         record: IngressRecord = event.record
         spans = self.spans
-        if PLAIN_SPANS is not None and record.answered and spans.takes_encoded(None):
-            texts = self._request_texts(event)
+        keys, values = server_attributes(event)
+        nets = self._net_events.for_request(peer_addr=record.peer_addr, peer_port=record.peer_port,
+                                            start_ns=record.start_ns, end_ns=record.end_ns)
+        # as text where the factory takes it; a server span with events or an error status as an object
+        if PLAIN_SPANS is not None and record.answered and not nets and spans.takes_encoded(None):
+            texts = self._request_texts(event, keys, values)
             if texts is not None:
                 self._counts["spans"] += texts
                 return
-        attrs: Attributes = {
-            "network.transport": "tcp",
-            "network.protocol.name": "http",
-            "network.peer.address": record.peer_addr,
-            "network.peer.port": record.peer_port or None,
-            "http.request.size": record.bytes_in,
-            "http.response.size": record.bytes_out,
-            "moe.request.key": record.fd,
-            "moe.connection.generation": record.generation,
-            "process.pid": record.tgid,
-            "thread.id": record.tid,
-            "moe.request.steps": len(event.steps),
-            "moe.request.time_to_first_byte_ms": (record.first_response_ns - record.start_ns) / 1e6
-            if record.first_response_ns
-            else None,
-        }
+        attrs: Attributes = dict(zip(keys, values, strict=True))  # (a None left out by the factory)
         phases = event.breakdown
-        if phases is not None:
-            attrs.update(breakdown_attributes(phases))
         off = self.epoch_offset_ns
         error = None if record.answered else "connection closed before a response was written"
         net_events = []
-        for net in self._net_events.for_request(peer_addr=record.peer_addr, peer_port=record.peer_port,
-                                                 start_ns=record.start_ns, end_ns=record.end_ns):
+        for net in nets:
             name, net_attrs = span_event_fields(net, reset_reasons=reset_reason_name)
             net_events.append(SpanEvent(name, net.ts_ns + off, net_attrs))
         # the server span whole in one call (all of it is known now), before its children: one
@@ -368,35 +353,17 @@ class TraceOutput:
             at += ns
         return children
 
-    def _request_texts(self, event: RequestJoined) -> int | None:
+    def _request_texts(self, event: RequestJoined, keys: tuple[str, ...], values: list[Any]) -> int | None:
         """The request's trace with its server and phase spans written as OTLP/JSON text from their
-        parts (otlp_span.c ``plain_spans``; its step subtrees as ever): the attributes' values in
-        _SERVER_KEYS order, no dict, no span objects, no encoding later. The text is what the spans
-        the factory makes would encode to (tests/export/test_plain_spans.py). Returns the spans made;
-        None where a server span has events or a value the writer does not take (nothing made: the
-        caller makes the spans the usual way)."""
+        parts (otlp_span.c ``plain_spans``; its step subtrees as ever): the server span's attributes
+        as ``server_attributes`` gives them, no dict, no span objects, no encoding later. The text is
+        what the spans the factory makes would encode to (tests/export/test_plain_spans.py). Returns
+        the spans made; None where the server span has a value the writer does not take (nothing
+        made: the caller makes the spans the usual way)."""
         record: IngressRecord = event.record
         off = self.epoch_offset_ns
         start_ns, end_ns = record.start_ns + off, record.end_ns + off
-        if self._net_events.for_request(peer_addr=record.peer_addr, peer_port=record.peer_port,
-                                        start_ns=record.start_ns, end_ns=record.end_ns):
-            return None  # (events: the span object's way)
-        values: list[Any] = [
-            "tcp", "http", record.peer_addr, record.peer_port or None, record.bytes_in, record.bytes_out, record.fd,
-            record.generation, record.tgid, record.tid, len(event.steps),
-            (record.first_response_ns - record.start_ns) / 1e6 if record.first_response_ns else None,
-        ]
         phases = event.breakdown
-        keys: tuple[str, ...] = _SERVER_KEYS
-        if phases is not None:
-            keys = _SERVER_BREAKDOWN_KEYS
-            model = phases.model
-            values += [GEN_AI_OPERATION, model, model,
-                       phases.input_tokens if phases.tokens_reported else None, phases.output_tokens,
-                       phases.receive_ns / 1e6, phases.queue_ns / 1e6, phases.prefill_ns / 1e6,
-                       phases.decode_ns / 1e6, phases.write_ns / 1e6, phases.expert_load_ns / 1e6,
-                       phases.routing_ns / 1e6, phases.ttft_ns / 1e6, phases.ttft_source,
-                       phases.tpot_ns / 1e6 if phases.tpot_ns is not None else None, phases.tokens_reported]
         spans = self.spans
         assert PLAIN_SPANS is not None
         parent = spans.root_context()
