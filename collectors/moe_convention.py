@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
@@ -122,24 +122,41 @@ _U64_AS_DOUBLE = struct.Struct("<Q"), struct.Struct("<d")  # the payload's 64 bi
 _RANGE_COLUMNS = ("uid", "parent_uid", "start_ns", "end_ns", "payload", "payload_type", "category", "tid")
 
 
-@dataclass(slots=True)
+# The parser's event classes write their own __init__ (init=False): the one dataclasses generates is
+# interpreted Python even in the compiled build (~180 ns a call against ~30 compiled), and the
+# parser makes several a layer. The fields, defaults, eq and repr stay the dataclass's; replace()
+# works (every field is a keyword of __init__).
+@dataclass(slots=True, init=False)
 class RouterEvent:
     layer: int
     start_ns: int
     end_ns: int
     entropy_bits: float | None
     # moe/v1: the per-expert marks summed (expert -> tokens routed before capacity / over it)
-    tokens: dict[int, int] = field(default_factory=dict)
-    dropped: dict[int, int] = field(default_factory=dict)
+    tokens: dict[int, int]
+    dropped: dict[int, int]
     # v2: the moe.routing vector as sent ([2E]: tokens, then over capacity); its layer checks the
     # length against E and moves it to `counts`
-    vector: np.ndarray | None = None
+    vector: np.ndarray | None
     # v2: the checked routing row, [2E] of the integer type sent (tokens routed per expert, then over
     # capacity); kept as an array end to end (the agent's step path works on [layers, E] matrices)
-    counts: np.ndarray | None = None
+    counts: np.ndarray | None
     # False: no moe.router range (moe/v2.2 step vectors gave entropy and routing); start = end = the
     # layer's start, and no routing time is counted
-    timed: bool = True
+    timed: bool
+
+    def __init__(self, layer: int, start_ns: int, end_ns: int, entropy_bits: float | None,
+                 tokens: dict[int, int] | None = None, dropped: dict[int, int] | None = None,
+                 vector: np.ndarray | None = None, counts: np.ndarray | None = None, timed: bool = True) -> None:
+        self.layer = layer
+        self.start_ns = start_ns
+        self.end_ns = end_ns
+        self.entropy_bits = entropy_bits
+        self.tokens = {} if tokens is None else tokens
+        self.dropped = {} if dropped is None else dropped
+        self.vector = vector
+        self.counts = counts
+        self.timed = timed
 
     def routed(self) -> int:
         """Tokens routed in this layer (sum over experts, before capacity)."""
@@ -174,54 +191,84 @@ class RouterEvent:
         return self.counts is not None or bool(self.tokens) or bool(self.dropped)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class ExpertLoadEvent:
     expert: int
     start_ns: int
     end_ns: int
     bytes_moved: int | None
 
+    def __init__(self, expert: int, start_ns: int, end_ns: int, bytes_moved: int | None) -> None:
+        self.expert = expert
+        self.start_ns = start_ns
+        self.end_ns = end_ns
+        self.bytes_moved = bytes_moved
+
     @property
     def duration_ns(self) -> int:
         return self.end_ns - self.start_ns
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class ExpertFfnEvent:
     expert: int
     start_ns: int
     end_ns: int
     tokens: int | None
 
+    def __init__(self, expert: int, start_ns: int, end_ns: int, tokens: int | None) -> None:
+        self.expert = expert
+        self.start_ns = start_ns
+        self.end_ns = end_ns
+        self.tokens = tokens
+
     @property
     def duration_ns(self) -> int:
         return self.end_ns - self.start_ns
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class ExpertsEvent:
     """v2: all experts of a layer (one fused kernel, or the loop over experts)."""
 
     start_ns: int
     end_ns: int
     tokens: int | None  # assignments computed
-    time_us: np.ndarray | None = None  # per expert (moe.experts.time), where the runtime has it
+    time_us: np.ndarray | None  # per expert (moe.experts.time), where the runtime has it
+
+    def __init__(self, start_ns: int, end_ns: int, tokens: int | None, time_us: np.ndarray | None = None) -> None:
+        self.start_ns = start_ns
+        self.end_ns = end_ns
+        self.tokens = tokens
+        self.time_us = time_us
 
     @property
     def duration_ns(self) -> int:
         return self.end_ns - self.start_ns
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class LayerEvent:
     layer: int
     start_ns: int
     end_ns: int
-    router: RouterEvent | None = None
-    num_experts: int | None = None  # moe/v1 `moe.layer` payload; None from v0 producers
-    loads: list[ExpertLoadEvent] = field(default_factory=list)
-    ffns: list[ExpertFfnEvent] = field(default_factory=list)
-    experts: ExpertsEvent | None = None  # v2
+    router: RouterEvent | None
+    num_experts: int | None  # moe/v1 `moe.layer` payload; None from v0 producers
+    loads: list[ExpertLoadEvent]
+    ffns: list[ExpertFfnEvent]
+    experts: ExpertsEvent | None  # v2
+
+    def __init__(self, layer: int, start_ns: int, end_ns: int, router: RouterEvent | None = None,
+                 num_experts: int | None = None, loads: list[ExpertLoadEvent] | None = None,
+                 ffns: list[ExpertFfnEvent] | None = None, experts: ExpertsEvent | None = None) -> None:
+        self.layer = layer
+        self.start_ns = start_ns
+        self.end_ns = end_ns
+        self.router = router
+        self.num_experts = num_experts
+        self.loads = [] if loads is None else loads
+        self.ffns = [] if ffns is None else ffns
+        self.experts = experts
 
     @property
     def duration_ns(self) -> int:

@@ -61,6 +61,7 @@ HOT_MODULES: tuple[str, ...] = (
     "moescope.agent.request_phases",
     "moescope.agent.routing_health",
     "moescope.collectors.moe_convention",
+    "moescope.latency",
 )
 GROUP = "moescope.hot"  # mypyc's shared library for the group: the module moescope.hot__mypyc
 SHARED_LIBRARY = f"{GROUP}__mypyc"
