@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from moescope import errors
-from moescope.agent.export.otlp_json import spans_to_bytes
+from moescope.agent.export.otlp_json import line_chunks, spans_to_bytes
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,14 @@ class OtlpJsonFileExporter(SpanExporter):
         self._seq = int(newest.group(1)) if newest else 0
 
     def _lines(self, spans: Sequence[ReadableSpan]) -> list[tuple[bytes, int]]:
-        """Encoded lines with their span counts; splits batches too large for one file."""
+        """Encoded lines with their span counts: a batch in lines of up to ~LINE_TARGET_BYTES
+        (otlp_json.line_chunks: no line is a fresh mapping to fault in), each line one OTLP/JSON
+        request; a run too large for one file is split further."""
+        if len(spans) <= 1:
+            return self._run_lines(spans)
+        return [line for run in line_chunks(spans) for line in self._run_lines(run)]
+
+    def _run_lines(self, spans: Sequence[ReadableSpan]) -> list[tuple[bytes, int]]:
         # Direct SDK span -> OTLP/JSON mapping: the text the protobuf route (encode_spans +
         # json_format) gives, without building protobuf messages (the agent's largest CPU cost).
         data = spans_to_bytes(spans)
@@ -90,7 +97,7 @@ class OtlpJsonFileExporter(SpanExporter):
             )
             return []
         half = len(spans) // 2
-        return self._lines(spans[:half]) + self._lines(spans[half:])
+        return self._run_lines(spans[:half]) + self._run_lines(spans[half:])
 
     def _rotate(self) -> None:
         self._seq += 1
@@ -129,14 +136,23 @@ class OtlpJsonFileExporter(SpanExporter):
             return SpanExportResult.FAILURE
         try:
             with self._lock:
-                for data, count in lines:
-                    if self._file is None or self._size + len(data) > self.max_file_bytes:
-                        self._rotate()
-                    assert self._file is not None
-                    with open(self._file, "ab") as f:
+                f = None  # the file is opened once for the lines that go to it (a batch is a few lines)
+                try:
+                    for data, count in lines:
+                        if self._file is None or self._size + len(data) > self.max_file_bytes:
+                            if f is not None:
+                                f.close()
+                                f = None
+                            self._rotate()
+                        assert self._file is not None
+                        if f is None:
+                            f = open(self._file, "ab")  # noqa: SIM115 (closed in finally: rotation reopens)
                         f.write(data)
-                    self._size += len(data)
-                    self.spans_written += count
+                        self._size += len(data)
+                        self.spans_written += count
+                finally:
+                    if f is not None:
+                        f.close()
         except (OSError, ValueError) as exc:
             self.write_errors += 1
             log.warning("trace file %s: write failed: %s", self._file, exc)

@@ -508,6 +508,33 @@ def _one_tracer(spans: Sequence[ReadableSpan], resource: Any, scope: Any) -> boo
     return all(s.resource is resource and (s.instrumentation_scope or None) is scope for s in spans)
 
 
+# A trace file line's text is kept under this by cutting a batch into several lines (line_chunks):
+# a line is one bytes object, and one of the mmap threshold or more (agent/allocator.py: 256 KiB)
+# is a fresh mapping each time, every page of it faulted in as the encoder writes it (a batch of
+# ~400 spans at the reference load is ~0.4 MB: page faults were ~3 % of the main loop). Under it
+# the line comes from the heap, whose freed blocks the next batch reuses.
+LINE_TARGET_BYTES = 192 << 10
+SPAN_TEXT_GUESS_BYTES = 2048  # a span made the SDK way: its text's size is not known before encoding
+
+
+def line_chunks(spans: Sequence[ReadableSpan], target_bytes: int = LINE_TARGET_BYTES) -> list[Sequence[ReadableSpan]]:
+    """``spans`` cut, in order, into runs whose texts add up to at most ``target_bytes`` (a span
+    already written as text counts its length; another SPAN_TEXT_GUESS_BYTES); a span bigger than
+    that is a run of its own. One run (``spans`` itself) when it all fits."""
+    runs: list[Sequence[ReadableSpan]] = []
+    start = size = 0
+    for i, span in enumerate(spans):
+        n = len(span._text) if type(span) is EncodedSpan else SPAN_TEXT_GUESS_BYTES
+        if size + n > target_bytes and i > start:
+            runs.append(spans[start:i])
+            start, size = i, 0
+        size += n
+    if not runs:
+        return [spans]
+    runs.append(spans[start:])
+    return runs
+
+
 def spans_to_bytes(spans: Sequence[ReadableSpan]) -> bytes:
     """``spans_to_line(spans)`` and a newline, as UTF-8 bytes (the file exporter's line). Spans of one
     resource and scope (the agent's batches) go through the native encoder as one buffer: the text is
