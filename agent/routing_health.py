@@ -352,12 +352,14 @@ INT64_MAX = 2**63 - 1
 CountMatrix = npt.NDArray[np.int64] | npt.NDArray[np.int32]
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False, init=False)
 class LayerTable:
     """One step's routing and health as arrays over its routed layers (row ``i`` is layer
     ``layers[i]``): the same formulas as ``load_stats`` / ``layer_health``, computed for all layers
     at once (at E = 256, L = 58 the per-layer objects were most of the agent's CPU). Objects are
-    made only on demand (``health(i)``)."""
+    made only on demand (``health(i)``). Read only by convention, not frozen: a table is made for
+    every step, and a frozen dataclass's generated __init__ (interpreted even in the compiled
+    build, one object.__setattr__ a field) cost ~2 us of it; this one is compiled."""
 
     layers: CountVector  # [L'] layer index of each row
     tokens: CountMatrix  # [L', E] tokens routed per expert (c_i); int32 or int64
@@ -374,7 +376,27 @@ class LayerTable:
     router_entropy_normalised: FloatVector
     # [L', 2E]: tokens | dropped side by side, where they are views of one block (the join's): sums
     # over steps add it in one operation; None when the two came apart
-    block: CountMatrix | None = None
+    block: CountMatrix | None
+
+    def __init__(self, *, layers: CountVector, tokens: CountMatrix, dropped: CountMatrix,
+                 router_entropy_bits: FloatVector, tokens_total: CountVector, dropped_total: CountVector,
+                 entropy_bits: FloatVector, entropy_normalised: FloatVector, gini: FloatVector,
+                 max_share: FloatVector, cv: FloatVector, drop_fraction: FloatVector,
+                 router_entropy_normalised: FloatVector, block: CountMatrix | None = None) -> None:
+        self.layers = layers
+        self.tokens = tokens
+        self.dropped = dropped
+        self.router_entropy_bits = router_entropy_bits
+        self.tokens_total = tokens_total
+        self.dropped_total = dropped_total
+        self.entropy_bits = entropy_bits
+        self.entropy_normalised = entropy_normalised
+        self.gini = gini
+        self.max_share = max_share
+        self.cv = cv
+        self.drop_fraction = drop_fraction
+        self.router_entropy_normalised = router_entropy_normalised
+        self.block = block
 
     def __len__(self) -> int:
         return int(self.layers.size)

@@ -1176,7 +1176,7 @@ class MoeConventionParser:
         token counts, is counted as malformed and the vector left out (the marks' keys still count)."""
         n = len(vector)
         r = n // 3
-        if n % 3 or (r and int(vector[r:].min()) < 0):
+        if n % 3 or (r and int(np.minimum.reduce(vector[r:])) < 0):  # (the ufunc: no Python wrapper a step)
             self._stats["malformed_vectors"] += 1
             return
         tokens: dict[int, tuple[int, int]] = {}

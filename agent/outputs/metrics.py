@@ -69,7 +69,8 @@ class PendingCounts:
         self._batches: list[tuple[CountVector, CountMatrix, CountMatrix]] = []  # E changed: kept apart
 
     def add(self, table: LayerTable) -> None:
-        rows, experts = int(table.layers.max()) + 1, table.num_experts
+        # (ufunc reductions, not the ndarray methods: those run numpy's Python wrappers, once a step)
+        rows, experts = int(np.maximum.reduce(table.layers)) + 1, table.num_experts
         if self._counts.shape[1] not in (0, 2 * experts):
             self._batches.extend(self._drain())  # another E: the sums so far are flushed as they are
         if rows > self._counts.shape[0] or self._counts.shape[1] != 2 * experts:
@@ -84,7 +85,7 @@ class PendingCounts:
         into: CountMatrix = self._counts
         if table.tokens.dtype == np.int32:
             # counts are >= 0 (layer_table checks), so no entry grows by more than a whole column's sum
-            step_bound = max(int(table.tokens_total.sum()), int(table.dropped_total.sum()))
+            step_bound = max(int(np.add.reduce(table.tokens_total)), int(np.add.reduce(table.dropped_total)))
             if self._narrow_bound + step_bound > INT32_MAX:
                 self._fold()
             if step_bound <= INT32_MAX:
