@@ -12,7 +12,9 @@ causes, three settings, all no-ops off glibc:
   both thresholds: blocks of MMAP_THRESHOLD_BYTES and more are mmapped and unmapped at free.
 - Free pages in the middle of a heap are returned only by `malloc_trim(0)`: once right after
   start-up, then every TRIM_PERIOD_NS (under 1 ms with little to return; 94 ms measured to hand
-  back 235 MB of holes, which a 5 s period keeps from piling up).
+  back 235 MB of holes, which a 5 s period keeps from piling up). The free top of a heap goes back
+  at free() past TRIM_THRESHOLD_BYTES, set above a round's working set so that it is not faulted
+  in anew every round.
 - Each thread that allocates gets its own arena (main loop, exporter, metrics server, collectors),
   each with its own holes: at most ARENAS (M_ARENA_MAX), set before the agent starts any thread.
 
@@ -44,7 +46,12 @@ ARENAS = 2
 # to mmap; small objects stay in the heap. 256 KiB: twice glibc's starting value (128 KiB), so a
 # 119 KB single-step table (DeepSeek-V3 shape) is not an mmap + page faults of its own.
 MMAP_THRESHOLD_BYTES = 256 << 10
-TRIM_THRESHOLD_BYTES = 1 << 20  # free top of a heap above this goes back at free()
+# Free top of a heap above this goes back at free(). 4 MiB, not 1: a quiet round's working set
+# (its span texts, trace-file lines, the objects of ~60 steps; ~1-2 MB) was handed back at the end
+# of every round and faulted in again page by page in the next one: the main loop took ~300 page
+# faults a second beside the reference runtime, ~160 with 4 MiB (16 MiB: the same), its RSS
+# 79 -> 80 MB (docs/benchmarks.md, "Page faults in the main loop").
+TRIM_THRESHOLD_BYTES = 4 << 20
 TRIM_PERIOD_NS = 5_000_000_000
 GC_THRESHOLDS = (20_000, 20, 20)  # gc.set_threshold: gen 0 every 20k net allocations (default 700, 10, 10)
 
