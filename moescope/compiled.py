@@ -41,8 +41,12 @@ from types import ModuleType
 # which mypyc names `__thread` in C, a GCC keyword.) Left out: agent/observe.py (agent/start.py
 # subclasses its Observers, and a compiled class takes no interpreted subclass); collectors/nvtx.py
 # (its ring reader deletes attributes to drop its views, which a compiled class does not allow, and
-# its cost is the ring reads, not Python); the neutral modules under moescope/ (a serving process
-# imports them without the finder, so they could meet compiled modules as pure-Python copies).
+# its cost is the ring reads, not Python; tried again on 2026-12-06: its tests also call its methods
+# on stand-in objects, which compiled methods refuse); the neutral modules under moescope/ (a
+# serving process imports them without the finder, so they could meet compiled modules as
+# pure-Python copies), except moescope.latency: the windows' and the trace sampler's quantiles,
+# ~12 interpreted calls a request; a process that imports it before the finder (the load
+# generator, a probe module first) gets install()'s "off": the whole group in Python, never mixed.
 HOT_MODULES: tuple[str, ...] = (
     "moescope.agent.daemon",
     "moescope.agent.export.otlp_json",
