@@ -352,17 +352,26 @@ def _link_text(link: Any) -> str:
 
 
 def _event(event: Any) -> str:
-    """One span event's text (also the native encoder's callback for events)."""
+    """One span event's text (also the native encoder's callback for events); an event already
+    written as its text (``event_text``: a span handed on from its parts) is that text."""
+    if type(event) is str:
+        return event
+    return event_text(event.name, event.timestamp, event.attributes, event.dropped_attributes)
+
+
+def event_text(name: str, timestamp: int | None, attributes: Mapping[str, Any] | None, dropped: int) -> str:
+    """The text of an SDK event of this name, time, attributes (as the SDK stores them: a
+    SharedBoundedAttributes' text is written once) and dropped count."""
     e = []
-    if event.timestamp:
-        e.append(f'"timeUnixNano":"{event.timestamp}"')
-    if event.name:
-        e.append('"name":' + _string(event.name))
-    event_attrs = _attributes(event.attributes)
+    if timestamp:
+        e.append(f'"timeUnixNano":"{timestamp}"')
+    if name:
+        e.append('"name":' + _string(name))
+    event_attrs = _attributes(attributes)
     if event_attrs:
         e.append('"attributes":' + event_attrs)
-    if event.dropped_attributes:
-        e.append(f'"droppedAttributesCount":{event.dropped_attributes}')
+    if dropped:
+        e.append(f'"droppedAttributesCount":{dropped}')
     return "{" + ",".join(e) + "}"
 
 

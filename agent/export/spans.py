@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -34,6 +35,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace import Tracer as SdkTracer
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.sdk.util import BoundedList
 from opentelemetry.trace import (
@@ -351,6 +353,26 @@ class _DirectSpan(trace.Span):
         self._factory._finish(self, time.time_ns() if end_time is None else end_time)
 
 
+class _RandomIds:
+    """``RandomIdGenerator``'s ids, drawn the same way (``random.getrandbits``, drawn again while
+    it gives the invalid id 0) from compiled code."""
+
+    def generate_span_id(self) -> int:
+        span_id = random.getrandbits(64)
+        while span_id == 0:
+            span_id = random.getrandbits(64)
+        return span_id
+
+    def generate_trace_id(self) -> int:
+        trace_id = random.getrandbits(128)
+        while trace_id == 0:
+            trace_id = random.getrandbits(128)
+        return trace_id
+
+    def is_trace_id_random(self) -> bool:
+        return True
+
+
 class SpanFactory:
     """Build spans with explicit timing, parents and links on a given tracer.
 
@@ -364,7 +386,10 @@ class SpanFactory:
         if self.direct:
             assert isinstance(tracer, SdkTracer)
             self._limits = tracer._span_limits
-            self._ids = tracer.id_generator
+            ids = tracer.id_generator
+            # the SDK's default generator's draws made by compiled code (_RandomIds): its methods are
+            # interpreted Python, ~11 calls a request; any other generator is called as it is
+            self._ids: Any = _RandomIds() if type(ids) is RandomIdGenerator else ids
             self._processor = tracer.span_processor
             self._resource = tracer.resource
             self._scope = tracer._instrumentation_scope
@@ -650,6 +675,23 @@ class SpanFactory:
         the events limit would drop some (the caller makes the span)."""
         made = self._events(events) if events else ()
         return made if type(made) is tuple else None
+
+    def shared_event_parts(self, events: Sequence[SpanEvent]) -> list[tuple[str, int, SharedBoundedAttributes]] | None:
+        """A span's events as ``record`` would store them — name, time, attributes under the event
+        attribute limit — without the SDK's Event objects, for a span written as text
+        (otlp_json.event_text); None where an event's attributes are not a shared set or the events
+        limit would drop some (the caller takes ``encoded_events``)."""
+        limit = self._limits.max_events
+        if limit is not None and len(events) > limit:
+            return None
+        attribute_limit = self._limits.max_event_attributes
+        parts: list[tuple[str, int, SharedBoundedAttributes]] = []
+        for event in events:
+            attributes = event.attributes
+            if type(attributes) is not SharedAttributes:
+                return None
+            parts.append((event.name, int(event.time_ns), self._shared_bounded(attributes, attribute_limit)))
+        return parts
 
     def encoded_links(self, links: Sequence[SpanLink]) -> tuple[Link, ...] | None:
         """A span's SDK links as ``record`` makes them, for a span handed on as text; None where the

@@ -37,7 +37,7 @@ import numpy as np
 from opentelemetry.trace import SpanContext, SpanKind
 from opentelemetry.util.types import AttributeValue
 
-from moescope.agent.export.otlp_json import COLUMN_SPANS, PLAIN_SPANS
+from moescope.agent.export.otlp_json import COLUMN_SPANS, PLAIN_SPANS, event_text
 from moescope.agent.export.spans import (
     SharedAttributes,
     SpanEvent,
@@ -541,9 +541,16 @@ class TraceOutput:
         spans = self.spans
         if PLAIN_SPANS is None or not spans.takes_encoded(parent):
             return None
-        made = spans.encoded_events(events)
-        if made is None:
-            return None
+        # its events (the device-memory sample, one a step) as their text, from their shared
+        # attribute sets: no SDK Event made and read back through its properties
+        parts = spans.shared_event_parts(events) if events else []
+        made: tuple[Any, ...] | None
+        if parts is not None:
+            made = tuple([event_text(name, t, attributes, attributes.dropped) for name, t, attributes in parts])
+        else:
+            made = spans.encoded_events(events)
+            if made is None:
+                return None
         ctx, named = spans.child_context(parent)
         start = step.start_ns + self.epoch_offset_ns
         try:
