@@ -50,7 +50,7 @@ MMAP_THRESHOLD_BYTES = 256 << 10
 # (its span texts, trace-file lines, the objects of ~60 steps; ~1-2 MB) was handed back at the end
 # of every round and faulted in again page by page in the next one: the main loop took ~300 page
 # faults a second beside the reference runtime, ~160 with 4 MiB (16 MiB: the same), its RSS
-# 79 -> 80 MB (docs/benchmarks.md, "Page faults in the main loop").
+# 79 -> 80 MB (docs/benchmarks.md, "Interpreted calls counted, page faults counted").
 TRIM_THRESHOLD_BYTES = 4 << 20
 TRIM_PERIOD_NS = 5_000_000_000
 GC_THRESHOLDS = (20_000, 20, 20)  # gc.set_threshold: gen 0 every 20k net allocations (default 700, 10, 10)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes as ct
 import errno
+import functools
 import json
 import os
 import platform
@@ -58,19 +59,14 @@ _libc = ct.CDLL(None, use_errno=True)
 _libc.syscall.restype = ct.c_long
 
 
+@functools.cache
 def _numbers() -> tuple[int, int]:
     """(bpf, perf_event_open) syscall numbers of this machine, looked up once: every map read goes
     through _bpf, and the policy reads maps five times a second."""
-    if _held_numbers:
-        return _held_numbers[0]
     machine = platform.machine()
     if machine not in _SYSCALLS:
         raise errors.ProbeLoadError(f"no bpf(2) syscall number known for architecture {machine}")
-    _held_numbers.append(_SYSCALLS[machine])
     return _SYSCALLS[machine]
-
-
-_held_numbers: list[tuple[int, int]] = []
 
 
 class _ElemAttr(ct.Structure):

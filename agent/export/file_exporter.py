@@ -80,8 +80,6 @@ class OtlpJsonFileExporter(SpanExporter):
         """Encoded lines with their span counts: a batch in lines of up to ~LINE_TARGET_BYTES
         (otlp_json.line_chunks: no line is a fresh mapping to fault in), each line one OTLP/JSON
         request; a run too large for one file is split further."""
-        if len(spans) <= 1:
-            return self._run_lines(spans)
         return [line for run in line_chunks(spans) for line in self._run_lines(run)]
 
     def _run_lines(self, spans: Sequence[ReadableSpan]) -> list[tuple[bytes, int]]:

@@ -676,7 +676,7 @@ class SpanFactory:
         made = self._events(events) if events else ()
         return made if type(made) is tuple else None
 
-    def shared_event_parts(self, events: Sequence[SpanEvent]) -> list[tuple[str, int, SharedBoundedAttributes]] | None:
+    def shared_event_parts(self, events: Sequence[SpanEvent]) -> list[tuple[str, int, BoundedAttributes]] | None:
         """A span's events as ``record`` would store them — name, time, attributes under the event
         attribute limit — without the SDK's Event objects, for a span written as text
         (otlp_json.event_text); None where an event's attributes are not a shared set or the events
@@ -684,13 +684,12 @@ class SpanFactory:
         limit = self._limits.max_events
         if limit is not None and len(events) > limit:
             return None
-        attribute_limit = self._limits.max_event_attributes
-        parts: list[tuple[str, int, SharedBoundedAttributes]] = []
+        parts: list[tuple[str, int, BoundedAttributes]] = []
         for event in events:
             attributes = event.attributes
             if type(attributes) is not SharedAttributes:
                 return None
-            parts.append((event.name, int(event.time_ns), self._shared_bounded(attributes, attribute_limit)))
+            parts.append((event.name, int(event.time_ns), self._event_attributes(attributes)))
         return parts
 
     def encoded_links(self, links: Sequence[SpanLink]) -> tuple[Link, ...] | None:

@@ -543,7 +543,7 @@ class TraceOutput:
             return None
         # its events (the device-memory sample, one a step) as their text, from their shared
         # attribute sets: no SDK Event made and read back through its properties
-        parts = spans.shared_event_parts(events) if events else []
+        parts = spans.shared_event_parts(events)
         made: tuple[Any, ...] | None
         if parts is not None:
             made = tuple([event_text(name, t, attributes, attributes.dropped) for name, t, attributes in parts])
