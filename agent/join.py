@@ -58,17 +58,9 @@ from moescope.collectors.moe_convention import ROUTER_NONE, LayerColumns, StepBa
 from moescope.collectors.netsig import NetSignalRecord
 from moescope.collectors.nvml import NvmlSample
 from moescope.collectors.registry import TelemetryRecord
-from moescope.probes.ingress.loader import F_NO_RESPONSE, IngressRecord
+from moescope.probes.ingress.loader import IngressRecord
 
 log = logging.getLogger(__name__)
-
-
-def record_answered(record: IngressRecord) -> bool:
-    """``record.answered`` read from its flags: the property is an interpreted call from compiled
-    code (~4 a request across the join and its outputs); a subclass's is asked."""
-    if type(record) is IngressRecord:
-        return not record.flags & F_NO_RESPONSE
-    return record.answered
 
 DEFAULT_STEP_RETENTION_NS = 120_000_000_000
 DEFAULT_MAX_BUFFERED_STEPS = 20_000
@@ -460,7 +452,7 @@ class RequestJoin:
         """One kernel-timed request."""
         with self._lock:
             self._counts["requests"] += 1
-            if not record_answered(record):
+            if not record.answered:
                 self._counts["requests_unanswered"] += 1
             steps = self._claim_steps(record)
             first = tuple(b.claims == 1 for b in steps)

@@ -139,10 +139,23 @@ def breakdown(record: KernelTimes, steps: Sequence[StepTimes], *, model: str | N
     else:
         output_tokens, input_tokens = len(steps), None
     tpot = (end - ttft_at) / (output_tokens - 1) if output_tokens >= 2 else None
-    # the NamedTuple's fields in order, made by tuple.__new__: its generated __new__ is interpreted
-    # Python, called from compiled code once a request (tests/pipeline/test_event_constructors.py
-    # holds this to the keyword form)
-    return tuple.__new__(RequestBreakdown, (
-        start, end, b1 - start, b2 - b1, b3 - b2, b4 - b3, end - b4,
-        sum(s.expert_load_ns for s in steps), sum(s.routing_ns for s in steps), len(steps), first_token + 1,
-        ttft_at - start, source, tpot, input_tokens, output_tokens, reported, model))
+    return RequestBreakdown(
+        start_ns=start,
+        end_ns=end,
+        receive_ns=b1 - start,
+        queue_ns=b2 - b1,
+        prefill_ns=b3 - b2,
+        decode_ns=b4 - b3,
+        write_ns=end - b4,
+        expert_load_ns=sum(s.expert_load_ns for s in steps),
+        routing_ns=sum(s.routing_ns for s in steps),
+        steps=len(steps),
+        prefill_steps=first_token + 1,
+        ttft_ns=ttft_at - start,
+        ttft_source=source,
+        tpot_ns=tpot,
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        tokens_reported=reported,
+        model=model,
+    )

@@ -32,17 +32,8 @@ from typing import Any, TypeVar
 from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.trace import DEFAULT_TRACE_STATE
 
-from moescope.agent.export.spans import (
-    EncodedSpan,
-    SharedAttributes,
-    SharedBoundedAttributes,
-    SharedLink,
-    context_ids,
-    link_fields,
-    no_trace_state,
-)
+from moescope.agent.export.spans import EncodedSpan, SharedAttributes, SharedBoundedAttributes, SharedLink
 
 log = logging.getLogger(__name__)
 
@@ -280,16 +271,11 @@ def _attributes(attributes: Mapping[str, Any] | None) -> str:
     """``[...]`` of the encodable attributes, or "" when there are none (the field is left out).
     A ``SharedAttributes`` or ``SharedBoundedAttributes`` (never mutated; carried by many spans or
     events) is written once per object."""
-    if type(attributes) is SharedAttributes or type(attributes) is SharedBoundedAttributes:
-        # (asked whether it is empty once, with its text: a BoundedAttributes' __len__ is interpreted)
-        return _cached(attributes, _nonempty_attributes, cache=_shared_texts, limit=_SHARED_MAX)
     if not attributes:
         return ""
+    if type(attributes) is SharedAttributes or type(attributes) is SharedBoundedAttributes:
+        return _cached(attributes, _encode_attributes, cache=_shared_texts, limit=_SHARED_MAX)
     return _encode_attributes(attributes)
-
-
-def _nonempty_attributes(attributes: Mapping[str, Any]) -> str:
-    return _encode_attributes(attributes) if attributes else ""
 
 
 def _encode_attributes(attributes: Mapping[str, Any]) -> str:
@@ -341,11 +327,9 @@ def _scope(scope: Any) -> str:
 
 
 def _flags(context: Any) -> str:
-    return _remote_flags(context is not None and context.is_remote)
-
-
-def _remote_flags(remote: bool) -> str:
-    return str(_FLAG_HAS_IS_REMOTE | _FLAG_IS_REMOTE if remote else _FLAG_HAS_IS_REMOTE)
+    return str(
+        _FLAG_HAS_IS_REMOTE | _FLAG_IS_REMOTE if context is not None and context.is_remote else _FLAG_HAS_IS_REMOTE
+    )
 
 
 def _link(link: Any) -> str:
@@ -357,15 +341,14 @@ def _link(link: Any) -> str:
 
 
 def _link_text(link: Any) -> str:
-    lc, attributes, dropped = link_fields(link)
-    trace_id, span_id, remote = context_ids(lc)
-    item = f'{{"traceId":"{trace_id:032x}","spanId":"{span_id:016x}"'
-    link_attrs = _attributes(attributes)
+    lc = link.context
+    item = f'{{"traceId":"{lc.trace_id:032x}","spanId":"{lc.span_id:016x}"'
+    link_attrs = _attributes(link.attributes)
     if link_attrs:
         item += ',"attributes":' + link_attrs
-    if dropped:
-        item += f',"droppedAttributesCount":{dropped}'
-    return item + ',"flags":' + _remote_flags(remote) + "}"
+    if link.dropped_attributes:
+        item += f',"droppedAttributesCount":{link.dropped_attributes}'
+    return item + ',"flags":' + _flags(lc) + "}"
 
 
 def _event(event: Any) -> str:
@@ -413,7 +396,6 @@ except ImportError:  # a source checkout without `pip install -e .`: the Python 
 COLUMN_SPANS: Callable[..., list[bytes]] | None = None
 if _native is not None:
     _native.set_encoded_type(EncodedSpan)
-    _native.set_empty_trace_state(DEFAULT_TRACE_STATE)  # (immutable: its size is known by identity)
     COLUMN_SPANS = _native.column_spans
 
 
@@ -436,7 +418,7 @@ def _span(span: ReadableSpan) -> str:
     ctx = span.context
     parts = [f'{{"traceId":"{ctx.trace_id:032x}","spanId":"{ctx.span_id:016x}"']
     trace_state = ctx.trace_state
-    if not no_trace_state(trace_state):
+    if trace_state:
         parts.append(',"traceState":' + _string(",".join([f"{k}={v}" for k, v in trace_state.items()])))
     parent = span.parent
     if parent is not None:

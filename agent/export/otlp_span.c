@@ -120,15 +120,6 @@ static PyObject *s_context, *s_parent, *s_name, *s_kind, *s_start, *s_end, *s_at
 /* The type of a span already written as OTLP/JSON text (agent/export/spans.py EncodedSpan; its
  * `_text` is the bytes add_span would write for it): encode() appends the text as it is. */
 static PyObject *encoded_type;
-/* The default trace state (empty and immutable: set_empty_trace_state checks the first): sized
- * by identity, before TraceState's __len__, which is interpreted Python (~7 calls a request). */
-static PyObject *empty_trace_state;
-
-/* len(trace_state), the registered empty one by identity (-1 with an exception on an error). */
-static Py_ssize_t trace_state_size(PyObject *trace_state) {
-    if (empty_trace_state != NULL && trace_state == empty_trace_state) return 0;
-    return PyObject_Size(trace_state);
-}
 
 /* After a failed lookup or conversion: an AttributeError, TypeError, ValueError or OverflowError
  * means "not a span this takes" (Python's encoder decides); anything else (MemoryError, an
@@ -490,7 +481,7 @@ static int span_taken(PyObject *span, PyObject *shared_type, PyObject *span_type
     Fields *f = &t->f;
     PyObject *ctx = f->context;
     if (!PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) < 5) return NOT_MINE;
-    Py_ssize_t trace_state = trace_state_size(PyTuple_GET_ITEM(ctx, 4));
+    Py_ssize_t trace_state = PyObject_Size(PyTuple_GET_ITEM(ctx, 4));
     if (trace_state != 0) return trace_state < 0 ? not_mine_or_error() : NOT_MINE;
     if (!(PyTuple_CheckExact(f->events) || PyList_CheckExact(f->events))) return NOT_MINE;
     if (!(PyTuple_CheckExact(f->links) || PyList_CheckExact(f->links))) return NOT_MINE;
@@ -742,7 +733,7 @@ static PyObject *column_spans(PyObject *self, PyObject *args) {
     }
     unsigned long long hi, lo, parent_id;
     int rc = context_ids(parent, &hi, &lo, &parent_id);
-    if (rc == OK && trace_state_size(PyTuple_GET_ITEM(parent, 4)) != 0) rc = PyErr_Occurred() ? ERROR : NOT_MINE;
+    if (rc == OK && PyObject_Size(PyTuple_GET_ITEM(parent, 4)) != 0) rc = PyErr_Occurred() ? ERROR : NOT_MINE;
     if (rc != OK) {
         if (rc == NOT_MINE) PyErr_SetString(PyExc_ValueError, "column_spans: not a parent context it takes");
         return NULL;
@@ -884,7 +875,7 @@ static PyObject *plain_spans(PyObject *self, PyObject *args) {
         rc = PyTuple_Check(parent) ? context_ids(parent, &parent_hi, &parent_lo, &parent_id) : NOT_MINE;
         if (rc == OK && (parent_hi != hi || parent_lo != lo)) rc = NOT_MINE; /* a child is in its parent's trace */
     }
-    if (rc == OK && trace_state_size(PyTuple_GET_ITEM(trace, 4)) != 0) rc = PyErr_Occurred() ? ERROR : NOT_MINE;
+    if (rc == OK && PyObject_Size(PyTuple_GET_ITEM(trace, 4)) != 0) rc = PyErr_Occurred() ? ERROR : NOT_MINE;
     if (rc != OK) {
         if (rc == NOT_MINE) PyErr_SetString(PyExc_ValueError, "plain_spans: not a trace or parent context it takes");
         return NULL;
@@ -914,19 +905,6 @@ static PyObject *set_encoded_type(PyObject *self, PyObject *type) {
     }
     Py_INCREF(type);
     Py_XSETREF(encoded_type, type);
-    Py_RETURN_NONE;
-}
-
-static PyObject *set_empty_trace_state(PyObject *self, PyObject *state) {
-    (void)self;
-    Py_ssize_t size = PyObject_Size(state);
-    if (size < 0) return NULL;
-    if (size != 0) {
-        PyErr_SetString(PyExc_ValueError, "set_empty_trace_state takes an empty trace state");
-        return NULL;
-    }
-    Py_INCREF(state);
-    Py_XSETREF(empty_trace_state, state);
     Py_RETURN_NONE;
 }
 
@@ -1207,8 +1185,6 @@ static PyMethodDef methods[] = {
     {"plain_spans", plain_spans, METH_VARARGS,
      "plain_spans(trace, parent, items, link_text, event_text) -> list of bytes: each span's OTLP/JSON text, written from its "
      "parts (see the source)"},
-    {"set_empty_trace_state", set_empty_trace_state, METH_O,
-     "set_empty_trace_state(state): an empty, immutable trace state (the SDK's default), sized by identity"},
     {"set_encoded_type", set_encoded_type, METH_O,
      "set_encoded_type(type): spans of exactly this type carry their text in `_text`; encode() appends it"},
     {"double_repr", repr_of_double, METH_O, "double_repr(x) -> repr(x) for a finite float, as the encoder writes it"},

@@ -102,16 +102,7 @@ class SharedAttributes(dict[str, Any]):
 class SharedLink(Link):
     """An SDK Link the factory made once for a SpanLink whose attributes are a shared set, and hands
     to every span given that SpanLink (the batch-mates' links to a step's owner span): immutable, so
-    the OTLP-JSON encoder writes its text once. Its fields are set here where Link keeps them where
-    its properties read them (``_LINK_FIELDS``: Link's ``__init__`` and its base's are two
-    interpreted calls a link) and the encoder reads them there (``shared_link_fields``)."""
-
-    def __init__(self, context: SpanContext, attributes: SharedBoundedAttributes) -> None:
-        if _LINK_FIELDS:
-            self._context = context
-            self._attributes = attributes
-        else:
-            super().__init__(context, attributes)
+    the OTLP-JSON encoder writes its text once."""
 
 
 class SharedBoundedAttributes(BoundedAttributes):
@@ -211,97 +202,6 @@ _TRACE_ID_MAX, _SPAN_ID_MAX = 2**128 - 1, 2**64 - 1
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _SAMPLED_RANDOM = TraceFlags(TraceFlags.SAMPLED | TraceFlags.RANDOM_TRACE_ID)
 _NEW_READABLE_SPAN = ReadableSpan.__new__
-
-
-def _tuple_fields() -> bool:
-    """Whether SpanContext is the tuple its properties read: (trace_id, span_id, is_remote,
-    trace_flags, trace_state, is_valid), item for item. Each property is an interpreted call from
-    compiled code (~20 a request on the agent's span path), an item read is not; a context of
-    exactly this type is read by item where this holds (checked once, on a context with a distinct
-    value in every field), by property otherwise."""
-    probe = SpanContext(3, 5, is_remote=True, trace_flags=_SAMPLED, trace_state=TraceState([("k", "v")]))
-    if type(probe) is not SpanContext or len(probe) != 6:
-        return False
-    return (probe.trace_id is probe[0] and probe.span_id is probe[1] and probe.is_remote is probe[2]
-            and probe.trace_flags is probe[3] and probe.trace_state is probe[4] and probe.is_valid is probe[5])
-
-
-_TUPLE_FIELDS = _tuple_fields()
-
-
-def _link_fields() -> bool:
-    """Whether the SDK's Link keeps its context and attributes in ``_context`` and ``_attributes``,
-    nothing else, and its properties return those (checked once, on a probe link)."""
-    context = SpanContext(3, 5, is_remote=False)
-    attributes = BoundedAttributes(4, {"k": "v"}, immutable=True, max_value_len=None)
-    link = Link(context, attributes)
-    return (getattr(link, "__dict__", None) == {"_context": context, "_attributes": attributes}
-            and link.context is context and link.attributes is attributes
-            and link.dropped_attributes == attributes.dropped)
-
-
-_LINK_FIELDS = _link_fields()
-
-
-def context_ids(context: SpanContext) -> tuple[int, int, bool]:
-    """``(context.trace_id, context.span_id, context.is_remote)``, by item where SpanContext is its
-    tuple (``_TUPLE_FIELDS``)."""
-    if _TUPLE_FIELDS and type(context) is SpanContext:
-        trace_id: int = context[0]
-        span_id: int = context[1]
-        remote: bool = context[2]
-        return trace_id, span_id, remote
-    return context.trace_id, context.span_id, context.is_remote
-
-
-def link_fields(link: Link) -> tuple[SpanContext, Any, int]:
-    """A link's ``(context, attributes, dropped_attributes)``: a SharedLink's read where it keeps
-    them (``_LINK_FIELDS``: its attributes are a SharedBoundedAttributes), any other's through its
-    properties."""
-    if _LINK_FIELDS and type(link) is SharedLink:
-        attributes = link._attributes
-        if type(attributes) is SharedBoundedAttributes:
-            return link._context, attributes, attributes.dropped
-    return link.context, link.attributes, link.dropped_attributes
-
-
-def context_span_id(context: SpanContext) -> int:
-    """``context.span_id``, by item where SpanContext is its tuple (``_TUPLE_FIELDS``)."""
-    if _TUPLE_FIELDS and type(context) is SpanContext:
-        span_id: int = context[1]
-        return span_id
-    return context.span_id
-
-
-def no_trace_state(state: TraceState) -> bool:
-    """``not state``: the default (empty, immutable) trace state by identity, before TraceState's
-    interpreted ``__len__``."""
-    return state is _NO_TRACE_STATE or not state
-
-
-def _trace_of(parent: SpanContext) -> tuple[bool, int, TraceFlags, TraceState]:
-    """A parent's (is_valid, trace_id, the flags its children take, trace_state), as Tracer.start_span
-    reads them (the children's flags: sampled, with the parent's random-trace-id flag)."""
-    if _TUPLE_FIELDS and type(parent) is SpanContext:
-        valid: bool = parent[5]
-        trace_id: int = parent[0]
-        flags: TraceFlags = parent[3]
-        state: TraceState = parent[4]
-    else:
-        valid, trace_id, flags, state = parent.is_valid, parent.trace_id, parent.trace_flags, parent.trace_state
-    return valid, trace_id, (_SAMPLED_RANDOM if flags & TraceFlags.RANDOM_TRACE_ID else _SAMPLED), state
-
-
-def _link_worth_keeping(context: SpanContext, bounded: BoundedAttributes) -> bool:
-    """``link.context and (link.context.is_valid or bounded or link.context.trace_state)``: the
-    SDK's test for a link to keep, the context read by item where it can be."""
-    if not context:
-        return False
-    if _TUPLE_FIELDS and type(context) is SpanContext:
-        if context[5]:
-            return True
-        return bool(bounded) or not no_trace_state(context[4])
-    return bool(context.is_valid or bounded or context.trace_state)
 
 
 def finished_span(
@@ -495,11 +395,6 @@ class SpanFactory:
             self._scope = tracer._instrumentation_scope
             self._info = tracer.instrumentation_info
             self._root_flags = _SAMPLED_RANDOM if self._ids.is_trace_id_random() else _SAMPLED
-        # whether the tracer is on is read from its config where its _is_enabled is the SDK's own
-        # (that method's whole body; an interpreted call per span otherwise)
-        own = getattr(type(tracer), "_is_enabled", None)
-        self._config_enabled = (self.direct and own is getattr(SdkTracer, "_is_enabled", 0)
-                                and hasattr(tracer, "_tracer_config"))
         self._last: tuple[SpanContext | None, Context] = (None, _EMPTY_CONTEXT)  # one tuple: swapped atomically
         # hold(): the finished spans of the holding thread, handed on together by release()
         self._held: list[Any] | None = None  # (ReadableSpan, or EncodedSpan: hand_on_encoded)
@@ -517,14 +412,6 @@ class SpanFactory:
         self._bounded: dict[tuple[int, int | None], tuple[SharedAttributes, SharedBoundedAttributes]] = {}
         # id -> (a SpanLink with a shared attribute set, its SharedLink), the SpanLink kept with it
         self._single_links: dict[int, tuple[SpanLink, SharedLink | None]] = {}
-
-    def _enabled(self) -> bool:
-        """The SDK tracer's ``_is_enabled()`` (its config's ``is_enabled``, read each time: the SDK
-        may set another config)."""
-        tracer: Any = self.tracer
-        if self._config_enabled:
-            return bool(tracer._tracer_config.is_enabled)
-        return bool(tracer._is_enabled())
 
     @staticmethod
     def _direct_possible(tracer: trace.Tracer) -> bool:
@@ -559,7 +446,7 @@ class SpanFactory:
         links: Iterable[SpanLink] = (),
     ) -> trace.Span:
         """Start a span at ``start_ns``; end it later with ``end(span, end_ns=...)``."""
-        if self.direct and self._enabled():
+        if self.direct and self.tracer._is_enabled():  # type: ignore[attr-defined]  # the SDK Tracer's, not the API's
             return self._start_direct(name, int(start_ns), parent, kind, attributes, links)
         return self.tracer.start_span(
             name,
@@ -593,12 +480,13 @@ class SpanFactory:
             held = self._parent_held  # a parent's children come together (a request's phases, a step's layers)
             if held[0] is parent:
                 trace_id, flags, trace_state = held[1]
+            elif parent.is_valid:
+                trace_id = parent.trace_id
+                flags = _SAMPLED_RANDOM if parent.trace_flags.random_trace_id else _SAMPLED
+                trace_state = parent.trace_state
+                self._parent_held = (parent, (trace_id, flags, trace_state))
             else:
-                valid, trace_id, flags, trace_state = _trace_of(parent)
-                if valid:
-                    self._parent_held = (parent, (trace_id, flags, trace_state))
-                else:
-                    parent = None
+                parent = None
         if parent is None:
             trace_id = self._ids.generate_trace_id()
             flags = self._root_flags
@@ -631,7 +519,7 @@ class SpanFactory:
                 continue
             bounded = BoundedAttributes(self._limits.max_link_attributes, clean_attributes(link.attributes),
                                         max_value_len=None, immutable=True)
-            if _link_worth_keeping(link.context, bounded):
+            if link.context and (link.context.is_valid or bounded or link.context.trace_state):
                 valid.append(Link(link.context, bounded))
         max_links = self._limits.max_links
         if max_links is not None and len(valid) > max_links:
@@ -646,7 +534,7 @@ class SpanFactory:
             return entry[1]
         bounded = self._shared_bounded(link.attributes, self._limits.max_link_attributes)  # type: ignore[arg-type]
         made = None
-        if _link_worth_keeping(link.context, bounded):
+        if link.context and (link.context.is_valid or bounded or link.context.trace_state):
             made = SharedLink(link.context, bounded)
         if len(self._single_links) >= _SINGLE_LINK_CACHE:
             self._single_links.clear()
@@ -760,11 +648,9 @@ class SpanFactory:
         if batch is None or not getattr(batch, "takes_encoded_json", False):
             return False
         limit = self._limits.max_span_attributes
-        if parent is not None:
-            valid, _, _, trace_state = _trace_of(parent)
-            if not (valid and no_trace_state(trace_state)):
-                return False
-        return self._enabled() and (limit is None or limit >= ENCODED_MAX_ATTRIBUTES)
+        if parent is not None and not (parent.is_valid and not parent.trace_state):
+            return False
+        return self.tracer._is_enabled() and (limit is None or limit >= ENCODED_MAX_ATTRIBUTES)  # type: ignore[attr-defined]
 
     def root_context(self) -> SpanContext:
         """The context of a new root span, drawn as ``record`` draws it (its trace id, then its span
@@ -877,7 +763,7 @@ class SpanFactory:
         """A complete span in one call; returns its context (to parent children or link to)."""
         if end_ns < start_ns:
             end_ns = start_ns  # clock skew between sources must not make a negative duration
-        if self.direct and self._enabled():
+        if self.direct and self.tracer._is_enabled():  # type: ignore[attr-defined]  # the SDK Tracer's, not the API's
             if error is None:
                 # the agent's spans (phases, steps, layers): the finished span at once, no _DirectSpan
                 context, parent, attrs, span_links = self._direct_parts(parent, attributes, links)
@@ -900,8 +786,11 @@ class SpanFactory:
         """The parent its children name (None where ``parent`` is not valid) and ``count`` new span
         contexts for them, as _direct_parts makes them: in the parent's trace with its trace state
         and flags, or each a new root where the parent is not valid."""
-        valid, trace_id, flags, trace_state = _trace_of(parent)
-        if not valid:
+        valid = parent.is_valid
+        if valid:
+            flags = _SAMPLED_RANDOM if parent.trace_flags.random_trace_id else _SAMPLED
+            trace_id, trace_state = parent.trace_id, parent.trace_state
+        else:
             flags, trace_state, trace_id = self._root_flags, _NO_TRACE_STATE, 0
         new_span_id, new_trace_id, plain = self._ids.generate_span_id, self._ids.generate_trace_id, self._plain_contexts
         contexts: list[SpanContext] = []
@@ -923,7 +812,7 @@ class SpanFactory:
         as ``record`` makes it without events or error (a request's phase spans); returns how many.
         Attributes are cleaned and links made as ``record`` does; the direct path resolves the parent
         once and builds each span without ``record``'s keyword handling."""
-        if not (self.direct and self._enabled()):
+        if not (self.direct and self.tracer._is_enabled()):  # type: ignore[attr-defined]
             for name, start_ns, end_ns, attributes, links in children:
                 self.record(name, start_ns=start_ns, end_ns=end_ns, parent=parent, attributes=attributes, links=links)
             return len(children)
@@ -949,7 +838,7 @@ class SpanFactory:
         and no NaN scalar; tests/export/test_trace_children.py holds the layer builder to that); each
         dict becomes its span's own. The direct path resolves the parent once and skips the
         per-span cleaning and keyword handling (~9 µs of a layer span's ~17 on this VM)."""
-        if not (self.direct and self._enabled()):
+        if not (self.direct and self.tracer._is_enabled()):  # type: ignore[attr-defined]
             made = 0
             for start_ns, end_ns, attributes in children:
                 self.record(name, start_ns=start_ns, end_ns=end_ns, parent=parent, attributes=attributes)

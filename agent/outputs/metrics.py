@@ -25,15 +25,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from moescope.agent.join import (
-    BufferedStep,
-    JoinEvent,
-    NetSignalSeen,
-    RequestJoined,
-    StepSeen,
-    TelemetrySeen,
-    record_answered,
-)
+from moescope.agent.join import BufferedStep, JoinEvent, NetSignalSeen, RequestJoined, StepSeen, TelemetrySeen
 from moescope.agent.metrics import SPECS, Metrics
 from moescope.agent.outputs.traces import GEN_AI_OPERATION
 from moescope.agent.outputs.values import finite
@@ -305,7 +297,7 @@ class MetricsOutput:
                 self._pending_observations.add("moescope_request_queue_wait_seconds", wait_s)
         phases = event.breakdown
         if phases is not None:
-            self._breakdown(phases, answered=record_answered(record))
+            self._breakdown(phases, answered=record.answered)
 
     def _breakdown(self, b: RequestBreakdown, *, answered: bool) -> None:
         """The request's phases and tokens; the gen_ai.server.* histograms for answered ones (the

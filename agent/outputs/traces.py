@@ -43,7 +43,6 @@ from moescope.agent.export.spans import (
     SpanEvent,
     SpanFactory,
     SpanLink,
-    context_span_id,
     shared_attributes,
     span_attributes,
 )
@@ -56,7 +55,6 @@ from moescope.agent.join import (
     StepRetired,
     StepSeen,
     TelemetrySeen,
-    record_answered,
 )
 from moescope.agent.request_phases import RequestBreakdown
 from moescope.agent.routing_health import LayerTable, StepsTable
@@ -293,7 +291,7 @@ class TraceOutput:
         nets = self._net_events.for_request(peer_addr=record.peer_addr, peer_port=record.peer_port,
                                             start_ns=record.start_ns, end_ns=record.end_ns)
         # as text where the factory takes it; a server span with events or an error status as an object
-        if PLAIN_SPANS is not None and record_answered(record) and not nets and spans.takes_encoded(None):
+        if PLAIN_SPANS is not None and record.answered and not nets and spans.takes_encoded(None):
             texts = self._request_texts(event, keys, values)
             if texts is not None:
                 self._counts["spans"] += texts
@@ -301,7 +299,7 @@ class TraceOutput:
         attrs: Attributes = dict(zip(keys, values, strict=True))  # (a None left out by the factory)
         phases = event.breakdown
         off = self.epoch_offset_ns
-        error = None if record_answered(record) else "connection closed before a response was written"
+        error = None if record.answered else "connection closed before a response was written"
         net_events = []
         for net in nets:
             name, net_attrs = span_event_fields(net, reset_reasons=reset_reason_name)
@@ -370,7 +368,7 @@ class TraceOutput:
         assert PLAIN_SPANS is not None
         parent = spans.root_context()
         try:
-            server = PLAIN_SPANS(parent, None, [(context_span_id(parent), "http.server.request", _SERVER_KIND, start_ns,
+            server = PLAIN_SPANS(parent, None, [(parent.span_id, "http.server.request", _SERVER_KIND, start_ns,
                                                  max(end_ns, start_ns), keys, values, (), ())])
         except ValueError:
             return None
@@ -556,7 +554,7 @@ class TraceOutput:
         ctx, named = spans.child_context(parent)
         start = step.start_ns + self.epoch_offset_ns
         try:
-            texts = PLAIN_SPANS(ctx, named, [(context_span_id(ctx), "moe.step", _INTERNAL_KIND, start,
+            texts = PLAIN_SPANS(ctx, named, [(ctx.span_id, "moe.step", _INTERNAL_KIND, start,
                                               max(step.end_ns + self.epoch_offset_ns, start), None, attributes, (),
                                               made)])
         except ValueError:

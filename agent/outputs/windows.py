@@ -28,7 +28,6 @@ from moescope.agent.join import (
     TelemetrySeen,
     expert_precisions,
     precision_text,
-    record_answered,
 )
 from moescope.agent.outputs.values import float_or_none, int_or_none
 from moescope.agent.phase_table import PHASE_ROWS, Phases, PhaseStat
@@ -374,7 +373,7 @@ class WindowsOutput:
                         if breakdown is not None:
                             self._phases.add(breakdown)
                         self._request_rate.add(now)
-                        if not record_answered(record):
+                        if not record.answered:
                             self._errors_total += 1
                             self._error_rate.add(now)
                     case StepSeen(step=b, experts_changed=changed):

@@ -4,13 +4,12 @@ in the compiled build): they must keep the dataclass's fields, defaults, equalit
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from moescope.agent.join import BufferedStep, step_times
-from moescope.agent.request_phases import RequestBreakdown, StepTimes, breakdown
+from moescope.agent.request_phases import StepTimes
 from moescope.agent.routing_health import empty_table
 from moescope.collectors.moe_convention import (
     ExpertFfnEvent,
@@ -63,22 +62,3 @@ def test_buffered_step_and_step_times() -> None:
     step.request_tokens = {7: (5, 1)}
     assert step_times(b, key=7) == StepTimes(100, 250, 30, 40, input_tokens=5, output_tokens=1)
     assert step_times(b, key=8) == StepTimes(100, 250, 30, 40)
-
-
-def test_request_breakdown_is_the_keyword_form() -> None:
-    """breakdown() builds RequestBreakdown with tuple.__new__ (fields in order): the same tuple the
-    NamedTuple's keyword constructor makes, for streamed and unreported-token requests alike."""
-    kernel = SimpleNamespace(start_ns=100, end_ns=900, last_read_ns=150, first_response_ns=520)
-    steps = [StepTimes(200, 400, 10, 20, input_tokens=7, output_tokens=1),
-             StepTimes(410, 600, 11, 21, input_tokens=0, output_tokens=2)]
-    made = breakdown(kernel, steps, model="m")
-    assert type(made) is RequestBreakdown
-    assert made == RequestBreakdown(
-        start_ns=100, end_ns=900, receive_ns=50, queue_ns=50, prefill_ns=200, decode_ns=200, write_ns=300,
-        expert_load_ns=41, routing_ns=21, steps=2, prefill_steps=1, ttft_ns=420, ttft_source="wire",
-        tpot_ns=(900 - 520) / 2, input_tokens=7, output_tokens=3, tokens_reported=True, model="m")
-    assert made._asdict()["model"] == "m" and made.duration_ns == 800
-    bare = SimpleNamespace(start_ns=0, end_ns=50, last_read_ns=0, first_response_ns=0)
-    plain = breakdown(bare, [StepTimes(10, 20, 1, 2)])
-    assert plain == RequestBreakdown(0, 50, 10, 0, 10, 0, 30, 2, 1, 1, 1, 20, "step", None, None, 1, False)
-    assert len(RequestBreakdown._fields) == 18  # a field added to the NamedTuple must be added to breakdown()
