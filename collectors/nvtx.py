@@ -1698,7 +1698,7 @@ class NvtxCollector:
         """Threads with a range open that no longer exist."""
         if len(self._open_pushes) == 0:
             return []
-        tids = np.unique(self._open_pushes["tid"]).tolist()
+        tids = sorted(set(self._open_pushes["tid"].tolist()))  # (np.unique: its first plain call imports numpy.ma)
         return [t for t in tids if not task_exists(self.pid, int(t))]
 
     def _close_dead_threads(self, dead: list[int]) -> None:
