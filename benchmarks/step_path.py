@@ -49,9 +49,12 @@ REQUEST_HALF_WINDOW_NS = 20_000_000  # a request spans its step's mark +-20 ms (
 
 
 # ------------------------------------------------------------------------------------- recording
+DEFAULT_DRAIN_S = 0.005  # the recorder's poll period: small batches (a few steps each)
+
 def record(*, shape: str, convention: str, steps: int, steps_per_s: float, out: Path,
-           vectors: str = "set") -> dict[str, Any]:
-    """Run one producer under the injection library and save its drained batches."""
+           vectors: str = "set", drain_s: float = DEFAULT_DRAIN_S) -> dict[str, Any]:
+    """Run one producer under the injection library and save its drained batches, the ring drained
+    every ``drain_s`` (the live agent's quiet rounds are 2 s apart: ~100 reference steps a batch)."""
     from moescope.collectors.nvtx import NvtxCollector, injection_env
 
     layers, experts, top_k = SHAPES[shape]
@@ -77,7 +80,7 @@ def record(*, shape: str, convention: str, steps: int, steps_per_s: float, out: 
             deadline = time.monotonic() + steps / steps_per_s + 120
             while reader.is_alive() and time.monotonic() < deadline:
                 collector.poll(time.monotonic_ns())
-                time.sleep(0.005)
+                time.sleep(drain_s)
             proc.stdin.close()  # the producer exits; the collector drains what is left
             while not collector.finished and time.monotonic() < deadline:
                 collector.poll(time.monotonic_ns())
@@ -232,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--convention", choices=CONVENTIONS, default="v2")
     parser.add_argument("--steps", type=int, default=300, help="steps to record (default 300)")
     parser.add_argument("--record-steps-per-s", type=float, default=25.0, help="producer pace while recording")
+    parser.add_argument("--record-drain-s", type=float, default=DEFAULT_DRAIN_S,
+                        help="the recording's ring drained this often (2: batches as the live agent's quiet rounds)")
     parser.add_argument("--vectors", choices=("set", "held"), default="set",
                         help="the recording producer's vectors (moe_scale_producer.py --vectors)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated of {', '.join(VARIANTS)}")
@@ -244,8 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in variants if v not in VARIANTS]
-    if bad or args.runs < 1 or args.steps < 1 or not args.record_steps_per_s > 0:
-        print(f"step_path: bad options (variants {bad or 'ok'}; runs, steps >= 1; pace > 0)", file=sys.stderr)
+    if bad or args.runs < 1 or args.steps < 1 or not args.record_steps_per_s > 0 or not 0 < args.record_drain_s <= 10:
+        print(f"step_path: bad options (variants {bad or 'ok'}; runs, steps >= 1; pace > 0; drain in (0, 10] s)",
+              file=sys.stderr)
         return 2
     for option, tree in (("--baseline-tree", args.baseline_tree), ("--tree", args.tree)):
         if tree is not None and not (tree / "agent" / "join.py").is_file():
@@ -255,14 +261,17 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.common import RESULTS_DIR, alternate_ab, write_result
 
     held = "-held" if args.vectors == "held" else ""
-    recording = (args.recording or RESULTS_DIR / f"step_path-{args.shape}-{args.convention}{held}.pickle").resolve()
+    drained = f"-drain{args.record_drain_s:g}s" if args.record_drain_s != DEFAULT_DRAIN_S else ""
+    recording = (args.recording
+                 or RESULTS_DIR / f"step_path-{args.shape}-{args.convention}{held}{drained}.pickle").resolve()
     recorded: dict[str, Any] = {}
     if args.recording is None:
         if os.geteuid() != 0:
             print("step_path: recording needs root (the injection library's ring in a shared dir)", file=sys.stderr)
             return 3
         recorded = record(shape=args.shape, convention=args.convention, steps=args.steps,
-                          steps_per_s=args.record_steps_per_s, out=recording, vectors=args.vectors)
+                          steps_per_s=args.record_steps_per_s, out=recording, vectors=args.vectors,
+                          drain_s=args.record_drain_s)
         print(f"recorded {recorded}", file=sys.stderr)
     results: dict[str, Any] = {}
     for variant in variants:
