@@ -1,7 +1,7 @@
 """Where the agent's CPU goes at the reference load, by thread: idle beside the runtime, then loaded.
 
 The agent's threads carry OS names (moescope.procfs.name_thread: `ms-policy`, `ms-export-file`,
-`ms-state`, `ms-host`, ...; the main loop is `main`), so /proc/PID/task/TID/stat tells the parts
+`ms-state`, `ms-host`, ...; the main loop is `main`), so /proc/PID/task/TID/schedstat tells the parts
 apart without a profiler attached. Each run: a fresh reference runtime (NVTX injection on, rings on
 tmpfs), `agent start --pid` with e2e_overhead's arguments (every probe, traces to OTLP-JSON files,
 /metrics, policy in --dry-run), then every thread's CPU over `--idle-s` with no load and over
@@ -9,6 +9,13 @@ tmpfs), `agent start --pid` with e2e_overhead's arguments (every probe, traces t
 `--runs`, per thread as % of one core and, loaded, as ms of CPU per request.
 
     sudo .venv/bin/python -m benchmarks.agent_threads [--runs 3] [--idle-s 10] [--duration-s 15]
+    sudo .venv/bin/python -m benchmarks.agent_threads --per-step     # + the per-step / per-request split
+
+--per-step adds a second loaded window with one client (requests alone: each its own prefill and
+decode steps, where 8 clients share steps in batches), counts the steps of both windows from the
+agent's own /metrics (moescope_steps_total) and solves, per thread and for the whole agent, loaded
+CPU less idle CPU = a cost per step x steps/s + a cost per request x requests/s (two windows, two
+unknowns): what a change to the step path or to the request path would move.
 
 Writes bench-results/agent_threads.json. Exit status: 0 done, 2 bad options, 4 a run could not be
 carried out (the runtime or the agent did not come up, or a request failed).
@@ -17,9 +24,12 @@ carried out (the runtime or the agent did not come up, or a request failed).
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import statistics
 import sys
 import time
+import urllib.request
 from typing import Any
 
 from benchmarks.agent_ab import CONCURRENCY, WARMUP_S, agent_beside_runtime
@@ -35,18 +45,67 @@ def _pct(before: ByThread, after: ByThread, seconds: float) -> ByThread:
     return {name: 100.0 * (cpu_s - before.get(name, 0.0)) / seconds for name, cpu_s in after.items()}
 
 
-def one_run(*, idle_s: float, duration_s: float) -> dict[str, Any]:
-    with agent_beside_runtime(REPO, name="agent-threads") as (runtime, proc):
-        before, t0 = task_cpu_by_name(proc.pid), time.monotonic()
-        time.sleep(idle_s)
-        idle = _pct(before, task_cpu_by_name(proc.pid), time.monotonic() - t0)
-        run_loadgen(runtime.port, duration_s=WARMUP_S, concurrency=CONCURRENCY, out=None)
-        before, t0 = task_cpu_by_name(proc.pid), time.monotonic()
-        load = run_loadgen(runtime.port, duration_s=duration_s, concurrency=CONCURRENCY, out=None)
-        loaded = _pct(before, task_cpu_by_name(proc.pid), time.monotonic() - t0)
+STEPS_METRIC = "moescope_steps_total"
+SOLO_CONCURRENCY = 1  # --per-step's second window: requests alone, more steps each
+
+
+def steps_counted(metrics_port: int) -> float:
+    """The agent's moescope_steps_total, every series summed (one per producer pid)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    pattern = r"^" + STEPS_METRIC + r"(?:\{[^}]*\})? ([0-9.e+]+)$"
+    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.MULTILINE))
+
+
+def _window(runtime: Any, proc: Any, metrics_port: int | None, *, duration_s: float,
+            concurrency: int) -> dict[str, Any]:
+    """Every thread's % of a core over one loaded window, its requests/s and (with a port) steps/s."""
+    steps0 = steps_counted(metrics_port) if metrics_port is not None else math.nan
+    before, t0 = task_cpu_by_name(proc.pid, precise=True), time.monotonic()
+    load = run_loadgen(runtime.port, duration_s=duration_s, concurrency=concurrency, out=None)
+    seconds = time.monotonic() - t0
+    loaded = _pct(before, task_cpu_by_name(proc.pid, precise=True), seconds)
+    steps = steps_counted(metrics_port) if metrics_port is not None else math.nan
     if int(load["failures"]):
         raise BenchError(f"the load generator saw {load['failures']} failed requests")
-    return {"idle_pct_of_core": idle, "loaded_pct_of_core": loaded, "throughput_rps": float(load["throughput_rps"])}
+    return {"pct_of_core": loaded, "throughput_rps": float(load["throughput_rps"]),
+            "requests_per_s": float(load["requests"]) / seconds, "steps_per_s": (steps - steps0) / seconds}
+
+
+def _metrics_port(pid: int) -> int:
+    """The --metrics-port the agent was started with (agent_ab's arguments always give one)."""
+    argv = open(f"/proc/{pid}/cmdline", encoding="utf-8", errors="replace").read().split("\0")
+    return int(argv[argv.index("--metrics-port") + 1])
+
+
+def one_run(*, idle_s: float, duration_s: float, per_step: bool = False) -> dict[str, Any]:
+    with agent_beside_runtime(REPO, name="agent-threads") as (runtime, proc):
+        port = _metrics_port(proc.pid) if per_step else None
+        before, t0 = task_cpu_by_name(proc.pid, precise=True), time.monotonic()
+        time.sleep(idle_s)
+        idle = _pct(before, task_cpu_by_name(proc.pid, precise=True), time.monotonic() - t0)
+        run_loadgen(runtime.port, duration_s=WARMUP_S, concurrency=CONCURRENCY, out=None)
+        batched = _window(runtime, proc, port, duration_s=duration_s, concurrency=CONCURRENCY)
+        solo = _window(runtime, proc, port, duration_s=duration_s, concurrency=SOLO_CONCURRENCY) if per_step else None
+    run = {"idle_pct_of_core": idle, "loaded_pct_of_core": batched["pct_of_core"],
+           "throughput_rps": batched["throughput_rps"]}
+    if solo is not None:
+        run["windows"] = {"batched": batched, "solo": solo}
+    return run
+
+
+def split_per_step(idle: float, windows: list[dict[str, Any]], thread: str | None) -> tuple[float, float]:
+    """(µs per step, µs per request) of one thread (None: the whole agent) from two loaded windows:
+    loaded % of a core less idle % = step cost x steps/s + request cost x requests/s. NaN where the
+    two windows' step-to-request mixes are too alike to tell the two apart."""
+    def above_idle(w: dict[str, Any]) -> float:  # CPU µs a second above idle
+        pct = w["pct_of_core"].get(thread, 0.0) if thread is not None else sum(w["pct_of_core"].values())
+        return 1e4 * (pct - idle)
+
+    (s1, r1, y1), (s2, r2, y2) = ((w["steps_per_s"], w["requests_per_s"], above_idle(w)) for w in windows)
+    det = s1 * r2 - s2 * r1
+    if not abs(det) > 0.05 * max(s1 * r2, s2 * r1, 1e-9):
+        return math.nan, math.nan
+    return (y1 * r2 - y2 * r1) / det, (s1 * y2 - s2 * y1) / det
 
 
 def _medians(runs: list[dict[str, Any]], key: str) -> ByThread:
@@ -59,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="runs, each with a fresh runtime and agent (default 3)")
     parser.add_argument("--idle-s", type=float, default=10.0, help="the idle window per run (default 10)")
     parser.add_argument("--duration-s", type=float, default=15.0, help="the loaded window per run (default 15)")
+    parser.add_argument("--per-step", action="store_true",
+                        help="a second loaded window with one client; the loaded CPU split per step and per request")
     args = parser.parse_args(argv)
     if args.runs < 1 or args.idle_s <= 0 or args.duration_s <= 0:
         print("agent_threads: error: --runs, --idle-s and --duration-s must be positive", file=sys.stderr)
@@ -66,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     try:
         for i in range(args.runs):
-            run = one_run(idle_s=args.idle_s, duration_s=args.duration_s)
+            run = one_run(idle_s=args.idle_s, duration_s=args.duration_s, per_step=args.per_step)
             runs.append(run)
             print(f"agent_threads: run {i + 1}/{args.runs}: {run['throughput_rps']:.1f} req/s, agent "
                   f"{sum(run['idle_pct_of_core'].values()):.2f} % of a core idle, "
@@ -87,12 +148,30 @@ def main(argv: list[str] | None = None) -> int:
     loaded_all = statistics.median(sum(run["loaded_pct_of_core"].values()) for run in runs)
     all_per_request = 10.0 * loaded_all / rps if rps > 0 else 0.0
     print(f"  {'whole agent':<16} {idle_all:8.2f} {loaded_all:9.2f} {all_per_request:11.3f}")
+    split: dict[str, dict[str, float]] = {}
+    if args.per_step:
+        # per run, then the median of each figure over the runs
+        threads: list[str | None] = [*sorted(loaded, key=lambda n: -loaded[n]), None]
+        for thread in threads:
+            parts = [split_per_step(sum(run["idle_pct_of_core"].values()) if thread is None
+                                    else run["idle_pct_of_core"].get(thread, 0.0),
+                                    [run["windows"]["batched"], run["windows"]["solo"]], thread) for run in runs]
+            split[thread or "whole agent"] = {"us_per_step": statistics.median(p[0] for p in parts),
+                                              "us_per_request": statistics.median(p[1] for p in parts)}
+        w = [run["windows"] for run in runs]
+        print(f"agent_threads: per step and per request (loaded CPU above idle; batched window "
+              f"{statistics.median(x['batched']['steps_per_s'] for x in w):.1f} steps/s, "
+              f"{statistics.median(x['batched']['requests_per_s'] for x in w):.1f} requests/s; one client "
+              f"{statistics.median(x['solo']['steps_per_s'] for x in w):.1f} steps/s, "
+              f"{statistics.median(x['solo']['requests_per_s'] for x in w):.1f} requests/s):")
+        for label, costs in split.items():
+            print(f"  {label:<16} {costs['us_per_step']:8.1f} µs a step {costs['us_per_request']:8.1f} µs a request")
     path = write_result("agent_threads", {
         "runs": runs, "idle_s": args.idle_s, "duration_s": args.duration_s, "throughput_rps": rps,
         "idle_pct_of_core": idle, "loaded_pct_of_core": loaded, "loaded_ms_per_request": per_request,
         "agent_idle_pct_of_core": idle_all, "agent_loaded_pct_of_core": loaded_all,
         "agent_loaded_ms_per_request": all_per_request, "bar_ms_per_request": BAR_MS_PER_REQUEST,
-        "bar_met": 0 < all_per_request <= BAR_MS_PER_REQUEST,
+        "bar_met": 0 < all_per_request <= BAR_MS_PER_REQUEST, "per_step_split": split,
     })
     print(f"agent_threads: -> {path}")
     return 0
