@@ -25,16 +25,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import statistics
 import sys
 import time
-import urllib.request
 from typing import Any
 
 from benchmarks.agent_ab import CONCURRENCY, WARMUP_S, agent_beside_runtime
 from benchmarks.common import REPO, write_result
-from benchmarks.e2e_overhead import BenchError, run_loadgen
+from benchmarks.e2e_overhead import BenchError, run_loadgen, scrape_counter
 from moescope.procfs import task_cpu_by_name
 
 ByThread = dict[str, float]
@@ -51,9 +49,7 @@ SOLO_CONCURRENCY = 1  # --per-step's second window: requests alone, more steps e
 
 def steps_counted(metrics_port: int) -> float:
     """The agent's moescope_steps_total, every series summed (one per producer pid)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    pattern = r"^" + STEPS_METRIC + r"(?:\{[^}]*\})? ([0-9.e+]+)$"
-    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.MULTILINE))
+    return scrape_counter(metrics_port, STEPS_METRIC)
 
 
 def _window(runtime: Any, proc: Any, metrics_port: int | None, *, duration_s: float,

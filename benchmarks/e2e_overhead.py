@@ -98,15 +98,21 @@ def free_port() -> int:
         return port
 
 
-def scrape_requests(port: int) -> float:
-    """The agent's request counter as Prometheus sees it (a GET of /metrics, like a scrape)."""
+def scrape_counter(port: int, name: str) -> float:
+    """The agent's sample ``name`` as Prometheus sees it (a GET of /metrics, like a scrape), every
+    series of it summed."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         body = response.read().decode()
     total = 0.0
     for line in body.splitlines():
-        if line.startswith(REQUESTS_METRIC):
+        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def scrape_requests(port: int) -> float:
+    """The agent's request counter (every series of REQUESTS_METRIC)."""
+    return scrape_counter(port, REQUESTS_METRIC)
 
 
 def stop_group(proc: subprocess.Popen[str], *, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> None:
