@@ -101,7 +101,8 @@ class Daemon:
         self.outside_peeks = 0  # ... of them, the ones another thread made (lend_peeks)
         self.early_rounds = 0  # rounds brought forward by a backlogged source
         # Main-loop CPU (thread time) per source poll and per tick hook, in ns: where the agent's
-        # own cost goes, for its summary (a source's poll includes the sinks it feeds).
+        # own cost goes, for its summary and /metrics (a source's poll includes the sinks it feeds).
+        # Written by this loop only; another thread reads it whole (a copy under the GIL).
         self.cpu_ns: dict[str, int] = {}
         self._hook_names: dict[TickHook, str] = {}
 
@@ -114,9 +115,11 @@ class Daemon:
     def add_sink(self, sink: RecordSink) -> None:
         self.sinks.append(sink)
 
-    def add_tick_hook(self, hook: TickHook) -> None:
+    def add_tick_hook(self, hook: TickHook, *, name: str | None = None) -> None:
+        """Run ``hook`` after every round; its CPU is counted under ``name`` (default: its
+        qualified name) in ``cpu_ns``, the summary and moescope_agent_work_cpu_seconds."""
         self.tick_hooks.append(hook)
-        self._hook_names[hook] = _hook_name(hook)
+        self._hook_names[hook] = name or _hook_name(hook)
 
     def emit(self, record: Any) -> None:
         """Give one record to every sink. Never raises: sink failures are counted."""
@@ -169,8 +172,7 @@ class Daemon:
 
     def cpu_line(self) -> str:
         """The main loop's CPU by part, largest first: `nvtx 1.23 s, ingress 0.10 s, ...`."""
-        parts = sorted(self.cpu_ns.items(), key=lambda kv: -kv[1])
-        return ", ".join(f"{name} {ns / 1e9:.2f} s" for name, ns in parts if ns >= 5_000_000)
+        return cpu_parts_line(self.cpu_ns)
 
     def rounds_line(self) -> str:
         """`31 rounds (2 brought forward by a filling ring), 180 peeks (150 by another thread)`:
@@ -305,6 +307,12 @@ class Daemon:
         for source in self.sources:
             result[source.name] = dict(source.stats())
         return result
+
+
+def cpu_parts_line(cpu_ns: dict[str, int]) -> str:
+    """CPU by part, largest first, parts of 5 ms and more: `nvtx 1.23 s, requests 0.10 s, ...`."""
+    parts = sorted(cpu_ns.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{name} {ns / 1e9:.2f} s" for name, ns in parts if ns >= 5_000_000)
 
 
 def _hook_name(hook: TickHook) -> str:

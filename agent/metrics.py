@@ -39,7 +39,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from moescope import __version__, errors
+from moescope import __version__, errors, procfs
 from moescope.agent.routing_health import CountVector, LayerHealth, LayerTable, StepHealth
 from moescope.procfs import name_thread
 
@@ -98,6 +98,8 @@ _LINKS = _DEV * 18  # NVLink links per GPU (18 on H100)
 _RULES = 64
 _SOURCES = 16
 _REASONS = 8
+_THREADS = 16  # the agent's threads by OS name (unnamed ones share the process's name)
+_WORK_PARTS = 48  # the main loop's sources and hooks, the policy wake-up's parts
 _MODELS = 16  # gen_ai_request_model values per operation: the runtimes' model names and "unknown"
 # Producer processes (expert-parallel ranks) with per-pid step series: 8 ranks per node is the usual
 # maximum, 64 leaves room for restarts (a restarted rank is a new pid; its old series stay, frozen).
@@ -234,6 +236,15 @@ METRICS: tuple[MetricSpec, ...] = (
                labels=("collector",), max_series=_SOURCES),
     MetricSpec("moescope_agent_cpu_seconds", "counter", "CPU time used by the agent process (user + system).",
                unit="seconds"),
+    MetricSpec("moescope_agent_thread_cpu_seconds", "counter",
+               "CPU time by agent thread, by its OS name (main: the main loop; ms-policy: the policy's wake-ups; "
+               "ms-export-*: the trace export; ms-host, ms-state, ...), read from /proc at each scrape (a thread "
+               "that starts and ends between two scrapes is not seen).",
+               labels=("thread",), unit="seconds", max_series=_THREADS),
+    MetricSpec("moescope_agent_work_cpu_seconds", "counter",
+               "CPU time of the main loop by part (each source's poll with the sinks it feeds, each round hook) "
+               "and of the policy thread by part of its wake-up (wake, signals, evaluate, peeks).",
+               labels=("thread", "part"), unit="seconds", max_series=_WORK_PARTS),
     MetricSpec("moescope_agent_resident_memory_bytes", "gauge", "Resident set size of the agent process.",
                unit="bytes"),
     MetricSpec("moescope_agent_metric_series_dropped", "counter",
@@ -426,6 +437,8 @@ class Metrics:
         # layer label -> its LAYER_HEALTH_GAUGES children, in that order (~400 sets a flush at L = 58)
         self._layer_gauges: dict[str, list[Gauge]] = {}
         self._lock = threading.Lock()
+        self._threads_lock = threading.Lock()
+        self._thread_cpu_s: dict[int, float] = {}  # tid -> its CPU seconds at the last scrape
         self._refresh_hooks: list[Callable[[], None]] = []
         self.expert_labels = ExpertLabels(max_layers=max_layers, max_experts_per_layer=max_experts_per_layer)
         self._zero_series_drops()
@@ -657,6 +670,31 @@ class Metrics:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         self.set_counter_total("moescope_agent_cpu_seconds", usage.ru_utime + usage.ru_stime)
         self.set("moescope_agent_resident_memory_bytes", float(_rss_bytes()))
+        self._refresh_threads()
+
+    def _refresh_threads(self) -> None:
+        """moescope_agent_thread_cpu_seconds: each thread's CPU since the last scrape, added under
+        its name (threads of one name summed; the main thread as ``main``). Kept per thread id, so a
+        thread that exits takes nothing back and one that starts adds all of its time. Its
+        schedstat's ns where the kernel has them, else its ticks; ~2 small reads a thread, at a
+        scrape only."""
+        pid = os.getpid()
+        with self._threads_lock:  # (two scrapes at once: each thread's time is added once)
+            last = self._thread_cpu_s
+            now = procfs.task_cpu(pid, precise=True)
+            added: dict[str, float] = {}
+            for tid, (comm, cpu_s) in now.items():
+                name = "main" if tid == pid else comm
+                added[name] = added.get(name, 0.0) + max(cpu_s - last.get(tid, 0.0), 0.0)
+            self._thread_cpu_s = {tid: cpu_s for tid, (_, cpu_s) in now.items()}
+        for name, seconds in added.items():
+            self.inc("moescope_agent_thread_cpu_seconds", seconds, thread=name)  # inc(0): the series shows
+
+    def set_work_cpu(self, thread: str, cpu_ns: Mapping[str, int]) -> None:
+        """A thread's CPU by part of its work (cumulative ns: Daemon.cpu_ns, PolicyLoop.cpu_ns) as
+        moescope_agent_work_cpu_seconds{thread, part}."""
+        for part, ns in list(cpu_ns.items()):  # (a copy: the owning thread may add a part meanwhile)
+            self.set_counter_total("moescope_agent_work_cpu_seconds", ns / 1e9, thread=thread, part=part)
 
     def add_refresh_hook(self, hook: Callable[[], None]) -> None:
         """`hook` writes updates it holds back (moescope.agent.pipeline.Pipeline.flush_metrics); it runs
@@ -695,14 +733,15 @@ class _RefreshOnScrape(Collector):
         self._metrics = metrics
 
     def collect(self) -> Iterable[Metric]:
-        try:
-            self._metrics.refresh_self()
-        except OSError as exc:
-            log.warning("self-metrics refresh failed: %s", exc)
+        # the hooks first: a thread's CPU by part (a hook) is then read before the thread's own total
         try:
             self._metrics.refresh()
         except Exception:  # a scrape must still answer; the next one retries
             log.exception("metrics refresh hook failed")
+        try:
+            self._metrics.refresh_self()
+        except OSError as exc:
+            log.warning("self-metrics refresh failed: %s", exc)
         return []
 
     def describe(self) -> Iterable[Metric]:

@@ -20,7 +20,7 @@ import os
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -89,6 +89,7 @@ class Observers:
         self.policy: Any = None
         self.policy_loop: Any = None
         self._policy_failures = 0  # evaluations and peeks that raised, of the policy loops stopped so far
+        self._policy_cpu_ns: Counter[str] = Counter()  # the policy loops stopped so far: their CPU by part
         self.stats_signals: Any = None
         self.runtime_stats: RuntimeStatsSource | None = None
         self.nvtx_records: Any = None
@@ -136,26 +137,43 @@ class Observers:
             watermark = min([now_ns] + [c.drained_through_ns for c in obs.nvtx if c.attached and not c.finished])
             pipeline.drain_requests(watermark)
 
-        daemon.add_tick_hook(drain_requests)
+        daemon.add_tick_hook(drain_requests, name="requests")
 
         def expire_steps(_now_ns: int) -> None:
             # Unclaimed steps become their own traces after retention, even when traffic stops.
             pipeline.expire()
 
-        daemon.add_tick_hook(expire_steps)
+        daemon.add_tick_hook(expire_steps, name="expire-steps")
 
         def encode_spans(_now_ns: int) -> None:
             # The round's spans encoded here, while in cache, for the export worker to write
             # (agent/export/processor.py "Encoding where the spans were made"); never raises.
             tracing.processor.encode_queued()
 
-        daemon.add_tick_hook(encode_spans)
+        daemon.add_tick_hook(encode_spans, name="encode-spans")
         obs = cls(args=args, daemon=daemon, pipeline=pipeline, tracing=tracing, metrics=metrics, metrics_server=server)
         obs.notes.append(tracing.describe())
         obs._export_to_metrics = stats_to_metrics(metrics, tracing.exporter)
-        daemon.add_tick_hook(obs._publish_metrics)
-        daemon.add_tick_hook(obs._pace_rounds)
+        daemon.add_tick_hook(obs._publish_metrics, name="self-metrics")
+        metrics.add_refresh_hook(obs._publish_work_cpu)  # (at each scrape: nothing between them)
+        daemon.add_tick_hook(obs._pace_rounds, name="pacing")
         return obs
+
+    def policy_cpu_ns(self) -> dict[str, int]:
+        """The policy thread's CPU by part of its wake-ups (ns), every policy loop so far together."""
+        total = Counter(self._policy_cpu_ns)
+        loop = self.policy_loop  # (read once: the daemon thread may stop it meanwhile)
+        if loop is not None:
+            total.update(dict(loop.cpu_ns))
+        return dict(total)
+
+    def _publish_work_cpu(self) -> None:
+        """moescope_agent_work_cpu_seconds: the main loop's CPU by source and hook, the policy
+        thread's by part of its wake-ups (a refresh hook: run at each scrape, on its thread)."""
+        self.metrics.set_work_cpu("main", self.daemon.cpu_ns)
+        policy = self.policy_cpu_ns()
+        if policy:
+            self.metrics.set_work_cpu("policy", policy)
 
     def _pace_rounds(self, _now_ns: int) -> None:
         """The quiet loop's longest period: the live interval while a live view reads (this
@@ -224,7 +242,7 @@ class Observers:
         self.targets = [t for t in self.targets if t.pid != pid]
         if not self._retire_hooked:
             self._retire_hooked = True
-            self.daemon.add_tick_hook(self._retire_finished_nvtx)
+            self.daemon.add_tick_hook(self._retire_finished_nvtx, name="nvtx-retire")
         if self.telemetry is not None and self._telemetry_pid == pid:
             self.telemetry.close()  # one shared deadline for all of them
             for source in self.telemetry.sources:
@@ -279,7 +297,7 @@ class Observers:
     def _ensure_policy_retry(self) -> None:
         if not self._policy_retry_hooked:
             self._policy_retry_hooked = True
-            self.daemon.add_tick_hook(self._retry_policy)
+            self.daemon.add_tick_hook(self._retry_policy, name="policy-retry")
 
     def _stop_policy(self) -> None:
         self._stop_policy_loop()
@@ -322,7 +340,7 @@ class Observers:
             self.daemon.add_source(collector)
             if not self._nvtx_announce_hooked:
                 self._nvtx_announce_hooked = True
-                self.daemon.add_tick_hook(self._announce_nvtx)
+                self.daemon.add_tick_hook(self._announce_nvtx, name="nvtx-announce")
         if self.nvtx and "nvtx" not in self.probes:
             self.probes.append("nvtx")
 
@@ -432,6 +450,7 @@ class Observers:
             self.policy_loop.stop()
             # (a failing evaluation is logged once; the summary says how many there were)
             self._policy_failures += self.policy_loop.source_errors + self.policy_loop.after_errors
+            self._policy_cpu_ns.update(self.policy_loop.cpu_ns)
             if self.policy_loop.after_period is not None:
                 self.daemon.take_back_peeks()
             self.policy_loop = None

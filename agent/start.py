@@ -47,7 +47,7 @@ from moescope import compiled, errors, procfs
 from moescope.agent import privileges
 from moescope.agent import state as st
 from moescope.agent.allocator import Allocator
-from moescope.agent.daemon import DEFAULT_IDLE_PERIOD_NS, STOP_SIGNAL, Daemon
+from moescope.agent.daemon import DEFAULT_IDLE_PERIOD_NS, STOP_SIGNAL, Daemon, cpu_parts_line
 from moescope.agent.export.config import ExportConfig, add_export_arguments, flags_from_args, resolve_export_config
 from moescope.agent.metrics import add_metrics_arguments
 from moescope.agent.observe import Observers
@@ -359,7 +359,7 @@ def _use_kernel_totals(observers: KernelObservers, probe: IngressProbe, daemon: 
         "moescope_agent_events_sampled_out", float(probe.stats()["sampled_out"]), source=probe.name))
     window = KernelRequestWindow(probe.totals, window_ns=DEFAULT_WINDOW_NS)
     observers.requests_window = window
-    daemon.add_tick_hook(window.tick)
+    daemon.add_tick_hook(window.tick, name="kernel-requests")
 
 
 def child_env(args: argparse.Namespace) -> dict[str, str]:
@@ -407,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
     daemon = Daemon(idle_period_ns=DEFAULT_IDLE_PERIOD_NS)
     if records_sink is not None:
         daemon.add_sink(records_sink)
-        daemon.add_tick_hook(lambda now_ns: records_sink.flush(now_ns))
+        daemon.add_tick_hook(lambda now_ns: records_sink.flush(now_ns), name="records-file")
 
     def on_signal(_signum: int, _frame: FrameType | None) -> None:
         daemon.stop(STOP_SIGNAL)
@@ -436,7 +436,7 @@ def _observe(
     started_ns = time.monotonic_ns()
     allocator = Allocator()
     allocator.configure()  # before netsig's loader thread, the first thread: see agent/allocator.py
-    daemon.add_tick_hook(allocator.trim)
+    daemon.add_tick_hook(allocator.trim, name="allocator")
     # --no-collector.ingress: no probe (and no network signals, eBPF too); steps become their own traces
     probe = IngressProbe(on_record=daemon.emit, options=options) if kernel_timing(args) else None
     launched: LaunchedCommand | None = None
@@ -508,7 +508,7 @@ def _observe(
 
     follower = TargetFollower(probe, observers, targets=targets, follow_ports=not args.exit_on_target_exit,
                               netsig=netsig)
-    daemon.add_tick_hook(follower.tick)
+    daemon.add_tick_hook(follower.tick, name="targets")
     duration_ns = None if args.duration is None else int(args.duration * 1e9)
     observers.start()
     try:
@@ -537,6 +537,9 @@ def _observe(
     print(f"agent: main loop: {daemon.rounds_line()}", flush=True)
     if daemon.cpu_ns:
         print(f"agent: main loop CPU: {daemon.cpu_line() or 'under 5 ms per part'}", flush=True)
+    policy_cpu = observers.policy_cpu_ns()
+    if any(policy_cpu.values()):
+        print(f"agent: policy thread CPU: {cpu_parts_line(policy_cpu) or 'under 5 ms per part'}", flush=True)
     if by_thread:
         print(f"agent: CPU by thread: {by_thread}", flush=True)
     if follower.reattached or follower.waiting:

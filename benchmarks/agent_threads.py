@@ -10,6 +10,12 @@ tmpfs), `agent start --pid` with e2e_overhead's arguments (every probe, traces t
 
     sudo .venv/bin/python -m benchmarks.agent_threads [--runs 3] [--idle-s 10] [--duration-s 15]
     sudo .venv/bin/python -m benchmarks.agent_threads --per-step     # + the per-step / per-request split
+    sudo .venv/bin/python -m benchmarks.agent_threads --parts        # + the CPU by part of each thread
+
+--parts reads the agent's own moescope_agent_work_cpu_seconds from its /metrics at each window's
+ends: the main loop's CPU by part (each source's poll with the sinks it feeds, each round hook) and
+the policy thread's by part of its wake-ups (wake, signals, evaluate, peeks), in ms a second idle and
+loaded (and, with --per-step, solved per step and per request like the threads).
 
 --per-step adds a second loaded window with one client (requests alone: each its own prefill and
 decode steps, where 8 clients share steps in batches), counts the steps of both windows from the
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import statistics
 import sys
 import time
@@ -32,7 +39,7 @@ from typing import Any
 
 from benchmarks.agent_ab import CONCURRENCY, WARMUP_S, agent_beside_runtime
 from benchmarks.common import REPO, write_result
-from benchmarks.e2e_overhead import BenchError, run_loadgen, scrape_counter
+from benchmarks.e2e_overhead import BenchError, run_loadgen, scrape_counter, scrape_series
 from moescope.procfs import task_cpu_by_name
 
 ByThread = dict[str, float]
@@ -44,6 +51,7 @@ def _pct(before: ByThread, after: ByThread, seconds: float) -> ByThread:
 
 
 STEPS_METRIC = "moescope_steps_total"
+WORK_METRIC = "moescope_agent_work_cpu_seconds_total"
 SOLO_CONCURRENCY = 1  # --per-step's second window: requests alone, more steps each
 
 
@@ -52,10 +60,21 @@ def steps_counted(metrics_port: int) -> float:
     return scrape_counter(metrics_port, STEPS_METRIC)
 
 
+def work_cpu_s(metrics_port: int) -> ByThread:
+    """The agent's CPU seconds by part ("main nvtx", "policy signals", ...) from its /metrics."""
+    out: ByThread = {}
+    for labels, seconds in scrape_series(metrics_port, WORK_METRIC).items():
+        named = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        out[f"{named.get('thread', '?')} {named.get('part', '?')}"] = seconds
+    return out
+
+
 def _window(runtime: Any, proc: Any, metrics_port: int | None, *, duration_s: float,
-            concurrency: int) -> dict[str, Any]:
-    """Every thread's % of a core over one loaded window, its requests/s and (with a port) steps/s."""
+            concurrency: int, parts: bool = False) -> dict[str, Any]:
+    """Every thread's % of a core over one loaded window, its requests/s and (with a port) steps/s,
+    and with ``parts`` each part's % of a core."""
     steps0 = steps_counted(metrics_port) if metrics_port is not None else math.nan
+    parts0 = work_cpu_s(metrics_port) if parts and metrics_port is not None else {}
     before, t0 = task_cpu_by_name(proc.pid, precise=True), time.monotonic()
     load = run_loadgen(runtime.port, duration_s=duration_s, concurrency=concurrency, out=None)
     seconds = time.monotonic() - t0
@@ -63,8 +82,11 @@ def _window(runtime: Any, proc: Any, metrics_port: int | None, *, duration_s: fl
     steps = steps_counted(metrics_port) if metrics_port is not None else math.nan
     if int(load["failures"]):
         raise BenchError(f"the load generator saw {load['failures']} failed requests")
-    return {"pct_of_core": loaded, "throughput_rps": float(load["throughput_rps"]),
-            "requests_per_s": float(load["requests"]) / seconds, "steps_per_s": (steps - steps0) / seconds}
+    window = {"pct_of_core": loaded, "throughput_rps": float(load["throughput_rps"]),
+              "requests_per_s": float(load["requests"]) / seconds, "steps_per_s": (steps - steps0) / seconds}
+    if parts and metrics_port is not None:
+        window["parts_pct_of_core"] = _pct(parts0, work_cpu_s(metrics_port), seconds)
+    return window
 
 
 def _metrics_port(pid: int) -> int:
@@ -73,28 +95,37 @@ def _metrics_port(pid: int) -> int:
     return int(argv[argv.index("--metrics-port") + 1])
 
 
-def one_run(*, idle_s: float, duration_s: float, per_step: bool = False) -> dict[str, Any]:
+def one_run(*, idle_s: float, duration_s: float, per_step: bool = False, parts: bool = False) -> dict[str, Any]:
     with agent_beside_runtime(REPO, name="agent-threads") as (runtime, proc):
-        port = _metrics_port(proc.pid) if per_step else None
+        port = _metrics_port(proc.pid) if per_step or parts else None
+        parts0 = work_cpu_s(port) if parts and port is not None else {}
         before, t0 = task_cpu_by_name(proc.pid, precise=True), time.monotonic()
         time.sleep(idle_s)
-        idle = _pct(before, task_cpu_by_name(proc.pid, precise=True), time.monotonic() - t0)
+        idle_window_s = time.monotonic() - t0
+        idle = _pct(before, task_cpu_by_name(proc.pid, precise=True), idle_window_s)
+        idle_parts = _pct(parts0, work_cpu_s(port), idle_window_s) if parts and port is not None else {}
         run_loadgen(runtime.port, duration_s=WARMUP_S, concurrency=CONCURRENCY, out=None)
-        batched = _window(runtime, proc, port, duration_s=duration_s, concurrency=CONCURRENCY)
-        solo = _window(runtime, proc, port, duration_s=duration_s, concurrency=SOLO_CONCURRENCY) if per_step else None
+        batched = _window(runtime, proc, port, duration_s=duration_s, concurrency=CONCURRENCY, parts=parts)
+        solo = (_window(runtime, proc, port, duration_s=duration_s, concurrency=SOLO_CONCURRENCY, parts=parts)
+                if per_step else None)
     run = {"idle_pct_of_core": idle, "loaded_pct_of_core": batched["pct_of_core"],
            "throughput_rps": batched["throughput_rps"]}
+    if parts:
+        run["idle_parts_pct_of_core"] = idle_parts
+        run["loaded_parts_pct_of_core"] = batched["parts_pct_of_core"]
     if solo is not None:
         run["windows"] = {"batched": batched, "solo": solo}
     return run
 
 
-def split_per_step(idle: float, windows: list[dict[str, Any]], thread: str | None) -> tuple[float, float]:
-    """(µs per step, µs per request) of one thread (None: the whole agent) from two loaded windows:
-    loaded % of a core less idle % = step cost x steps/s + request cost x requests/s. NaN where the
-    two windows' step-to-request mixes are too alike to tell the two apart."""
+def split_per_step(idle: float, windows: list[dict[str, Any]], thread: str | None,
+                   key: str = "pct_of_core") -> tuple[float, float]:
+    """(µs per step, µs per request) of one thread (None: the whole agent; with ``key`` =
+    "parts_pct_of_core", one part) from two loaded windows: loaded % of a core less idle % = step
+    cost x steps/s + request cost x requests/s. NaN where the two windows' step-to-request mixes
+    are too alike to tell the two apart."""
     def above_idle(w: dict[str, Any]) -> float:  # CPU µs a second above idle
-        pct = w["pct_of_core"].get(thread, 0.0) if thread is not None else sum(w["pct_of_core"].values())
+        pct = w[key].get(thread, 0.0) if thread is not None else sum(w[key].values())
         return 1e4 * (pct - idle)
 
     (s1, r1, y1), (s2, r2, y2) = ((w["steps_per_s"], w["requests_per_s"], above_idle(w)) for w in windows)
@@ -116,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=15.0, help="the loaded window per run (default 15)")
     parser.add_argument("--per-step", action="store_true",
                         help="a second loaded window with one client; the loaded CPU split per step and per request")
+    parser.add_argument("--parts", action="store_true",
+                        help="the main loop's and the policy thread's CPU by part, from the agent's /metrics")
     args = parser.parse_args(argv)
     if args.runs < 1 or args.idle_s <= 0 or args.duration_s <= 0:
         print("agent_threads: error: --runs, --idle-s and --duration-s must be positive", file=sys.stderr)
@@ -123,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     try:
         for i in range(args.runs):
-            run = one_run(idle_s=args.idle_s, duration_s=args.duration_s, per_step=args.per_step)
+            run = one_run(idle_s=args.idle_s, duration_s=args.duration_s, per_step=args.per_step,
+                          parts=args.parts)
             runs.append(run)
             print(f"agent_threads: run {i + 1}/{args.runs}: {run['throughput_rps']:.1f} req/s, agent "
                   f"{sum(run['idle_pct_of_core'].values()):.2f} % of a core idle, "
@@ -162,12 +196,34 @@ def main(argv: list[str] | None = None) -> int:
               f"{statistics.median(x['solo']['requests_per_s'] for x in w):.1f} requests/s):")
         for label, costs in split.items():
             print(f"  {label:<16} {costs['us_per_step']:8.1f} µs a step {costs['us_per_request']:8.1f} µs a request")
+    parts_out: dict[str, dict[str, float]] = {}
+    if args.parts:
+        idle_p, loaded_p = _medians(runs, "idle_parts_pct_of_core"), _medians(runs, "loaded_parts_pct_of_core")
+        print(f"agent_threads: CPU by part (moescope_agent_work_cpu_seconds), medians of {args.runs} runs:")
+        header = f"  {'part':<28} {'idle':>8} {'loaded':>8} {'µs/request':>11}"
+        print(header + (f" {'µs/step*':>9} {'µs/req*':>9}" if args.per_step else ""))
+        for name in sorted(loaded_p, key=lambda n: -loaded_p[n]):
+            row = {"idle_ms_per_s": 10.0 * idle_p.get(name, 0.0), "loaded_ms_per_s": 10.0 * loaded_p[name],
+                   "loaded_us_per_request": 1e4 * loaded_p[name] / rps if rps > 0 else math.nan}
+            line = (f"  {name:<28} {row['idle_ms_per_s']:8.2f} {row['loaded_ms_per_s']:8.2f} "
+                    f"{row['loaded_us_per_request']:11.1f}")
+            if args.per_step:
+                solved = [split_per_step(run["idle_parts_pct_of_core"].get(name, 0.0),
+                                         [run["windows"]["batched"], run["windows"]["solo"]], name,
+                                         key="parts_pct_of_core") for run in runs]
+                row["us_per_step"] = statistics.median(p[0] for p in solved)
+                row["us_per_request"] = statistics.median(p[1] for p in solved)
+                line += f" {row['us_per_step']:9.1f} {row['us_per_request']:9.1f}"
+            parts_out[name] = row
+            print(line)
+        if args.per_step:
+            print("  (* loaded CPU above idle, solved per step and per request as for the threads)")
     path = write_result("agent_threads", {
         "runs": runs, "idle_s": args.idle_s, "duration_s": args.duration_s, "throughput_rps": rps,
         "idle_pct_of_core": idle, "loaded_pct_of_core": loaded, "loaded_ms_per_request": per_request,
         "agent_idle_pct_of_core": idle_all, "agent_loaded_pct_of_core": loaded_all,
         "agent_loaded_ms_per_request": all_per_request, "bar_ms_per_request": BAR_MS_PER_REQUEST,
-        "bar_met": 0 < all_per_request <= BAR_MS_PER_REQUEST, "per_step_split": split,
+        "bar_met": 0 < all_per_request <= BAR_MS_PER_REQUEST, "per_step_split": split, "parts": parts_out,
     })
     print(f"agent_threads: -> {path}")
     return 0

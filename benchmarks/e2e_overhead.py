@@ -98,16 +98,22 @@ def free_port() -> int:
         return port
 
 
-def scrape_counter(port: int, name: str) -> float:
-    """The agent's sample ``name`` as Prometheus sees it (a GET of /metrics, like a scrape), every
-    series of it summed."""
+def scrape_series(port: int, name: str) -> dict[str, float]:
+    """The agent's sample ``name`` as Prometheus sees it (a GET of /metrics, like a scrape): each
+    series' value by its label text (``{thread="main",part="nvtx"}``; "" for none)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         body = response.read().decode()
-    total = 0.0
+    series: dict[str, float] = {}
     for line in body.splitlines():
         if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+            labels, value = line[len(name):].rsplit(" ", 1)
+            series[labels.strip()] = float(value)
+    return series
+
+
+def scrape_counter(port: int, name: str) -> float:
+    """The agent's sample ``name`` (scrape_series), every series of it summed."""
+    return sum(scrape_series(port, name).values())
 
 
 def scrape_requests(port: int) -> float:

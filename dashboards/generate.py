@@ -285,6 +285,16 @@ AGENT = Dashboard(
                   description="Performance bar: ≤ 5 % of a core at reference load."),
             Panel("Agent resident memory", (Query("moescope_agent_resident_memory_bytes", "rss"),), unit="bytes",
                   steps=((None, "green"), (100e6, "red")), description="Performance bar: ≤ 100 MB."),
+            Panel("Agent CPU by thread (cores)", (
+                Query(f"sum by (thread) (rate(moescope_agent_thread_cpu_seconds_total[{RATE}]))", "{{thread}}"),),
+                  unit="percentunit", description="main: the main loop; ms-policy: the policy's 200 ms wake-ups; "
+                  "ms-export-*: the trace export."),
+            Panel("Agent CPU by part (cores)", (
+                Query(f"sum by (thread, part) (rate(moescope_agent_work_cpu_seconds_total[{RATE}]))",
+                      "{{thread}} {{part}}"),),
+                  unit="percentunit", description="The main loop by source (its poll and the sinks it feeds) and "
+                  "round hook (requests: the request join and its traces); the policy thread by part of a "
+                  "wake-up (wake, signals, evaluate, peeks)."),
         )),
         Row("Events", (
             Panel("Events/s per source", (

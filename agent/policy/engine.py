@@ -458,6 +458,10 @@ class PolicyEngine:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
+# The parts of a policy wake-up whose CPU PolicyLoop.cpu_ns counts, in order.
+POLICY_WORK_PARTS = ("wake", "signals", "evaluate", "peeks")
+
+
 class Evaluator(Protocol):
     """What PolicyLoop drives: a PolicyEngine, or a stand-in with its ``evaluate``."""
 
@@ -486,6 +490,10 @@ class PolicyLoop:
         self.source_errors = 0
         self.after_errors = 0
         self.skipped = 0
+        # This thread's CPU (thread time, ns) by part of a wake-up: the signals (source), the
+        # evaluation, the after-period hook (peeks), and the rest (waking, pacing): the agent's
+        # summary and moescope_agent_work_cpu_seconds{thread="policy"}. Written here only.
+        self.cpu_ns: dict[str, int] = dict.fromkeys(POLICY_WORK_PARTS, 0)
         # The loop sleeps on this lock, held until stop() releases it: a timed acquire is one C call,
         # where Event.wait runs threading.Condition's Python (~30 µs more a wake-up of a cold
         # thread on this VM; the loop wakes five times a second for its whole life)
@@ -501,9 +509,18 @@ class PolicyLoop:
     def _run(self) -> None:
         name_thread("ms-policy")  # what `top -H` and the agent's CPU-by-thread line show
         next_s = time.monotonic()
+        cpu = self.cpu_ns
+        clock = time.thread_time_ns
+        t0 = clock()
         while not self._stopped:
+            t1 = clock()
+            cpu["wake"] += t1 - t0  # since the last wake-up's work: its sleep's wake and this loop
+            t0 = t1
             try:
                 signals = self.source()
+                t1 = clock()
+                cpu["signals"] += t1 - t0
+                t0 = t1
                 if signals is None:
                     self.skipped += 1
                 else:
@@ -512,6 +529,9 @@ class PolicyLoop:
                 self.source_errors += 1
                 if self.source_errors == 1:
                     log.exception("policy: evaluation failed: %s (counting further failures)", exc)
+            t1 = clock()
+            cpu["evaluate"] += t1 - t0  # (a source that raised: its time lands here)
+            t0 = t1
             if self.after_period is not None:
                 try:
                     self.after_period()
@@ -519,6 +539,9 @@ class PolicyLoop:
                     self.after_errors += 1
                     if self.after_errors == 1:
                         log.exception("policy: the after-period hook failed: %s (counting further failures)", exc)
+                t1 = clock()
+                cpu["peeks"] += t1 - t0
+                t0 = t1
             next_s += self.period_s
             now_s = time.monotonic()
             if next_s < now_s:  # fell behind: skip the missed periods rather than bursting

@@ -51,6 +51,7 @@ class FileRun:
     sent: list[Sent]
     summary: AgentSummary
     output: str
+    scraped: str  # the agent's /metrics at the end of the load, before it stopped
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +82,10 @@ def file_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FileRun]:
         finally:
             conn.close()
         run_loadgen(port, requests=LOADGEN_REQUESTS, concurrency=4, max_tokens=LOADGEN_MAX_TOKENS, out=tmp / "lg.json")
+        scraped = scrape(metrics_port)
         rc = agent.interrupt_and_wait()
         yield FileRun(rc=rc, state_dir=tmp, spans=spans_from_otlp_json(tmp / "traces"), sent=sent,
-                      summary=parse_summary(agent.out), output=agent.text())
+                      summary=parse_summary(agent.out), output=agent.text(), scraped=scraped)
     finally:
         agent.kill_group()
 
@@ -135,6 +137,32 @@ def test_files_hold_every_request_and_step(bpf: None, file_run: FileRun, file_re
     print(f"\ne2e file store: {len(file_report.servers)} server spans ({len(file_report.completions)} joined, "
           f"{len(policy)} policy spans), {len(file_report.owner_steps)} owner steps, "
           f"{len(file_report.linked_steps)} step links, {len(file_run.spans)} spans")
+
+
+def test_metrics_say_where_the_agents_cpu_goes_by_thread_and_by_part(bpf: None, file_run: FileRun) -> None:
+    """moescope_agent_thread_cpu_seconds by the threads' OS names, and
+    moescope_agent_work_cpu_seconds by part of the main loop (its sources and round hooks, named)
+    and of the policy's wake-ups; a thread's parts never add up to more than the thread."""
+    threads = {re.sub(r'^\{thread="(.*)"\}$', r"\1", k): v for k, v in metric_samples(
+        file_run.scraped, "moescope_agent_thread_cpu_seconds_total").items()}
+    assert {"main", "ms-policy", "ms-export-file"} <= set(threads), threads
+    assert threads["main"] > 0 and threads["ms-policy"] > 0, threads
+    work: dict[tuple[str, str], float] = {}
+    for labels, value in metric_samples(file_run.scraped, "moescope_agent_work_cpu_seconds_total").items():
+        parsed = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        work[(parsed["thread"], parsed["part"])] = value
+    main = {part: v for (thread, part), v in work.items() if thread == "main"}
+    policy = {part: v for (thread, part), v in work.items() if thread == "policy"}
+    # the sources by their names, the hooks by the names they were added with
+    assert {"nvtx", "ingress", "requests", "encode-spans", "self-metrics", "pacing"} <= set(main), main
+    assert main["nvtx"] > 0 and main["requests"] > 0, main
+    assert set(policy) == {"wake", "signals", "evaluate", "peeks"}, policy
+    assert policy["signals"] > 0 and policy["evaluate"] > 0, policy
+    # thread time by part (CLOCK_THREAD_CPUTIME_ID) within the thread's own (schedstat, read after)
+    slack_s = 0.05
+    assert sum(main.values()) <= threads["main"] + slack_s, (main, threads)
+    assert sum(policy.values()) <= threads["ms-policy"] + slack_s, (policy, threads)
+    assert re.search(r"^agent: policy thread CPU: ", file_run.output, re.M), file_run.output
 
 
 def test_expert_spans_carry_the_precision_the_runtime_reports(bpf: None, file_run: FileRun) -> None:

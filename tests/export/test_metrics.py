@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 
@@ -13,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from moescope import errors
 from moescope.agent import metrics as m
 from moescope.agent import routing_health as rh
+from moescope.procfs import name_thread
 
 
 def _labels_for(spec: m.MetricSpec, i: int) -> dict[str, str]:
@@ -203,3 +206,69 @@ def test_private_registry_not_global() -> None:
 
     m.Metrics().inc("moescope_requests", 1.0)
     assert b"moescope_requests" not in generate_latest(REGISTRY)
+
+
+def _burn(cpu_ns: int) -> None:
+    end = time.thread_time_ns() + cpu_ns
+    while time.thread_time_ns() < end:
+        pass
+
+
+def test_thread_cpu_is_counted_by_thread_name_and_a_thread_that_exits_takes_nothing_back(
+        served: tuple[m.Metrics, int]) -> None:
+    """moescope_agent_thread_cpu_seconds, read from /proc at each scrape: a named thread's time under
+    its name (the main thread as main), and what it used stays counted once it has gone."""
+    _, port = served
+
+    def threads() -> dict[str, float]:
+        return {s.labels["thread"]: s.value for s in scrape(port)["moescope_agent_thread_cpu_seconds"].samples
+                if s.name.endswith("_total")}
+
+    def burner() -> None:
+        name_thread("ms-test-burn")
+        _burn(60_000_000)
+
+    t = threading.Thread(target=burner)
+    t.start()
+    t.join(60)
+    assert not t.is_alive()
+    _burn(10_000_000)  # the main thread's own, since the scrape server started
+    first = threads()
+    # (the burner has exited before the first scrape: its time was never read while it ran)
+    assert "ms-test-burn" not in first and first["main"] > 0, first
+
+    seen: dict[str, float] = {}
+
+    def burner_alive(started: threading.Event, go: threading.Event) -> None:
+        name_thread("ms-test-burn")
+        _burn(60_000_000)
+        started.set()
+        go.wait(60)
+
+    started, go = threading.Event(), threading.Event()
+    t = threading.Thread(target=burner_alive, args=(started, go))
+    t.start()
+    try:
+        assert started.wait(60)
+        seen = threads()
+        assert seen["ms-test-burn"] >= 0.06 and seen["main"] >= first["main"], seen
+    finally:
+        go.set()
+        t.join(60)
+    after = threads()  # the thread is gone: its series keeps what it had
+    assert after["ms-test-burn"] == seen["ms-test-burn"] and after["main"] >= seen["main"], (seen, after)
+
+
+def test_work_cpu_parts_follow_their_owners_totals(served: tuple[m.Metrics, int]) -> None:
+    metrics, port = served
+
+    def work() -> dict[tuple[str, str], float]:
+        return {(s.labels["thread"], s.labels["part"]): s.value
+                for s in scrape(port)["moescope_agent_work_cpu_seconds"].samples if s.name.endswith("_total")}
+
+    metrics.set_work_cpu("main", {"nvtx": 2_000_000_000, "requests": 500_000_000})
+    metrics.set_work_cpu("policy", {"signals": 250_000_000})
+    assert work() == {("main", "nvtx"): 2.0, ("main", "requests"): 0.5, ("policy", "signals"): 0.25}
+    metrics.set_work_cpu("main", {"nvtx": 3_000_000_000, "requests": 500_000_000, "pacing": 1_000_000})
+    assert work() == {("main", "nvtx"): 3.0, ("main", "requests"): 0.5, ("main", "pacing"): 0.001,
+                      ("policy", "signals"): 0.25}

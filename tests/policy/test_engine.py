@@ -9,6 +9,7 @@ import json
 import math
 import random
 import threading
+import time
 from pathlib import Path
 from typing import Unpack
 
@@ -18,7 +19,7 @@ from policy_helpers import PERIOD_S, EngineKeys, Feeder, levels, records
 from moescope.agent.policy.actuator import CommandResult
 from moescope.agent.policy.audit import AuditLog, AuditRecord
 from moescope.agent.policy.config import PolicyConfig, load_policy
-from moescope.agent.policy.engine import PolicyEngine, PolicyLoop
+from moescope.agent.policy.engine import POLICY_WORK_PARTS, PolicyEngine, PolicyLoop
 from moescope.agent.policy.rules import ACTIONS, COMPARISONS, TIME_EPS_S, Intent, RuleInstance, Signals, State
 from moescope.errors import UsageError
 
@@ -392,6 +393,50 @@ def test_policy_loop_runs_its_after_period_hook_on_each_wake_up_and_survives_its
     # after each evaluation, on the same wake-up; one failure counted, apart from the source's
     assert hooked[:6] == [1, 2, 3, 4, 5, 6]
     assert loop.after_errors == 1 and loop.source_errors == 0
+
+
+def _burn(cpu_ns: int) -> None:
+    """Spend ``cpu_ns`` of this thread's CPU (bounded: a few ms)."""
+    end = time.thread_time_ns() + cpu_ns
+    while time.thread_time_ns() < end:
+        pass
+
+
+def test_policy_loop_counts_its_cpu_by_part_of_a_wake_up() -> None:
+    """PolicyLoop.cpu_ns: the thread's CPU split into the signals, the evaluation and the peeks
+    (moescope_agent_work_cpu_seconds{thread="policy"}), each part its own: a part that burns 2 ms
+    a wake-up counts at least that, one that does nothing stays under it."""
+    burned = {"signals": 0, "evaluate": 0, "peeks": 0}
+    done = threading.Event()
+
+    class Engine:
+        def evaluate(self, signals: object) -> None:
+            _burn(2_000_000)
+            burned["evaluate"] += 1
+
+    def source() -> Signals:
+        _burn(2_000_000)
+        burned["signals"] += 1
+        return Signals(t_s=0.0)
+
+    def after() -> None:
+        burned["peeks"] += 1
+        if burned["peeks"] >= 5:
+            done.set()
+
+    loop = PolicyLoop(Engine(), source, period_s=0.001, after_period=after)
+    assert loop.cpu_ns == dict.fromkeys(POLICY_WORK_PARTS, 0)
+    loop.start()
+    try:
+        assert done.wait(60)
+    finally:
+        loop.stop()
+    cpu = dict(loop.cpu_ns)
+    assert list(cpu) == list(POLICY_WORK_PARTS)
+    assert cpu["signals"] >= 2_000_000 * burned["signals"] > 0
+    assert cpu["evaluate"] >= 2_000_000 * burned["evaluate"] > 0
+    # the peeks did nothing: well under what one burning part took, though counted on each wake-up
+    assert 0 < cpu["peeks"] < 2_000_000 * burned["peeks"]
 
 
 def _reference_step(inst: RuleInstance, value: float, t_s: float) -> Intent | None:
