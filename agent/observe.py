@@ -90,6 +90,7 @@ class Observers:
         self.policy_loop: Any = None
         self._policy_failures = 0  # evaluations and peeks that raised, of the policy loops stopped so far
         self._policy_cpu_ns: Counter[str] = Counter()  # the policy loops stopped so far: their CPU by part
+        self._policy_cpu_lock = threading.Lock()  # _policy_cpu_ns and policy_loop's stop, against a scrape
         self.stats_signals: Any = None
         self.runtime_stats: RuntimeStatsSource | None = None
         self.nvtx_records: Any = None
@@ -161,10 +162,10 @@ class Observers:
 
     def policy_cpu_ns(self) -> dict[str, int]:
         """The policy thread's CPU by part of its wake-ups (ns), every policy loop so far together."""
-        total = Counter(self._policy_cpu_ns)
-        loop = self.policy_loop  # (read once: the daemon thread may stop it meanwhile)
-        if loop is not None:
-            total.update(dict(loop.cpu_ns))
+        with self._policy_cpu_lock:
+            total = Counter(self._policy_cpu_ns)
+            if self.policy_loop is not None:
+                total.update(dict(self.policy_loop.cpu_ns))
         return dict(total)
 
     def _publish_work_cpu(self) -> None:
@@ -450,10 +451,11 @@ class Observers:
             self.policy_loop.stop()
             # (a failing evaluation is logged once; the summary says how many there were)
             self._policy_failures += self.policy_loop.source_errors + self.policy_loop.after_errors
-            self._policy_cpu_ns.update(self.policy_loop.cpu_ns)
             if self.policy_loop.after_period is not None:
                 self.daemon.take_back_peeks()
-            self.policy_loop = None
+            with self._policy_cpu_lock:  # (a scrape sees this loop's CPU once, never twice or not at all)
+                self._policy_cpu_ns.update(self.policy_loop.cpu_ns)
+                self.policy_loop = None
 
     def policy_signals(self) -> Signals:
         """The pipeline's windows, plus the runtime's queue depths (and its view where NVTX is off):
