@@ -183,11 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         # per run, then the median of each figure over the runs
         threads: list[str | None] = [*sorted(loaded, key=lambda n: -loaded[n]), None]
         for thread in threads:
-            parts = [split_per_step(sum(run["idle_pct_of_core"].values()) if thread is None
-                                    else run["idle_pct_of_core"].get(thread, 0.0),
-                                    [run["windows"]["batched"], run["windows"]["solo"]], thread) for run in runs]
-            split[thread or "whole agent"] = {"us_per_step": statistics.median(p[0] for p in parts),
-                                              "us_per_request": statistics.median(p[1] for p in parts)}
+            solved = [split_per_step(sum(run["idle_pct_of_core"].values()) if thread is None
+                                     else run["idle_pct_of_core"].get(thread, 0.0),
+                                     [run["windows"]["batched"], run["windows"]["solo"]], thread) for run in runs]
+            split[thread or "whole agent"] = {"us_per_step": statistics.median(p[0] for p in solved),
+                                              "us_per_request": statistics.median(p[1] for p in solved)}
         w = [run["windows"] for run in runs]
         print(f"agent_threads: per step and per request (loaded CPU above idle; batched window "
               f"{statistics.median(x['batched']['steps_per_s'] for x in w):.1f} steps/s, "

@@ -143,16 +143,16 @@ def test_metrics_say_where_the_agents_cpu_goes_by_thread_and_by_part(bpf: None, 
     """moescope_agent_thread_cpu_seconds by the threads' OS names, and
     moescope_agent_work_cpu_seconds by part of the main loop (its sources and round hooks, named)
     and of the policy's wake-ups; a thread's parts never add up to more than the thread."""
-    threads = {re.sub(r'^\{thread="(.*)"\}$', r"\1", k): v for k, v in metric_samples(
-        file_run.scraped, "moescope_agent_thread_cpu_seconds_total").items()}
+    def by_labels(name: str) -> list[tuple[dict[str, str], float]]:
+        return [(dict(re.findall(r'(\w+)="([^"]*)"', labels)), value)
+                for labels, value in metric_samples(file_run.scraped, name).items()]
+
+    threads = {labels["thread"]: v for labels, v in by_labels("moescope_agent_thread_cpu_seconds_total")}
     assert {"main", "ms-policy", "ms-export-file"} <= set(threads), threads
     assert threads["main"] > 0 and threads["ms-policy"] > 0, threads
-    work: dict[tuple[str, str], float] = {}
-    for labels, value in metric_samples(file_run.scraped, "moescope_agent_work_cpu_seconds_total").items():
-        parsed = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-        work[(parsed["thread"], parsed["part"])] = value
-    main = {part: v for (thread, part), v in work.items() if thread == "main"}
-    policy = {part: v for (thread, part), v in work.items() if thread == "policy"}
+    work = by_labels("moescope_agent_work_cpu_seconds_total")
+    main = {labels["part"]: v for labels, v in work if labels["thread"] == "main"}
+    policy = {labels["part"]: v for labels, v in work if labels["thread"] == "policy"}
     # the sources by their names, the hooks by the names they were added with
     assert {"nvtx", "ingress", "requests", "encode-spans", "self-metrics", "pacing"} <= set(main), main
     assert main["nvtx"] > 0 and main["requests"] > 0, main

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
+from cpu_burn import burn_thread_cpu
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -208,11 +208,6 @@ def test_private_registry_not_global() -> None:
     assert b"moescope_requests" not in generate_latest(REGISTRY)
 
 
-def _burn(cpu_ns: int) -> None:
-    end = time.thread_time_ns() + cpu_ns
-    while time.thread_time_ns() < end:
-        pass
-
 
 def test_thread_cpu_is_counted_by_thread_name_and_a_thread_that_exits_takes_nothing_back(
         served: tuple[m.Metrics, int]) -> None:
@@ -226,13 +221,13 @@ def test_thread_cpu_is_counted_by_thread_name_and_a_thread_that_exits_takes_noth
 
     def burner() -> None:
         name_thread("ms-test-burn")
-        _burn(60_000_000)
+        burn_thread_cpu(60_000_000)
 
     t = threading.Thread(target=burner)
     t.start()
     t.join(60)
     assert not t.is_alive()
-    _burn(10_000_000)  # the main thread's own, since the scrape server started
+    burn_thread_cpu(10_000_000)  # the main thread's own, since the scrape server started
     first = threads()
     # (the burner has exited before the first scrape: its time was never read while it ran)
     assert "ms-test-burn" not in first and first["main"] > 0, first
@@ -241,7 +236,7 @@ def test_thread_cpu_is_counted_by_thread_name_and_a_thread_that_exits_takes_noth
 
     def burner_alive(started: threading.Event, go: threading.Event) -> None:
         name_thread("ms-test-burn")
-        _burn(60_000_000)
+        burn_thread_cpu(60_000_000)
         started.set()
         go.wait(60)
 

@@ -9,11 +9,11 @@ import json
 import math
 import random
 import threading
-import time
 from pathlib import Path
 from typing import Unpack
 
 import pytest
+from cpu_burn import burn_thread_cpu
 from policy_helpers import PERIOD_S, EngineKeys, Feeder, levels, records
 
 from moescope.agent.policy.actuator import CommandResult
@@ -395,12 +395,6 @@ def test_policy_loop_runs_its_after_period_hook_on_each_wake_up_and_survives_its
     assert loop.after_errors == 1 and loop.source_errors == 0
 
 
-def _burn(cpu_ns: int) -> None:
-    """Spend ``cpu_ns`` of this thread's CPU (bounded: a few ms)."""
-    end = time.thread_time_ns() + cpu_ns
-    while time.thread_time_ns() < end:
-        pass
-
 
 def test_policy_loop_counts_its_cpu_by_part_of_a_wake_up() -> None:
     """PolicyLoop.cpu_ns: the thread's CPU split into the signals, the evaluation and the peeks
@@ -411,11 +405,11 @@ def test_policy_loop_counts_its_cpu_by_part_of_a_wake_up() -> None:
 
     class Engine:
         def evaluate(self, signals: object) -> None:
-            _burn(2_000_000)
+            burn_thread_cpu(2_000_000)
             burned["evaluate"] += 1
 
     def source() -> Signals:
-        _burn(2_000_000)
+        burn_thread_cpu(2_000_000)
         burned["signals"] += 1
         return Signals(t_s=0.0)
 
