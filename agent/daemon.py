@@ -22,16 +22,22 @@ log = logging.getLogger(__name__)
 DEFAULT_PERIOD_NS = 50_000_000  # drain period while busy: bounds ring occupancy and report delay
 # A quiet loop ticks less often: after a round whose sources handled at most QUIET_EVENTS_PER_S
 # events per second of its period, the period doubles, up to the idle period (50 -> 100 -> ... ->
-# 1600 -> 2000 ms); a busier round brings it back to the base at once. A round costs ~0.8 ms however
+# 3200 -> 4000 ms); a busier round brings it back to the base at once. A round costs ~0.8 ms however
 # little it finds (every source's poll, every hook), which at the old 150 ms cap was 0.5 % of a core
 # beside an idle runtime and a fifth of the agent's CPU at the reference load; and one that finds
-# data costs ~4-5 ms more than its data (each stage's set-up: ring scans, numpy calls on small
-# arrays, the export's encode, the self-metrics): 1 s -> 2 s rounds took the reference load's main
-# loop from 12.3 to 10.0 ms/s (docs/benchmarks.md). The idle period is DEFAULT_IDLE_PERIOD_NS
-# while nobody watches live, and LIVE_IDLE_PERIOD_MAX_NS at most while someone does (`agent top`,
-# --tui: live_idle_period_ns; agent/observe.py paces it every round): what a live view shows is
-# never older than it is refreshed at. Staleness is for the quiet loop only: a busy one (past
-# QUIET_EVENTS_PER_S: nginx at 40k requests/s, any production-shape producer) runs at the base.
+# data costs ~7-8 ms more than its data (each stage's set-up: ring reads, numpy calls on small
+# arrays, cold code and data after a sleep beside a busy runtime, the export's encode, the
+# self-metrics; measured by part: the NVTX path ~4.3 ms a round, the request traces ~2.4, the
+# self-metrics ~0.6): 1 s -> 2 s rounds took the reference load's main loop from 12.3 to 10.0 ms/s,
+# 2 s -> 4 s from 9.0 to 7.0 (docs/benchmarks.md). 4 s is under the OpenTelemetry SDK's own 5 s
+# span-batch delay and a tenth of the shortest Prometheus scrape in common use; what must be fresher
+# asks for it: a live view, and a `--port` target waiting for its successor (agent/start.py caps
+# the period at its rescan period through Observers.add_round_cap). The idle period is
+# DEFAULT_IDLE_PERIOD_NS while nobody watches live, and LIVE_IDLE_PERIOD_MAX_NS at most while
+# someone does (`agent top`, --tui: live_idle_period_ns; agent/observe.py paces it every round):
+# what a live view shows is never older than it is refreshed at. Staleness is for the quiet loop
+# only: a busy one (past QUIET_EVENTS_PER_S: nginx at 40k requests/s, any production-shape
+# producer) runs at the base.
 # What the rings absorb while a quiet loop sleeps is kept bounded by a peek every PEEK_PERIOD_NS
 # (the old cap, on which the rings are sized): each source that can tell says whether its buffer is
 # past BACKLOG_FILL (Source.backlogged, a few reads of shared memory), and one that is gets a round
@@ -45,7 +51,9 @@ DEFAULT_PERIOD_NS = 50_000_000  # drain period while busy: bounds ring occupancy
 # OUTSIDE_PEEK_MAX_NS is accepted: the ingress ring holds at least 200 ms above its mark at its rate
 # hint (probes/ingress/loader.py RING_HOLD_S); the moe/v2 rings hold seconds at production shapes.
 QUIET_EVENTS_PER_S = 6_800
-DEFAULT_IDLE_PERIOD_NS = 2_000_000_000  # nobody watching live
+DEFAULT_IDLE_PERIOD_NS = 4_000_000_000  # nobody watching live (`agent start --quiet-drain-s`)
+MIN_QUIET_DRAIN_S = 0.05  # the base period: never shorter
+MAX_QUIET_DRAIN_S = 30.0  # the join keeps steps 120 s for their requests; windows are 10 s
 LIVE_IDLE_PERIOD_MAX_NS = 1_000_000_000  # a live view reading: at most this, at most its refresh period
 PEEK_PERIOD_NS = 150_000_000
 OUTSIDE_PEEK_MAX_NS = 200_000_000
@@ -318,6 +326,12 @@ def cpu_parts_line(cpu_ns: dict[str, int]) -> str:
 def _hook_name(hook: TickHook) -> str:
     """`Observers._publish_metrics`, `Observers.build.drain_requests`: the hook's qualified name."""
     return getattr(hook, "__qualname__", "hook").replace(".<locals>", "")
+
+
+def quiet_drain_ns(args: Any) -> int:
+    """The quiet loop's idle period for `agent start` arguments: --quiet-drain-s, else the default."""
+    quiet_s = getattr(args, "quiet_drain_s", None)
+    return DEFAULT_IDLE_PERIOD_NS if quiet_s is None else max(DEFAULT_PERIOD_NS, int(quiet_s * 1e9))
 
 
 def live_idle_period_ns(interval_s: float) -> int:

@@ -80,7 +80,8 @@ LAYER_TREE_OVERHEAD_BYTES = 160
 # most SHARED_GROUP_MAX_BYTES, or at most SHARED_GROUP_BYTES_PER_STEP for each of its steps: the
 # copy (~10 µs a step, a dataclass and 13 arrays) buys nothing there, and the group keeps making
 # the steps' health in one pass (agent/outputs/traces.py). The reference model's quiet 2 s rounds
-# are groups of ~90-110 steps holding 64-128 KB (~1 KB a step; measured live, 2026-12-06): until
+# were groups of ~90-110 steps holding 64-128 KB (~1 KB a step; measured live, 2026-12-06; 4 s
+# rounds since: twice that, within the per-step bound): until
 # then the absolute bound alone copied every one of them, ~6 % of the agent's CPU at the reference
 # load (docs/benchmarks.md). A DeepSeek-V3 batch (~2 MB, ~120 KB a step) is copied out of as before.
 # At most a group's steps x 4 KiB stays pinned by one kept step, and only until it is retired.

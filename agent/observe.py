@@ -21,12 +21,13 @@ import sys
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moescope import errors
 from moescope.agent import state as st
-from moescope.agent.daemon import DEFAULT_IDLE_PERIOD_NS, Daemon, live_idle_period_ns
+from moescope.agent.daemon import Daemon, live_idle_period_ns, quiet_drain_ns
 from moescope.agent.export.config import ExportConfig
 from moescope.agent.export.setup import Tracing, build_tracing, stats_to_metrics
 from moescope.agent.metrics import Metrics, MetricsServer
@@ -116,6 +117,7 @@ class Observers:
         self._rank_drops: dict[int, int] = {}  # pid -> NVTX records its ring lost (read on the daemon thread)
         self._seq = 0
         self._lock = threading.Lock()
+        self._round_caps: list[Callable[[], int | None]] = []  # add_round_cap
 
     # ------------------------------------------------------------------ build
     @classmethod
@@ -176,12 +178,28 @@ class Observers:
         if policy:
             self.metrics.set_work_cpu("policy", policy)
 
+    def add_round_cap(self, cap: Callable[[], int | None]) -> None:
+        """``cap()`` bounds the quiet loop's period while it returns a period in ns (None: no bound),
+        from the next pacing on (``pace_rounds`` at once makes it the next round's)."""
+        self._round_caps.append(cap)
+
+    def pace_rounds(self) -> None:
+        """The quiet loop's longest period from the next round on: the live interval while a live
+        view reads (this process's --tui, or `agent top` on the state file:
+        PeriodicPublisher.watched), else --quiet-drain-s (default 4 s, agent/daemon.py: a round with
+        data has a set-up cost of its own); never past a round cap (add_round_cap: a `--port` target
+        waiting for its successor)."""
+        idle = live_idle_period_ns(self.args.interval) if self._watched() else quiet_drain_ns(self.args)
+        for cap in self._round_caps:
+            bound = cap()
+            if bound is not None:
+                idle = min(idle, bound)
+        self.daemon.set_idle_period(idle)
+
     def _pace_rounds(self, _now_ns: int) -> None:
-        """The quiet loop's longest period: the live interval while a live view reads (this
-        process's --tui, or `agent top` on the state file: PeriodicPublisher.watched), else the
-        daemon's default (agent/daemon.py: a round with data has a set-up cost of its own)."""
-        watched = self._watched()
-        self.daemon.set_idle_period(live_idle_period_ns(self.args.interval) if watched else DEFAULT_IDLE_PERIOD_NS)
+        """Every round (a tick hook): ``pace_rounds``, and the host sampler's period where no
+        policy paces it."""
+        self.pace_rounds()
         if self.policy is None:  # (with a policy, its evaluations pace the host sampler)
             self._pace_host(policy_signal=False)
         return None

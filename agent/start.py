@@ -47,7 +47,16 @@ from moescope import compiled, errors, procfs
 from moescope.agent import privileges
 from moescope.agent import state as st
 from moescope.agent.allocator import Allocator
-from moescope.agent.daemon import DEFAULT_IDLE_PERIOD_NS, STOP_SIGNAL, Daemon, cpu_parts_line
+from moescope.agent.daemon import (
+    DEFAULT_IDLE_PERIOD_NS,
+    MAX_QUIET_DRAIN_S,
+    MIN_QUIET_DRAIN_S,
+    QUIET_EVENTS_PER_S,
+    STOP_SIGNAL,
+    Daemon,
+    cpu_parts_line,
+    quiet_drain_ns,
+)
 from moescope.agent.export.config import ExportConfig, add_export_arguments, flags_from_args, resolve_export_config
 from moescope.agent.metrics import add_metrics_arguments
 from moescope.agent.observe import Observers
@@ -70,7 +79,9 @@ from moescope.probes.ingress.loader import IngressOptions, IngressProbe, Ingress
 log = logging.getLogger(__name__)
 
 STOP_TARGETS_EXITED = "targets_exited"
-# How often a port whose target exited is looked at for a successor: the re-attach bar is 2 s.
+# How often a port whose target exited is looked at for a successor: the re-attach bar is 2 s. The
+# quiet loop's rounds come this often too while a port waits (TargetFollower.round_cap; they are
+# up to 4 s apart otherwise, agent/daemon.py), and a round with nothing to drain is ~1 ms.
 PORT_RESCAN_NS = 200_000_000
 ALIVE_CHECK_PERIOD_NS = 200_000_000
 
@@ -111,7 +122,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "`agent top` then refreshes once a second, like top); the state file is written "
                              "at this period while something reads it, every 10 s while nothing does; at light "
                              "load the sources are drained at this period (1 s at most) while something reads, "
-                             "every 2 s while nothing does")
+                             "every --quiet-drain-s while nothing does")
+    parser.add_argument("--quiet-drain-s", type=float, default=None, metavar="S",
+                        help=f"longest time between two drains of the sources while they are quiet (under "
+                             f"{QUIET_EVENTS_PER_S:,} events/s) and no live view reads (default "
+                             f"{DEFAULT_IDLE_PERIOD_NS / 1e9:g} s, {MIN_QUIET_DRAIN_S:g}-{MAX_QUIET_DRAIN_S:g}): "
+                             "how stale /metrics, traces and the policy's NVTX windows may be at light load; "
+                             "each drain that finds data has a set-up cost (~8 ms at the reference load), so "
+                             "shorter costs CPU. A filling ring is drained within 150 ms whatever this is")
     parser.add_argument(
         "--keep-privileges", action="store_true",
         help="do not drop capabilities once the eBPF programs are attached (by default the agent keeps "
@@ -244,6 +262,9 @@ def _validate(args: argparse.Namespace) -> list[str]:
         args.interval = 0.25 if args.tui else 1.0
     if not args.interval > 0:
         raise errors.UsageError(f"--interval must be a positive number of seconds, got {args.interval}")
+    if args.quiet_drain_s is not None and not MIN_QUIET_DRAIN_S <= args.quiet_drain_s <= MAX_QUIET_DRAIN_S:
+        raise errors.UsageError(f"--quiet-drain-s must be {MIN_QUIET_DRAIN_S:g} to {MAX_QUIET_DRAIN_S:g} seconds, "
+                                f"got {args.quiet_drain_s}")
     if args.num_experts is not None and args.num_experts < 1:
         raise errors.UsageError(f"--num-experts must be >= 1, got {args.num_experts}")
     if args.memory_budget_bytes is not None and args.memory_budget_bytes < 1:
@@ -289,6 +310,11 @@ class TargetFollower:
         self.reattached = 0
         self._last_scan_ns = 0
         self._last_alive_check_ns = 0
+        observers.add_round_cap(self.round_cap)
+
+    def round_cap(self) -> int | None:
+        """The quiet loop's longest period while a port waits for a successor: its rescan period."""
+        return PORT_RESCAN_NS if self.waiting else None
 
     def tick(self, now_ns: int) -> str | None:
         # Liveness is read from /proc at ALIVE_CHECK_PERIOD_NS, not every daemon tick (it was a
@@ -319,6 +345,7 @@ class TargetFollower:
                 print(f"agent: target {target.describe()} exited; waiting for a process listening on port "
                       f"{target.port} to re-attach (--exit-on-target-exit to stop instead)",
                       file=sys.stderr, flush=True)
+                self.observers.pace_rounds()  # the next round comes at the rescan period, not seconds later
             else:
                 print(f"agent: target {target.describe()} exited", file=sys.stderr, flush=True)
 
@@ -402,9 +429,10 @@ def run(args: argparse.Namespace) -> int:
 
     records_sink = JsonLinesSink(args.records) if args.records else None
     summary = RequestSummary()
-    # A quiet loop's rounds come at most DEFAULT_IDLE_PERIOD_NS apart, and at most a live interval
-    # apart while a live view reads (1 s; 250 ms with --tui): Observers paces it (agent/daemon.py).
-    daemon = Daemon(idle_period_ns=DEFAULT_IDLE_PERIOD_NS)
+    # A quiet loop's rounds come at most --quiet-drain-s apart (DEFAULT_IDLE_PERIOD_NS), and at most
+    # a live interval apart while a live view reads (1 s; 250 ms with --tui): Observers paces it
+    # (agent/daemon.py).
+    daemon = Daemon(idle_period_ns=quiet_drain_ns(args))
     if records_sink is not None:
         daemon.add_sink(records_sink)
         daemon.add_tick_hook(lambda now_ns: records_sink.flush(now_ns), name="records-file")

@@ -480,7 +480,7 @@ class WindowsOutput:
     def _routing_signals(self, table: LayerTable) -> tuple[dict[int, float], dict[int, float]]:
         """The policy's Gini and router-entropy ratio per layer of a routing table (NaN left out),
         made once per table: the window hands the same table back until it changes, and between
-        the main loop's rounds (up to 2 s) the policy asks ten times (its caller copies nothing:
+        the main loop's rounds (up to 4 s) the policy asks twenty times (its caller copies nothing:
         Signals are read only)."""
         held = self._routing_held
         if held is not None and held[0] is table:

@@ -23,7 +23,7 @@ from moescope.agent.daemon import (
 from moescope.collectors.registry import SourceHealth
 
 BASE_NS = 50_000_000
-ONE_S = 1_000_000_000  # the timelines below: a 1 s cap (a live view's; without one it is 2 s)
+ONE_S = 1_000_000_000  # the timelines below: a 1 s cap (a live view's; without one it is 4 s)
 
 
 class ScriptedSource:
@@ -67,11 +67,11 @@ def busy_at(period_ns: int) -> int:
 
 def test_quiet_rounds_lengthen_the_period_up_to_the_cap_and_a_busy_one_resets_it() -> None:
     cap = DEFAULT_IDLE_PERIOD_NS
-    assert cap == 2_000_000_000
-    doubling = [BASE_NS * 2 ** i for i in range(1, 6)]  # 100, 200, 400, 800, 1600 ms, then the 2 s cap
-    assert periods_after([0] * 7) == [*doubling, cap, cap]
-    # busy is a rate: at the 2 s cap, what would be busy at the 50 ms base is quiet
-    assert periods_after([0] * 6 + [busy_at(BASE_NS), busy_at(cap), 3, busy_at(2 * BASE_NS)]) == [
+    assert cap == 4_000_000_000
+    doubling = [BASE_NS * 2 ** i for i in range(1, 7)]  # 100, 200, 400, 800, 1600, 3200 ms, then the 4 s cap
+    assert periods_after([0] * 8) == [*doubling, cap, cap]
+    # busy is a rate: at the 4 s cap, what would be busy at the 50 ms base is quiet
+    assert periods_after([0] * 7 + [busy_at(BASE_NS), busy_at(cap), 3, busy_at(2 * BASE_NS)]) == [
         *doubling, cap, cap, BASE_NS, 2 * BASE_NS, BASE_NS,
     ]
 
@@ -79,7 +79,7 @@ def test_quiet_rounds_lengthen_the_period_up_to_the_cap_and_a_busy_one_resets_it
 def test_a_live_view_shortens_the_cap_at_once_and_its_going_lengthens_it() -> None:
     daemon = Daemon(period_ns=BASE_NS)
     daemon.add_source(ScriptedSource([]))
-    for _ in range(7):
+    for _ in range(8):
         daemon.tick()
         daemon.next_period_ns()
     assert daemon.current_period_ns == DEFAULT_IDLE_PERIOD_NS
@@ -87,7 +87,7 @@ def test_a_live_view_shortens_the_cap_at_once_and_its_going_lengthens_it() -> No
     assert live == 250_000_000 and live_idle_period_ns(1.0) == LIVE_IDLE_PERIOD_MAX_NS
     assert live_idle_period_ns(5.0) == LIVE_IDLE_PERIOD_MAX_NS and live_idle_period_ns(0.001) == BASE_NS
     daemon.set_idle_period(live)
-    assert daemon.current_period_ns == live  # the next round comes at the view's period, not 2 s later
+    assert daemon.current_period_ns == live  # the next round comes at the view's period, not 4 s later
     daemon.tick()
     assert daemon.next_period_ns() == live
     daemon.set_idle_period(DEFAULT_IDLE_PERIOD_NS)  # the view went: quiet rounds lengthen again
@@ -294,7 +294,7 @@ def test_stop_wakes_a_loop_asleep_until_its_round() -> None:
 
 def test_the_agent_paces_its_quiet_rounds_by_whether_a_live_view_reads(tmp_path: Path) -> None:
     """Observers._pace_rounds, every round: the live interval while `agent top` reads the state file
-    (or --tui runs in-process), the 2 s default while nobody does."""
+    (or --tui runs in-process), the 4 s default while nobody does."""
     from moescope.agent import state as st
     from moescope.agent.observe import Observers
 
@@ -302,8 +302,9 @@ def test_the_agent_paces_its_quiet_rounds_by_whether_a_live_view_reads(tmp_path:
                                      interval_s=0.25, reader_linger_s=30.0)
     assert publisher.readers is not None
     obs = SimpleNamespace(publisher=None, live_view=False, daemon=Daemon(period_ns=BASE_NS),
-                          args=SimpleNamespace(interval=0.25), policy=None, telemetry=None)
+                          args=SimpleNamespace(interval=0.25), policy=None, telemetry=None, _round_caps=[])
     obs._watched = lambda: Observers._watched(obs)  # type: ignore[arg-type]
+    obs.pace_rounds = lambda: Observers.pace_rounds(obs)  # type: ignore[arg-type]
     obs._pace_host = lambda **kw: Observers._pace_host(obs, **kw)  # type: ignore[arg-type]  # (no sampler here)
     try:
         Observers._pace_rounds(obs, 0)  # type: ignore[arg-type]  # no state file at all: nobody can watch
@@ -321,3 +322,41 @@ def test_the_agent_paces_its_quiet_rounds_by_whether_a_live_view_reads(tmp_path:
         assert obs.daemon.idle_period_ns == 250_000_000
     finally:
         publisher.stop()
+
+
+def test_a_port_waiting_for_its_successor_caps_the_quiet_period_at_its_rescan() -> None:
+    """`agent start --port`: once the port's target exits, the quiet loop's rounds come at the
+    rescan period (the re-attach bar is 2 s; quiet rounds are up to 4 s apart otherwise), from the
+    very next round; the cap goes when nothing waits."""
+    import subprocess
+    import sys
+
+    from moescope.agent.observe import Observers
+    from moescope.agent.start import PORT_RESCAN_NS, TargetFollower
+    from moescope.agent.targets import Target
+
+    daemon = Daemon(period_ns=BASE_NS)
+    obs = SimpleNamespace(publisher=None, live_view=False, daemon=daemon, args=SimpleNamespace(interval=1.0),
+                          policy=None, telemetry=None, _round_caps=[], detach=lambda pid: None)
+    obs._watched = lambda: Observers._watched(obs)  # type: ignore[arg-type]
+    obs.pace_rounds = lambda: Observers.pace_rounds(obs)  # type: ignore[arg-type]
+    obs.add_round_cap = lambda cap: Observers.add_round_cap(obs, cap)  # type: ignore[arg-type]
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    target = Target(pid=gone.pid, start_ticks=0, name="server", popen=gone, port=1)
+    follower = TargetFollower(None, obs, targets=[target], follow_ports=True)  # type: ignore[arg-type]
+    obs.pace_rounds()
+    assert daemon.idle_period_ns == DEFAULT_IDLE_PERIOD_NS and follower.round_cap() is None
+    for _ in range(8):  # a quiet loop at its 4 s cap
+        daemon.tick()
+        daemon.next_period_ns()
+    assert daemon.current_period_ns == DEFAULT_IDLE_PERIOD_NS
+    assert follower.tick(10 * ONE_S) is None  # the target is seen gone: port 1 waits (no process listens there)
+    assert follower.waiting == {1: 10 * ONE_S}
+    assert daemon.idle_period_ns == PORT_RESCAN_NS == follower.round_cap()
+    assert daemon.next_period_ns() == PORT_RESCAN_NS  # the round after this one, not 4 s later
+    obs.pace_rounds()  # the next round's pacing keeps it
+    assert daemon.idle_period_ns == PORT_RESCAN_NS
+    follower.waiting.clear()  # (re-attached)
+    obs.pace_rounds()
+    assert daemon.idle_period_ns == DEFAULT_IDLE_PERIOD_NS
