@@ -259,7 +259,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
                         "array attributes (moe.layer.ffn.*); expert: a span for each of them too (~4x the spans, "
                         "more agent CPU)")
     g.add_argument("--trace-layer-spans-per-s", type=_layer_rate, default=None, metavar="N",
-                   help="layer spans kept per second on average (default 200; 'all': every step's layers). "
+                   help="layer spans kept per second on average (default 100; 'all': every step's layers). "
                         "Every step gets its moe.step span; its layer subtree is kept when the step is slow "
                         "(>= the p99 of the last 10 s), then as this budget allows; the rest are counted "
                         "as sampled out (docs/traces-and-metrics.md, \"Sampling\")")

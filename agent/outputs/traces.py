@@ -75,10 +75,12 @@ TOP_EXPERTS_ON_SPANS = 16
 SPAN_DETAILS = ("layer", "expert")
 DEFAULT_SPAN_DETAIL = "layer"
 # Layer spans per second kept on average (token bucket, burst of one second's worth), slow steps on
-# top: 200 is every step of the reference model (L=4) up to 50 steps/s, or ~3.4 DeepSeek-V3 steps/s
-# (L=58); a kept layer span costs ~90-110 µs of agent CPU, so at 200 DeepSeek-V3 steps/s traces
-# stay near 5 % of a core with the step spans (docs/traces-and-metrics.md, "Sampling").
-DEFAULT_LAYER_SPANS_PER_S = 200.0
+# top: 100 is every step of the reference model (L=4) up to 25 steps/s and half of them at its
+# loaded ~50, or ~1.7 DeepSeek-V3 steps/s (L=58) besides the ~2/s slow ones; a kept layer span
+# costs ~90-110 µs of agent CPU at E=256 (~12-15 at the reference's E=16), so at 200 DeepSeek-V3
+# steps/s traces stay near 4-5 % of a core with the step spans, and at the reference load the
+# layer subtrees are ~10 % of the agent instead of ~20 (docs/traces-and-metrics.md, "Sampling").
+DEFAULT_LAYER_SPANS_PER_S = 100.0
 SLOW_STEP_QUANTILE = 0.99  # a step at or above the window's p99 duration is "slow": always kept
 SLOW_STEP_MIN_SAMPLES = 100  # ... once the window holds this many steps (before: the budget alone)
 SLOW_STEP_WINDOW_NS = 10_000_000_000
