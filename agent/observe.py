@@ -32,6 +32,7 @@ from moescope.agent.export.config import ExportConfig
 from moescope.agent.export.setup import Tracing, build_tracing, stats_to_metrics
 from moescope.agent.metrics import Metrics, MetricsServer
 from moescope.agent.outputs import DEFAULT_LAYER_SPANS_PER_S
+from moescope.agent.outputs.windows import SIGNALS_REUSE_NS
 from moescope.agent.pipeline import Pipeline, resource_attributes
 from moescope.agent.policy.rules import RuleSpec, Signals
 from moescope.agent.policy.stats_source import RuntimeStatsSource
@@ -477,12 +478,13 @@ class Observers:
 
     def policy_signals(self) -> Signals:
         """The pipeline's windows, plus the runtime's queue depths (and its view where NVTX is off):
-        the signals the policy's rules read (the others are left NaN / empty)."""
+        the signals the policy's rules read (the others are left NaN / empty). The windows' fields
+        are reused while no data came in for up to SIGNALS_REUSE_NS (agent/outputs/windows.py)."""
         wanted = self._wanted_signals()
         changes: dict[str, Any] = self._own_signals(wanted)
         if self.stats_signals is None:
             self._pace_host(policy_signal=self.pipeline.memory_source() != "nvml")
-            return self.pipeline.signals(wanted=wanted, overrides=changes)
+            return self.pipeline.signals(wanted=wanted, overrides=changes, reuse_ns=SIGNALS_REUSE_NS)
         # The runtime's own routing view is only the fallback where NVTX is off: skip computing it.
         self.stats_signals.with_routing = not self.nvtx
         theirs = self.stats_signals()
@@ -497,7 +499,7 @@ class Observers:
         if runtime_memory:
             changes["device_memory_used_ratio"] = theirs.device_memory_used_ratio
         self._pace_host(policy_signal=not runtime_memory and source != "nvml")
-        return self.pipeline.signals(wanted=wanted, overrides=changes)
+        return self.pipeline.signals(wanted=wanted, overrides=changes, reuse_ns=SIGNALS_REUSE_NS)
 
     def _wanted_signals(self) -> frozenset[str] | None:
         """The Signals fields the enabled rules read (None: no policy, every one)."""

@@ -123,8 +123,8 @@ class Pipeline:
 
     # ------------------------------------------------------------------ reads (the outputs')
     def signals(self, t_s: float | None = None, *, wanted: Collection[str] | None = None,
-                overrides: Mapping[str, object] | None = None) -> Signals:
-        return self.windows.signals(t_s, wanted=wanted, overrides=overrides)
+                overrides: Mapping[str, object] | None = None, reuse_ns: int = 0) -> Signals:
+        return self.windows.signals(t_s, wanted=wanted, overrides=overrides, reuse_ns=reuse_ns)
 
     def panels(self) -> tuple[st.Requests, st.Moe, st.Devices]:
         return self.windows.panels()

@@ -5,13 +5,14 @@ the real engine."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
 from phase_requests import MS, ModelRequest, joined
 from policy_helpers import PERIOD_S, records
 
-from moescope.agent.outputs.windows import WindowsOutput
+from moescope.agent.outputs.windows import SIGNALS_REUSE_NS, WindowsOutput
 from moescope.agent.policy.audit import AuditLog
 from moescope.agent.policy.config import load_policy
 from moescope.agent.policy.engine import PolicyEngine
@@ -132,3 +133,42 @@ def test_load_p99_over_200_ms_three_times_prewarms(tmp_path: Path) -> None:
     audit = run_engine(loading, rules, evaluations=3, policy=policy)
     assert [(r.rule, r.decision) for r in records(audit, intent="fire")] == [("expert_load_slow", "dry-run")]
     assert run_engine(loading, rules, evaluations=2, policy=policy).recent() == []  # two evaluations: not yet
+
+
+def test_signals_reuse_their_window_fields_only_while_no_data_came_and_briefly() -> None:
+    """The policy asks every 200 ms; between the main loop's rounds only the windows' ends move, so
+    signals(reuse_ns=...) hands back what it computed less than reuse_ns and a tenth of the window
+    ago while no data came in, and computes afresh on new data, for other wanted fields, or past
+    that; without reuse_ns (every other reader) the windows as they stand."""
+    window_ns = 2_000 * MS  # (reuse: under 200 ms, a tenth of it)
+    REUSE = SIGNALS_REUSE_NS
+    shape = ModelRequest(prefill_ms=40.0, decode_steps=2, decode_step_ms=10.0)
+    wanted = frozenset({"request_p99_ms"})
+
+    def one_request() -> tuple[WindowsOutput, Clock, int, float]:
+        """Windows holding one request; the clock 50 ms before it leaves them; its latency."""
+        clock = Clock(1_000 * 1_000 * MS)
+        windows = WindowsOutput(window_ns=window_ns, clock=clock)
+        event = joined(shape, start_ns=clock.now_ns, fd=1)
+        windows.export([event])
+        clock.now_ns = event.record.end_ns + window_ns - 50 * MS
+        return windows, clock, clock.now_ns, (event.record.end_ns - event.record.start_ns) / 1e6
+
+    windows, clock, computed_ns, latency_ms = one_request()
+    assert windows.signals(wanted=wanted, reuse_ns=REUSE).request_p99_ms == latency_ms
+    clock.now_ns = computed_ns + 100 * MS  # the request has left the window 50 ms ago
+    assert windows.signals(wanted=wanted, reuse_ns=REUSE).request_p99_ms == latency_ms  # reused: no data since
+    assert math.isnan(windows.signals(wanted=wanted).request_p99_ms)  # (not asked to reuse: as they stand)
+    clock.now_ns = computed_ns + 200 * MS
+    assert math.isnan(windows.signals(wanted=wanted, reuse_ns=REUSE).request_p99_ms)  # 200 ms on: afresh
+    late = joined(shape, start_ns=clock.now_ns, fd=2)
+    clock.now_ns = late.record.end_ns
+    windows.export([late])  # new data: the next call computes afresh, however soon
+    late_ms = (late.record.end_ns - late.record.start_ns) / 1e6
+    assert windows.signals(wanted=wanted, reuse_ns=REUSE).request_p99_ms == late_ms
+
+    windows, clock, computed_ns, latency_ms = one_request()
+    assert windows.signals(wanted=wanted, reuse_ns=REUSE).request_p99_ms == latency_ms
+    clock.now_ns = computed_ns + 100 * MS
+    other = wanted | {"step_p99_ms"}
+    assert math.isnan(windows.signals(wanted=other, reuse_ns=REUSE).request_p99_ms)  # other fields: afresh
