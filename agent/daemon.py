@@ -30,7 +30,7 @@ DEFAULT_PERIOD_NS = 50_000_000  # drain period while busy: bounds ring occupancy
 # self-metrics; measured by part: the NVTX path ~4.3 ms a round, the request traces ~2.4, the
 # self-metrics ~0.6): 1 s -> 2 s rounds took the reference load's main loop from 12.3 to 10.0 ms/s,
 # 2 s -> 4 s from 9.0 to 7.0 (docs/benchmarks.md). 4 s is under the OpenTelemetry SDK's own 5 s
-# span-batch delay and a tenth of the shortest Prometheus scrape in common use; what must be fresher
+# span-batch delay and Prometheus' 15 s default scrape interval; what must be fresher
 # asks for it: a live view, and a `--port` target waiting for its successor (agent/start.py caps
 # the period at its rescan period through Observers.add_round_cap). The idle period is
 # DEFAULT_IDLE_PERIOD_NS while nobody watches live, and LIVE_IDLE_PERIOD_MAX_NS at most while

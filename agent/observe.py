@@ -190,7 +190,9 @@ class Observers:
         PeriodicPublisher.watched), else --quiet-drain-s (default 4 s, agent/daemon.py: a round with
         data has a set-up cost of its own); never past a round cap (add_round_cap: a `--port` target
         waiting for its successor)."""
-        idle = live_idle_period_ns(self.args.interval) if self._watched() else quiet_drain_ns(self.args)
+        idle = quiet_drain_ns(self.args)
+        if self._watched():
+            idle = min(idle, live_idle_period_ns(self.args.interval))  # (a shorter --quiet-drain-s stands)
         for cap in self._round_caps:
             bound = cap()
             if bound is not None:
