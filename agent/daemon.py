@@ -84,6 +84,7 @@ class Daemon:
             raise ValueError(f"peek_period_ns must be positive, got {peek_period_ns}")
         self.period_ns = period_ns
         self.idle_period_ns = idle_period_ns  # (set_idle_period: the live view's pacing)
+        self.quiet_period_ns = idle_period_ns  # the configured cap (--quiet-drain-s) pacing returns to
         self.peek_period_ns = peek_period_ns
         self.current_period_ns = period_ns  # the period the loop runs at now (base when busy)
         self.last_handled = 0  # events the sources handled in the last round (their poll results)
@@ -326,12 +327,6 @@ def cpu_parts_line(cpu_ns: dict[str, int]) -> str:
 def _hook_name(hook: TickHook) -> str:
     """`Observers._publish_metrics`, `Observers.build.drain_requests`: the hook's qualified name."""
     return getattr(hook, "__qualname__", "hook").replace(".<locals>", "")
-
-
-def quiet_drain_ns(args: Any) -> int:
-    """The quiet loop's idle period for `agent start` arguments: --quiet-drain-s, else the default."""
-    quiet_s = getattr(args, "quiet_drain_s", None)
-    return DEFAULT_IDLE_PERIOD_NS if quiet_s is None else max(DEFAULT_PERIOD_NS, int(quiet_s * 1e9))
 
 
 def live_idle_period_ns(interval_s: float) -> int:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from moescope import errors
 from moescope.agent import state as st
-from moescope.agent.daemon import Daemon, live_idle_period_ns, quiet_drain_ns
+from moescope.agent.daemon import Daemon, live_idle_period_ns
 from moescope.agent.export.config import ExportConfig
 from moescope.agent.export.setup import Tracing, build_tracing, stats_to_metrics
 from moescope.agent.metrics import Metrics, MetricsServer
@@ -190,7 +190,7 @@ class Observers:
         PeriodicPublisher.watched), else --quiet-drain-s (default 4 s, agent/daemon.py: a round with
         data has a set-up cost of its own); never past a round cap (add_round_cap: a `--port` target
         waiting for its successor)."""
-        idle = quiet_drain_ns(self.args)
+        idle = self.daemon.quiet_period_ns
         if self._watched():
             idle = min(idle, live_idle_period_ns(self.args.interval))  # (a shorter --quiet-drain-s stands)
         for cap in self._round_caps:

@@ -55,7 +55,6 @@ from moescope.agent.daemon import (
     STOP_SIGNAL,
     Daemon,
     cpu_parts_line,
-    quiet_drain_ns,
 )
 from moescope.agent.export.config import ExportConfig, add_export_arguments, flags_from_args, resolve_export_config
 from moescope.agent.metrics import add_metrics_arguments
@@ -432,7 +431,8 @@ def run(args: argparse.Namespace) -> int:
     # A quiet loop's rounds come at most --quiet-drain-s apart (DEFAULT_IDLE_PERIOD_NS), and at most
     # a live interval apart while a live view reads (1 s; 250 ms with --tui): Observers paces it
     # (agent/daemon.py).
-    daemon = Daemon(idle_period_ns=quiet_drain_ns(args))
+    quiet_ns = DEFAULT_IDLE_PERIOD_NS if args.quiet_drain_s is None else int(args.quiet_drain_s * 1e9)
+    daemon = Daemon(idle_period_ns=quiet_ns)
     if records_sink is not None:
         daemon.add_sink(records_sink)
         daemon.add_tick_hook(lambda now_ns: records_sink.flush(now_ns), name="records-file")

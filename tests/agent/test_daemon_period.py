@@ -320,11 +320,11 @@ def test_the_agent_paces_its_quiet_rounds_by_whether_a_live_view_reads(tmp_path:
         obs.publisher, obs.live_view = None, True  # --tui: the view in this process
         Observers._pace_rounds(obs, 0)  # type: ignore[arg-type]
         assert obs.daemon.idle_period_ns == 250_000_000
-        obs.args.quiet_drain_s = 0.1  # a --quiet-drain-s under the live interval: a live view never lengthens it
+        obs.daemon.quiet_period_ns = 100_000_000  # --quiet-drain-s under the live interval: kept
         Observers._pace_rounds(obs, 0)  # type: ignore[arg-type]
         assert obs.daemon.idle_period_ns == 100_000_000
         obs.live_view = False
-        obs.args.quiet_drain_s = 8.0
+        obs.daemon.quiet_period_ns = 8_000_000_000
         Observers._pace_rounds(obs, 0)  # type: ignore[arg-type]
         assert obs.daemon.idle_period_ns == 8_000_000_000
     finally:
