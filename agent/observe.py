@@ -488,18 +488,20 @@ class Observers:
             self._pace_host(policy_signal=self.pipeline.memory_source() != "nvml")
             return self.pipeline.signals(wanted=wanted, overrides=changes, reuse_ns=SIGNALS_REUSE_NS)
         # The runtime's own routing view is only the fallback where NVTX is off: skip computing it.
-        self.stats_signals.with_routing = not self.nvtx
-        theirs = self.stats_signals()
-        changes["expert_queue_tokens"] = theirs.expert_queue_tokens  # (a new dict every period: not copied)
+        stats = self.stats_signals
+        stats.with_routing = not self.nvtx
+        theirs = stats.read_values(stats.clock())  # (its fields: no snapshot of its own to unpack)
+        changes["expert_queue_tokens"] = theirs.get("expert_queue_tokens", {})  # (a new dict every period: not copied)
         if not self.nvtx:  # no NVTX: routing and memory as the runtime reports them
-            changes["expert_load_gini"] = dict(theirs.expert_load_gini)
-            changes["router_entropy_ratio"] = dict(theirs.router_entropy_ratio)
+            changes["expert_load_gini"] = dict(theirs.get("expert_load_gini", {}))
+            changes["router_entropy_ratio"] = dict(theirs.get("router_entropy_ratio", {}))
         # Without a GPU the runtime's own device-pool accounting is the device memory signal; host
         # RSS / cgroup stays in the TUI and metrics. NVML or an explicit --memory-budget-bytes win.
         source = self.pipeline.memory_source()
-        runtime_memory = source not in ("nvml", "budget") and not math.isnan(theirs.device_memory_used_ratio)
+        memory = theirs.get("device_memory_used_ratio", math.nan)
+        runtime_memory = source not in ("nvml", "budget") and not math.isnan(memory)
         if runtime_memory:
-            changes["device_memory_used_ratio"] = theirs.device_memory_used_ratio
+            changes["device_memory_used_ratio"] = memory
         self._pace_host(policy_signal=not runtime_memory and source != "nvml")
         return self.pipeline.signals(wanted=wanted, overrides=changes, reuse_ns=SIGNALS_REUSE_NS)
 

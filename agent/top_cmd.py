@@ -89,7 +89,7 @@ FRESH_WAIT_S = 2.0  # at most this long (the publisher writes within millisecond
 
 
 def fresh_snapshot(path: Path, snapshot: Snapshot, *, wait_s: float = FRESH_WAIT_S) -> Snapshot:
-    """The agent writes its state every 10 s while nobody reads it, and at once when someone opens
+    """The agent writes its state every 30 s while nobody reads it, and at once when someone opens
     the file (agent/state.py, PeriodicPublisher): a snapshot older than a second is followed by the
     fresh one our open asked for, within `wait_s`; an agent that writes none by then (an old agent,
     one with no inotify) is shown as read, its age on screen."""

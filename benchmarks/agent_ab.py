@@ -19,8 +19,12 @@ runtime's in the same window (`agent_share_of_runtime_cpu_pct`, with pair ratios
 agent's CPU moves with the VM's speed between runs (pair ratios of 0.92-1.29 for one change on
 2026-12-06), its share of the runtime's less (0.96-1.06 for the same runs).
 
-A baseline tree: `git archive REV | tar -x -C /tmp/base`, with the native libraries copied in
-(agent/native/libmoescope_health.so, collectors/nvtx_inject/libmoescope_nvtx.so). Writes
+A baseline tree: `git archive REV | tar -x -C /tmp/base`, with every native library copied in
+(agent/native/libmoescope_health.so, collectors/nvtx_inject/libmoescope_nvtx.so, moescope/hf/libmoescope_hf.so
+and the extension modules agent/export/_otlp_span*.so and moescope/_page_busy*.so: without the last two
+the baseline writes spans and reads the stats page in Python, ~3.5 ms/s more on the main thread).
+The hot path's mypyc build (build/compiled/) belongs to one tree: compare two trees with
+MOESCOPE_COMPILED=0 in the environment (both pure Python) unless the baseline has its own build. Writes
 bench-results/agent_ab.json. Exit status: 0 done, 2 bad options, 4 a run could not be carried out
 (the runtime or an agent did not come up, or a request failed).
 """

@@ -76,6 +76,7 @@ class ControlConnection:
         self.results: list[CommandResult] = []
         self._on_send = on_send
         self._sock: socket.socket | None = None
+        self._poller: tuple[socket.socket, select.poll] | None = None  # peer_gone's, for _sock
         self._buf = b""
         self._next_id = 1
         self._broken: CommandFailed | None = None
@@ -90,15 +91,20 @@ class ControlConnection:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+            self._poller = None
 
     def peer_gone(self) -> bool:
         """Whether the runtime closed this connection (it exited, or let us go), seen without a call:
         a zero-wait poll. Not connected counts as gone."""
-        if self._sock is None:
+        sock = self._sock
+        if sock is None:
             return True
-        poller = select.poll()
-        poller.register(self._sock, select.POLLIN | select.POLLRDHUP)
-        return bool(poller.poll(0))  # readable between calls: end of stream (or stray bytes: not ours)
+        held = self._poller
+        if held is None or held[0] is not sock:  # (one poll object a connection: the policy asks 5 times a second)
+            poller = select.poll()
+            poller.register(sock, select.POLLIN | select.POLLRDHUP)
+            held = self._poller = (sock, poller)
+        return bool(held[1].poll(0))  # readable between calls: end of stream (or stray bytes: not ours)
 
     def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -265,6 +265,11 @@ class RuntimeStatsSignals:
 
     def __call__(self) -> Signals:
         now_s = self.clock()
+        return make_signals(now_s, self.read_values(now_s))
+
+    def read_values(self, now_s: float) -> dict[str, Any]:
+        """This period's signals as Signals field values (what ``__call__`` makes its snapshot of;
+        empty when the read failed): the agent adds them to the pipeline's snapshot, one a period."""
         self.polls += 1
         try:
             state, page = self._read(now_s)
@@ -273,14 +278,14 @@ class RuntimeStatsSignals:
             self.last_read_ok, self.last_read_error = False, str(exc)
             if self.poll_errors == 1:
                 log.warning("policy: cannot read runtime stats: %s (counting further failures)", exc)
-            return make_signals(now_s, {})
+            return {}
         self.last_read_ok, self.last_read_error = True, None
         self.last_state = state  # the agent's live view shows precision and residency from it
         now_ns = int(now_s * 1e9)
         if not self.with_routing:
             self._health, self._prev_tokens = None, {}  # a baseline again if routing is turned back on
-            return make_signals(now_s, {"device_memory_used_ratio": self._memory_ratio(state),
-                                        "expert_queue_tokens": self._queue(state, now_s, page)})
+            return {"device_memory_used_ratio": self._memory_ratio(state),
+                    "expert_queue_tokens": self._queue(state, now_s, page)}
         experts = state.experts
         if self._health is None or self._health.num_experts != experts:
             self._health = RoutingHealthWindow(duration_ns=int(self.window_s * 1e9), num_experts=experts)
@@ -307,9 +312,9 @@ class RuntimeStatsSignals:
         for layer in self._health.layers():
             gini[layer] = self._health.layer_stats(layer, now_ns).gini
             entropy[layer] = normalised_router_entropy(self._health.router_entropy_bits(layer, now_ns), experts)
-        return make_signals(now_s, {"device_memory_used_ratio": self._memory_ratio(state),
-                                    "expert_queue_tokens": self._queue(state, now_s),
-                                    "expert_load_gini": gini, "router_entropy_ratio": entropy})
+        return {"device_memory_used_ratio": self._memory_ratio(state),
+                "expert_queue_tokens": self._queue(state, now_s),
+                "expert_load_gini": gini, "router_entropy_ratio": entropy}
 
     def _floor(self) -> float:
         return max(self.queue_floor, 1e-9)  # (0: any queue above 0)

@@ -10,6 +10,7 @@ import math
 import os
 import time
 from dataclasses import replace
+from typing import Any
 
 from moescope.agent.daemon import Daemon
 from moescope.agent.metrics import Metrics
@@ -18,7 +19,6 @@ from moescope.agent.pipeline import Pipeline
 from moescope.agent.policy.audit import AuditLog
 from moescope.agent.policy.config import load_policy
 from moescope.agent.policy.engine import PolicyEngine
-from moescope.agent.policy.rules import Signals
 from moescope.collectors.host import HostCollector, HostSample, MemorySignal
 from moescope.collectors.registry import DEFAULT_PERIOD_S, SampledSource, SampledSources, TelemetryRecord
 
@@ -31,14 +31,17 @@ def host_sample(signal: MemorySignal = CGROUP) -> HostSample:
 
 
 class RuntimeView:
-    """What RuntimeStatsSignals hands the policy: the runtime's own device-pool ratio (or NaN)."""
+    """What RuntimeStatsSignals.read_values hands the agent: the runtime's own device-pool ratio (or NaN)."""
 
     def __init__(self, ratio: float) -> None:
         self.ratio = ratio
         self.with_routing = False
 
-    def __call__(self) -> Signals:
-        return Signals(t_s=time.monotonic(), device_memory_used_ratio=self.ratio)
+    def clock(self) -> float:
+        return time.monotonic()
+
+    def read_values(self, now_s: float) -> dict[str, Any]:
+        return {"device_memory_used_ratio": self.ratio}
 
 
 def _observers(*, no_policy: bool = False, watched: bool = True) -> tuple[Observers, SampledSource]:

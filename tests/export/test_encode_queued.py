@@ -198,3 +198,62 @@ def test_the_files_hold_the_same_spans_either_way(tmp_path: Path) -> None:
         lines[mode] = [json.loads(line) for f in trace_files(tmp_path / mode / "traces")
                        for line in f.read_text().splitlines()]
     assert lines["caller"] and _same_ids(lines["caller"]) == _same_ids(lines["worker"])
+
+
+def _until(condition: Any, timeout_s: float = 30.0) -> bool:
+    """Poll `condition` every 10 ms for up to timeout_s (bounded)."""
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return True
+        threading.Event().wait(0.01)
+    return bool(condition())
+
+
+def test_a_caller_that_encodes_wakes_the_worker_at_most_once_a_delay() -> None:
+    # Once a caller encodes, the worker stops polling: the caller's call wakes it when the last wake
+    # is a schedule delay old. The first call finds it never woken; the second, within the hour's
+    # delay, leaves its payload queued until something else wakes the worker (here a flush).
+    exporter = RecordingExporter()
+    processor = BoundedBatchSpanProcessor(exporter, max_queue_spans=100, max_batch_spans=10, schedule_delay_ms=HOLD_MS)
+    factory = _tracer(processor)
+    _spans(factory, ["a"])
+    assert processor.encode_queued() == 1
+    assert _until(lambda: exporter.exported == [("encoded", ["a"])]), exporter.exported  # woken by the call
+    _spans(factory, ["b"])
+    assert processor.encode_queued() == 1
+    threading.Event().wait(0.3)  # (the worker, were it woken, would write b at once)
+    assert exporter.exported == [("encoded", ["a"])] and processor.stats().queued == 1
+    assert processor.force_flush(30_000)
+    assert exporter.exported == [("encoded", ["a"]), ("encoded", ["b"])]
+    assert processor.shutdown_within(Deadline(30)).exported == 2
+
+
+def test_a_call_with_nothing_new_wakes_the_worker_for_what_an_earlier_call_left() -> None:
+    exporter = RecordingExporter()
+    processor = BoundedBatchSpanProcessor(exporter, max_queue_spans=100, max_batch_spans=10, schedule_delay_ms=50)
+    factory = _tracer(processor)
+    _spans(factory, ["a"])
+    processor.encode_queued()
+    assert _until(lambda: len(exporter.exported) == 1)  # woken: its delay is now 50 ms off
+    _spans(factory, ["b"])
+    processor.encode_queued()  # (within 50 ms of that wake, or not: either way b is encoded and waits)
+    threading.Event().wait(0.1)  # the delay is up; the worker's own timer is CALLER_IDLE_WAIT_S
+    processor.encode_queued()  # nothing new: b, left by the last call, wakes the worker now
+    assert _until(lambda: exporter.exported == [("encoded", ["a"]), ("encoded", ["b"])]), exporter.exported
+    assert processor.shutdown_within(Deadline(30)).exported == 2
+
+
+def test_a_wake_that_finds_the_same_numbers_publishes_nothing() -> None:
+    published: list[Any] = []
+    exporter = PlainExporter()
+    processor = BoundedBatchSpanProcessor(exporter, max_queue_spans=100, max_batch_spans=10, schedule_delay_ms=10,
+                                          on_stats=published.append)
+    factory = _tracer(processor)
+    _spans(factory, ["a"])
+    assert _until(lambda: any(stats.exported == 1 for stats in published))
+    seen = len(published)
+    threading.Event().wait(0.3)  # ~30 wakes of a worker polling every 10 ms, each finding nothing
+    assert len(published) == seen
+    _spans(factory, ["b"])  # a change is published again
+    assert _until(lambda: published[-1].exported == 2)
+    assert processor.shutdown_within(Deadline(30)).exported == 2
