@@ -119,7 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interval", type=float, default=None, metavar="S",
                         help="live view and state file refresh period (default 0.25 s with --tui, else 1 s: "
                              "`agent top` then refreshes once a second, like top); the state file is written "
-                             "at this period while something reads it, every 10 s while nothing does; at light "
+                             "at this period while something reads it, every 30 s while nothing does; at light "
                              "load the sources are drained at this period (1 s at most) while something reads, "
                              "every --quiet-drain-s while nothing does")
     parser.add_argument("--quiet-drain-s", type=float, default=None, metavar="S",

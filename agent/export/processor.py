@@ -34,7 +34,7 @@ at most once a delay), and its own timer is CALLER_IDLE_WAIT_S. Spans another th
 the caller's calls are encoded by the next call and written then. A wake that finds the stats as
 the last one published them publishes nothing. Beside an idle runtime the worker woke every second
 to find nothing and republish the same numbers: ~0.3 ms of CPU a wake on the VMs here
-(docs/benchmarks.md "Fewer wake-ups of the export worker").
+(docs/benchmarks.md "A slower VM; fewer idle wake-ups").
 """
 
 from __future__ import annotations
