@@ -221,7 +221,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             self._queue.clear()
             self._encoding = len(spans)
             # nothing new: payloads an earlier call left wake the worker once their delay is up
-            idle_wake = not spans and self._encoded_spans > 0 and time.monotonic() >= self._next_wake_s
+            idle_wake = not spans and self._worker_due()
         if not spans:
             if idle_wake:
                 self._wake.set()
@@ -246,13 +246,16 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             self._failed_batches += failed_batches
             # a full batch, or anything waiting once the last wake is a schedule delay old
             # (or spans failed: the worker publishes the count)
-            wake = self._encoded_spans >= self._max_batch or failed > 0 or (
-                self._encoded_spans > 0 and time.monotonic() >= self._next_wake_s)
+            wake = self._encoded_spans >= self._max_batch or failed > 0 or self._worker_due()
         if failed:
             self._log_failure(failed, error)
         if wake:
             self._wake.set()
         return len(spans) - failed
+
+    def _worker_due(self) -> bool:
+        """Encoded payloads wait and the worker's last wake is a schedule delay old (under the lock)."""
+        return self._encoded_spans > 0 and time.monotonic() >= self._next_wake_s
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
         """Export everything queued now; True if done within the timeout."""

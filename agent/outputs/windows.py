@@ -475,13 +475,12 @@ class WindowsOutput:
             held = self._held_signals
             if (reuse_ns > 0 and held is not None and held.version == self._version
                     and 0 <= now - held.at_ns < min(reuse_ns, self.window_ns // 10) and held.want == want):
-                values = dict(held.values)  # no data since, the windows moved on by less than the reuse
+                fields = held.values  # no data since, the windows moved on by less than the reuse
             else:
-                values = self._window_fields(now, want)
-                self._held_signals = _HeldSignals(self._version, now, frozenset(want), dict(values))
-        if overrides:
-            values.update(overrides)
-        return make_signals(now / 1e9 if t_s is None else t_s, values)
+                fields = self._window_fields(now, want)
+                self._held_signals = _HeldSignals(self._version, now, frozenset(want), fields)
+        # (the held fields are never written to: the overrides go into a merged copy)
+        return make_signals(now / 1e9 if t_s is None else t_s, {**fields, **overrides} if overrides else fields)
 
     def _window_fields(self, now: int, want: Collection[str]) -> dict[str, object]:
         """signals()'s fields from the windows at ``now`` (the caller holds the lock)."""

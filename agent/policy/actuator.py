@@ -76,7 +76,7 @@ class ControlConnection:
         self.results: list[CommandResult] = []
         self._on_send = on_send
         self._sock: socket.socket | None = None
-        self._poller: tuple[socket.socket, select.poll] | None = None  # peer_gone's, for _sock
+        self._poller: select.poll | None = None  # peer_gone's, registered on _sock (close() drops both)
         self._buf = b""
         self._next_id = 1
         self._broken: CommandFailed | None = None
@@ -99,12 +99,11 @@ class ControlConnection:
         sock = self._sock
         if sock is None:
             return True
-        held = self._poller
-        if held is None or held[0] is not sock:  # (one poll object a connection: the policy asks 5 times a second)
-            poller = select.poll()
+        poller = self._poller
+        if poller is None:  # (one poll object a connection: the policy asks 5 times a second)
+            poller = self._poller = select.poll()
             poller.register(sock, select.POLLIN | select.POLLRDHUP)
-            held = self._poller = (sock, poller)
-        return bool(held[1].poll(0))  # readable between calls: end of stream (or stray bytes: not ours)
+        return bool(poller.poll(0))  # readable between calls: end of stream (or stray bytes: not ours)
 
     def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
