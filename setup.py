@@ -9,8 +9,8 @@ Three are plain C shared objects (no Python API):
   with ctypes in the instrumented process (moescope/hf/native.py).
 Two are CPython extension modules: agent/export/_otlp_span, the OTLP/JSON and OTLP protobuf span
 encoders (agent/export/otlp_json.py, otlp_proto.py; the Python/SDK encoders where it is not built),
-and moescope/_page_busy, the policy's busy experts of a stats page (moescope/stats_page.py; numpy
-where it is not built).
+and moescope/_page_busy, the policy's read of a stats page and its busy experts (moescope/stats_page.py;
+Python and numpy where it is not built).
 Each top-level folder installs as a subpackage of `moescope` (see PACKAGE_DIR).
 """
 
@@ -86,8 +86,9 @@ otlp_span = Extension(
     optional=True,
 )
 
-# Another: moescope._page_busy, the policy's busy experts of a stats page copy in one pass
-# (moescope/stats_page.py falls back to numpy where it is not built).
+# Another: moescope._page_busy, the policy's period read of a stats page (version check, seqlock
+# copy) and its busy experts in one pass (moescope/stats_page.py falls back to Python and numpy
+# where it is not built).
 page_busy = Extension(
     "moescope._page_busy",
     sources=["moescope/_page_busy.c"],

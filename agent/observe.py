@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
 import threading
@@ -32,8 +31,7 @@ from moescope.agent.export.config import ExportConfig
 from moescope.agent.export.setup import Tracing, build_tracing, stats_to_metrics
 from moescope.agent.metrics import Metrics, MetricsServer
 from moescope.agent.outputs import DEFAULT_LAYER_SPANS_PER_S
-from moescope.agent.outputs.windows import SIGNALS_REUSE_NS
-from moescope.agent.pipeline import Pipeline, resource_attributes
+from moescope.agent.pipeline import Pipeline, PolicySignals, resource_attributes
 from moescope.agent.policy.rules import RuleSpec, Signals
 from moescope.agent.policy.stats_source import RuntimeStatsSource
 from moescope.agent.source_metrics import publish_source_health
@@ -106,7 +104,7 @@ class Observers:
         self._export_to_metrics: Any = None
         self._export_published_ns = 0
         self._held_metrics_ns = 0
-        self._wanted: tuple[tuple[RuleSpec, ...], frozenset[str]] | None = None  # the rules, their signals
+        self._policy_signals: PolicySignals | None = None  # the policy's source (_policy_source)
         self._host_paced: tuple[object, int, float] | None = None  # (telemetry, its sources, period) last set
         self._retire_hooked = False
         self.publisher: st.PeriodicPublisher | None = None
@@ -463,7 +461,7 @@ class Observers:
         # The policy thread wakes every period anyway: it peeks at the rings for the main loop,
         # which then sleeps until its round (or until a peek finds a ring filling).
         peeks = self.daemon.lend_peeks(int(period_s * 1e9))
-        self.policy_loop = PolicyLoop(self.policy, self.policy_signals, period_s=period_s,
+        self.policy_loop = PolicyLoop(self.policy, self._policy_source(), period_s=period_s,
                                       after_period=self.daemon.outside_peek if peeks else None)
         self.policy_loop.start()
 
@@ -481,40 +479,22 @@ class Observers:
     def policy_signals(self) -> Signals:
         """The pipeline's windows, plus the runtime's queue depths (and its view where NVTX is off):
         the signals the policy's rules read (the others are left NaN / empty). The windows' fields
-        are reused while no data came in for up to SIGNALS_REUSE_NS (agent/outputs/windows.py)."""
-        wanted = self._wanted_signals()
-        changes: dict[str, Any] = self._own_signals(wanted)
-        if self.stats_signals is None:
-            self._pace_host(policy_signal=self.pipeline.memory_source() != "nvml")
-            return self.pipeline.signals(wanted=wanted, overrides=changes, reuse_ns=SIGNALS_REUSE_NS)
-        # The runtime's own routing view is only the fallback where NVTX is off: skip computing it.
-        stats = self.stats_signals
-        stats.with_routing = not self.nvtx
-        theirs = stats.read_values(stats.clock())  # (its fields: no snapshot of its own to unpack)
-        changes["expert_queue_tokens"] = theirs.get("expert_queue_tokens", {})  # (a new dict every period: not copied)
-        if not self.nvtx:  # no NVTX: routing and memory as the runtime reports them
-            changes["expert_load_gini"] = dict(theirs.get("expert_load_gini", {}))
-            changes["router_entropy_ratio"] = dict(theirs.get("router_entropy_ratio", {}))
-        # Without a GPU the runtime's own device-pool accounting is the device memory signal; host
-        # RSS / cgroup stays in the TUI and metrics. NVML or an explicit --memory-budget-bytes win.
-        source = self.pipeline.memory_source()
-        memory = theirs.get("device_memory_used_ratio", math.nan)
-        runtime_memory = source not in ("nvml", "budget") and not math.isnan(memory)
-        if runtime_memory:
-            changes["device_memory_used_ratio"] = memory
-        self._pace_host(policy_signal=not runtime_memory and source != "nvml")
-        return self.pipeline.signals(wanted=wanted, overrides=changes, reuse_ns=SIGNALS_REUSE_NS)
+        are reused while no data came in for up to windows.SIGNALS_REUSE_NS (agent/outputs/windows.py).
+        Made by the compiled ``PolicySignals`` (agent/pipeline.py), which the policy loop calls."""
+        return self._policy_source()()
 
-    def _wanted_signals(self) -> frozenset[str] | None:
-        """The Signals fields the enabled rules read (None: no policy, every one)."""
+    def _policy_source(self) -> PolicySignals:
+        """The policy's signal source for the runtime stats it reads now (made again when they change)."""
+        held = self._policy_signals
+        if held is None or held.stats is not self.stats_signals:
+            held = self._policy_signals = PolicySignals(
+                self.pipeline, self.stats_signals, rules=self._policy_rules, own=self._own_signals,
+                pace=self._pace_host, nvtx=self.nvtx)
+        return held
+
+    def _policy_rules(self) -> tuple[RuleSpec, ...] | None:
         engine = self.policy
-        if engine is None:
-            return None
-        rules = engine.rules
-        held = self._wanted
-        if held is None or held[0] is not rules:  # (the engine's tuple, made once per config)
-            held = self._wanted = (rules, frozenset(spec.signal for spec in rules))
-        return held[1]
+        return None if engine is None else engine.rules
 
     def _own_signals(self, wanted: frozenset[str] | None) -> dict[str, Any]:
         """Signals a subclass computes itself, as Signals fields (none here)."""

@@ -12,10 +12,12 @@ structure and the metric definitions live in the modules named above.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 from opentelemetry.util.types import AttributeValue
 
@@ -40,8 +42,9 @@ from moescope.agent.outputs import (
     TraceOutput,
     WindowsOutput,
 )
+from moescope.agent.outputs.windows import SIGNALS_REUSE_NS
 from moescope.agent.policy.actuator import RuntimeState
-from moescope.agent.policy.rules import Signals
+from moescope.agent.policy.rules import RuleSpec, Signals
 from moescope.collectors.moe_convention import StepEvent
 from moescope.collectors.registry import TelemetryRecord
 from moescope.probes.ingress.loader import IngressRecord
@@ -171,3 +174,75 @@ def resource_attributes(pids: Iterable[int]) -> dict[str, AttributeValue]:
             if cmdline is not None:
                 attrs["process.command_line"] = " ".join(cmdline).strip()[:512]
     return attrs
+
+
+class RuntimeStatsReader(Protocol):
+    """What PolicySignals reads of the runtime's stats (agent/policy/stats_source.py
+    RuntimeStatsSignals; a Protocol, so a stand-in is taken too)."""
+
+    with_routing: bool
+    clock: Callable[[], float]
+
+    def read_values(self, now_s: float) -> dict[str, Any]: ...
+
+
+class PolicySignals:
+    """The policy loop's source (agent/observe.py ``Observers.policy_signals``): the pipeline's
+    windows, plus the runtime's queue depths from its stats page or socket (and its own routing and
+    memory view where NVTX is off or nothing better reports memory): the fields the policy's rules
+    read (the others are left NaN / empty). Compiled with the hot path: it runs five times a second
+    for the agent's whole life, and as interpreted glue it was ~3 % of the agent's CPU at the
+    reference load (docs/benchmarks.md "The policy's wake-up compiled").
+
+    ``own(wanted)`` gives the fields the agent computes itself (the kernel requests' p99);
+    ``pace(policy_signal=...)`` is told each period whether the host sampler carries the policy's
+    memory signal (the runtime's own accounting and NVML do otherwise); ``nvtx`` is the agent's list
+    of NVTX collectors, read each period (empty: NVTX is off)."""
+
+    def __init__(self, pipeline: Pipeline, stats: RuntimeStatsReader | None, *,
+                 rules: Callable[[], Sequence[RuleSpec] | None],
+                 own: Callable[[frozenset[str] | None], dict[str, Any]],
+                 pace: Callable[..., None], nvtx: Sequence[object]) -> None:
+        self.pipeline = pipeline
+        self.stats = stats
+        self.rules = rules
+        self.own = own
+        self.pace = pace
+        self.nvtx = nvtx  # the NVTX collectors (added to as targets come; none: NVTX is off)
+        self._wanted: tuple[object, frozenset[str]] | None = None  # (the rules, the fields they read)
+
+    def wanted(self) -> frozenset[str] | None:
+        """The Signals fields the enabled rules read (None: no policy, every one)."""
+        rules = self.rules()
+        if rules is None:
+            return None
+        held = self._wanted
+        if held is None or held[0] is not rules:  # (the engine's tuple, made once per config)
+            held = self._wanted = (rules, frozenset(spec.signal for spec in rules))
+        return held[1]
+
+    def __call__(self) -> Signals:
+        wanted = self.wanted()
+        changes: dict[str, Any] = self.own(wanted)
+        pipeline = self.pipeline
+        stats = self.stats
+        if stats is None:
+            self.pace(policy_signal=pipeline.memory_source() != "nvml")
+            return pipeline.signals(wanted=wanted, overrides=changes, reuse_ns=SIGNALS_REUSE_NS)
+        # The runtime's own routing view is only the fallback where NVTX is off: skip computing it.
+        nvtx = len(self.nvtx) > 0
+        stats.with_routing = not nvtx
+        theirs = stats.read_values(stats.clock())  # (its fields: no snapshot of its own to unpack)
+        changes["expert_queue_tokens"] = theirs.get("expert_queue_tokens", {})  # (a new dict every period: not copied)
+        if not nvtx:  # no NVTX: routing and memory as the runtime reports them
+            changes["expert_load_gini"] = dict(theirs.get("expert_load_gini", {}))
+            changes["router_entropy_ratio"] = dict(theirs.get("router_entropy_ratio", {}))
+        # Without a GPU the runtime's own device-pool accounting is the device memory signal; host
+        # RSS / cgroup stays in the TUI and metrics. NVML or an explicit --memory-budget-bytes win.
+        source = pipeline.memory_source()
+        memory = theirs.get("device_memory_used_ratio", math.nan)
+        runtime_memory = source != "nvml" and source != "budget" and not math.isnan(memory)
+        if runtime_memory:
+            changes["device_memory_used_ratio"] = memory
+        self.pace(policy_signal=not runtime_memory and source != "nvml")
+        return pipeline.signals(wanted=wanted, overrides=changes, reuse_ns=SIGNALS_REUSE_NS)

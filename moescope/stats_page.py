@@ -54,9 +54,11 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -267,6 +269,8 @@ def busy_numpy(buf: bytes | bytearray | memoryview, layers: int, experts: int, f
 
 
 busy_of_copy = busy_numpy if _native is None else _native.busy
+# StatsPageReader.read_busy's whole read in one native call (None: the Python path, as without it)
+read_busy_native: Callable[..., Any] | None = None if _native is None else _native.read_busy
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,9 +364,11 @@ class StatsPageReader:
         (``_page_busy``: no arrays are made). Returned again while the page has had no update and
         held no peak, as ``read`` does (for the same ``floor``)."""
         last = self._last
-        if (last is not None and type(last[0]) is PageBusy and last[1] == floor
-                and self._unchanged(last[0])):
-            return last[0]
+        held = last[0] if last is not None and type(last[0]) is PageBusy and last[1] == floor else None
+        if read_busy_native is not None:
+            return self._read_busy_native(floor, held)
+        if held is not None and self._unchanged(held):
+            return held
         self._last = None
         copied = self._copy(HEADER_BYTES + 32 * self.layers * self.experts)
         if copied is None:
@@ -374,6 +380,34 @@ class StatsPageReader:
         if not peaks:
             self._last = (busy, floor)
         return busy
+
+    def _read_busy_native(self, floor: float, held: PageBusy | None) -> PageBusy | None:
+        """read_busy in one native call (``_page_busy.read_busy``: the version check, the seqlock
+        copy and the busy pass), with the same outcomes and errors as the Python path."""
+        native = read_busy_native
+        assert native is not None
+        if self._fd < 0:
+            raise StatsPageError(f"stats page {self.path}: closed")
+        try:
+            got = native(self._fd, self._buf, self.layers, self.experts, float(floor),
+                                   peak_bucket(time.monotonic_ns()), held is not None,
+                                   held.version if held is not None else 0, held.updates if held is not None else 0)
+        except OSError as exc:
+            raise StatsPageError(f"stats page {self.path}: read failed: {exc.strerror}") from None
+        if got is None:
+            return held  # no update since it
+        self._last = None
+        if len(got) == 5:
+            busy = PageBusy(*got)
+            if not busy.peaks:
+                self._last = (busy, floor)
+            return busy
+        if got[0] == 0:
+            return None  # the writer was mid-update on every try
+        if got[0] == -1:
+            what = "header bytes" if got[2] == 16 else "bytes"
+            raise StatsPageError(f"stats page {self.path}: cut short ({got[1]} of {got[2]} {what})")
+        raise StatsPageError(f"stats page {self.path}: its header changed")
 
     def _unchanged(self, last: PageSnapshot | PageBusy) -> bool:
         """The page has had no update since ``last`` (its version and updates read: 16 bytes)."""

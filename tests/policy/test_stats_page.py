@@ -562,7 +562,21 @@ def test_the_busy_experts_are_made_natively_as_numpy_makes_them() -> None:
         native.busy("not bytes", 1, 1, 1.0, 0, 0)  # type: ignore[arg-type]
 
 
-def test_busy_reads_follow_the_page(clocked_page: tuple[dict[str, int], StatsPageWriter, StatsPageReader]) -> None:
+@pytest.fixture(params=["native", "python"])
+def busy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """read_busy as the agent runs it (one native call: moescope/_page_busy.c read_busy) and the
+    Python path a checkout without the extension takes: every read_busy test runs on both."""
+    from moescope import stats_page
+
+    if request.param == "native":
+        assert stats_page.read_busy_native is not None, "moescope._page_busy is not built (pip install -e .)"
+    else:
+        monkeypatch.setattr(stats_page, "read_busy_native", None)
+    return str(request.param)
+
+
+def test_busy_reads_follow_the_page(clocked_page: tuple[dict[str, int], StatsPageWriter, StatsPageReader],
+                                    busy_path: str) -> None:
     # read_busy: the queued (level at or past the floor) and penalised experts of one update; the
     # same object again while the page has no update and holds no peak, as read() does
     clock, page, reader = clocked_page
@@ -593,6 +607,40 @@ def test_busy_reads_follow_the_page(clocked_page: tuple[dict[str, int], StatsPag
     reader.close()
     with pytest.raises(StatsPageError, match="closed"):
         reader.read_busy(25.0)
+
+
+def test_a_busy_read_survives_the_page_changing_under_it(writer: StatsPageWriter, busy_path: str) -> None:
+    # the policy's own read of the page refuses a changed header and a truncated page in one line
+    # (the poller then counts it and reads `stats` over the socket), and gives a period up while the
+    # writer is stuck mid-update, whether the version check or the copy meets it
+    reader = open_reader(writer)
+    try:
+        write(writer, queue_depth=np.full((3, 5), 60))
+        busy = reader.read_busy(50.0)
+        assert busy is not None and len(busy.queued) == 15 and reader.read_busy(50.0) is busy
+        with open(writer.path, "r+b") as f:
+            f.seek(24)
+            f.write(struct.pack("<QQQ", 7, busy.version, busy.updates + 1))  # odd seq, an update under way
+        assert reader.read_busy(50.0) is None and reader.read_busy(50.0) is None  # no spin, no stale copy
+        with open(writer.path, "r+b") as f:
+            f.seek(24)
+            f.write(struct.pack("<Q", 8))
+            f.seek(16)
+            f.write(struct.pack("<I", 4))  # the header says another shape now
+        with pytest.raises(StatsPageError, match="header changed") as info:
+            reader.read_busy(50.0)
+        assert "\n" not in str(info.value) and str(writer.path) in str(info.value)
+        os.truncate(writer.path, 100)  # cut short: a short read (a mapping would SIGBUS here)
+        with pytest.raises(StatsPageError, match=r"cut short \(100 of 544 bytes\)"):
+            reader.read_busy(50.0)
+        os.truncate(writer.path, 40)  # cut inside the version words, with a busy read held to check
+        reader._last = (busy, 50.0)  # (as after an unchanged period: the version words are read first)
+        with pytest.raises(StatsPageError, match=r"cut short \(8 of 16 header bytes\)"):
+            reader.read_busy(50.0)
+    finally:
+        reader.close()
+    with pytest.raises(StatsPageError, match="closed"):
+        reader.read_busy(50.0)
 
 
 def test_an_idle_page_gives_the_same_queue_signal_until_a_sticky_expert_expires(tmp_path: Path) -> None:
