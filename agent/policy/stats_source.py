@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from moescope.agent.policy.actuator import PLACEMENT_FIELDS, CommandFailed, ControlConnection, RuntimeState
-from moescope.agent.policy.rules import RuleSpec, Signals, fires_upward, make_signals
+from moescope.agent.policy.rules import RuleSpec, Signals, fires_upward, make_signals, vouch_expert_values
 from moescope.agent.routing_health import LayerRouting, RoutingHealthWindow, normalised_router_entropy
 from moescope.collectors.registry import SourceHealth
 from moescope.stats_page import LAYOUT_NAME, PageBusy, PageSnapshot, StatsPageError, StatsPageReader
@@ -334,7 +334,7 @@ class RuntimeStatsSignals:
             self._queue_shape = (layers, experts)
         idle = self._idle_queue
         if idle is not None and page is idle[0] and now_s <= idle[2]:
-            return idle[1]  # no update since, nothing busy in it, no sticky expert expired yet
+            return vouch_expert_values(idle[1])  # no update since, nothing busy in it, no sticky expert expired yet
         self._idle_queue = None
         queued: dict[tuple[int, int], float]  # the experts at or past the floor, with their queue
         if page is not None:  # (a period beside NVTX served by the runtime's page: _read)
@@ -360,7 +360,8 @@ class RuntimeStatsSignals:
                 queue[key] = float(value)
         if page is not None and not busy:
             self._idle_queue = (page, queue, min(last.values(), default=math.inf) + sticky_s)
-        return queue
+        # its keys are the checked (int, int) of `last`, its values floats: Signals.targets reads it as it is
+        return vouch_expert_values(queue)
 
     @staticmethod
     def _memory_ratio(state: RuntimeState) -> float:

@@ -222,6 +222,21 @@ def test_per_expert_values_already_targets_are_read_as_they_are() -> None:
         Signals(t_s=0.0, expert_queue_tokens={(0, 1, 2): 1.0}).targets("expert_queue_tokens")  # type: ignore[dict-item]
 
 
+def test_a_vouched_per_expert_mapping_is_read_without_its_type_check() -> None:
+    # The runtime's queue signal is made of checked ints and floats (stats_source._queue) and vouched
+    # for: read as it is with no pass over its 14,848 entries at 58 x 256; what nobody vouched for (or
+    # no longer: only the newest VOUCHED_HELD are held) is checked and converted as ever.
+    from moescope.agent.policy import rules
+
+    odd = {(0, 1): 1}  # an int value: converted when checked
+    assert rules.vouch_expert_values(odd) is odd
+    assert Signals(t_s=0.0, expert_queue_tokens=odd).targets("expert_queue_tokens") is odd  # type: ignore[arg-type]
+    for _ in range(rules.VOUCHED_HELD):
+        rules.vouch_expert_values({})
+    got = Signals(t_s=0.0, expert_queue_tokens=odd).targets("expert_queue_tokens")  # type: ignore[arg-type]
+    assert got == {(0, 1): 1.0} and got is not odd and type(got[(0, 1)]) is float
+
+
 def test_a_per_target_rule_follows_at_most_max_targets_the_furthest_past_its_threshold_first() -> None:
     # Thousands of experts over the queue limit at DeepSeek-V3's shape: a rule follows max_targets of
     # them, the deepest queues first; the others are counted, and start once the rule has room.

@@ -73,3 +73,18 @@ def test_the_queue_signal_is_the_per_expert_loops(floor: float, seed: int) -> No
         want = definition(held, state, now_s, floor_setting=floor, sticky_s=2.0)
         assert list(got.items()) == list(want.items()), f"period {period}"
     assert any(value == 0.0 for value in got.values()) or not got
+
+
+def test_the_queue_signal_is_vouched_for() -> None:
+    # what the stats source hands the policy each period is made of checked (int, int) keys and
+    # floats: Signals.targets takes it as it is (rules.vouch_expert_values), with no pass over it
+    from moescope.agent.policy import rules
+    from moescope.agent.policy.rules import Signals
+
+    signals = RuntimeStatsSignals("/nonexistent.sock", timeout_s=1.0, queue_floor=25.0)
+    state = dataclasses.replace(base_state(2, 3), queue_depth={(0, 1): 60, (1, 2): 3}, penalty={(1, 0): 0.3})
+    queue = signals._queue(state, 100.0)
+    assert queue == {(0, 1): 60.0, (1, 0): 0.0} and all(type(v) is float for v in queue.values())
+    assert any(held is queue for held in rules._VOUCHED)
+    assert Signals(t_s=100.0, expert_queue_tokens=queue).targets("expert_queue_tokens") is queue
+
