@@ -24,7 +24,11 @@ A baseline tree: `git archive REV | tar -x -C /tmp/base`, with every native libr
 and the extension modules agent/export/_otlp_span*.so and moescope/_page_busy*.so: without the last two
 the baseline writes spans and reads the stats page in Python, ~3.5 ms/s more on the main thread).
 The hot path's mypyc build (build/compiled/) belongs to one tree: compare two trees with
-MOESCOPE_COMPILED=0 in the environment (both pure Python) unless the baseline has its own build. Writes
+MOESCOPE_COMPILED=0 in the environment (both pure Python) unless the baseline has its own build. To
+give it one (both arms compiled, as the agent runs): `git worktree add /work/base REV`, the native
+libraries copied in as above, then in it `PYTHONPATH=/work/base /path/to/.venv/bin/python
+scripts/compile_hot.py` (~3.5 min; without PYTHONPATH the script finds this checkout's sources
+through the editable install and says they are up to date). Writes
 bench-results/agent_ab.json. Exit status: 0 done, 2 bad options, 4 a run could not be carried out
 (the runtime or an agent did not come up, or a request failed).
 """
