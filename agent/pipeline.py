@@ -192,7 +192,8 @@ class PolicySignals:
     memory view where NVTX is off or nothing better reports memory): the fields the policy's rules
     read (the others are left NaN / empty). Compiled with the hot path: it runs five times a second
     for the agent's whole life, and as interpreted glue it was ~3 % of the agent's CPU at the
-    reference load (docs/benchmarks.md "The policy's wake-up compiled").
+    reference load (docs/benchmarks.md "The policy's wake-up compiled; the stats page read in one
+    native call").
 
     ``own(wanted)`` gives the fields the agent computes itself (the kernel requests' p99);
     ``pace(policy_signal=...)`` is told each period whether the host sampler carries the policy's

@@ -390,8 +390,8 @@ class StatsPageReader:
             raise StatsPageError(f"stats page {self.path}: closed")
         try:
             got = native(self._fd, self._buf, self.layers, self.experts, float(floor),
-                                   peak_bucket(time.monotonic_ns()), held is not None,
-                                   held.version if held is not None else 0, held.updates if held is not None else 0)
+                         peak_bucket(time.monotonic_ns()), held is not None,
+                         held.version if held is not None else 0, held.updates if held is not None else 0)
         except OSError as exc:
             raise StatsPageError(f"stats page {self.path}: read failed: {exc.strerror}") from None
         if got is None:

@@ -10,7 +10,7 @@ import math
 import random
 import threading
 from pathlib import Path
-from typing import Unpack
+from typing import Any, Unpack
 
 import pytest
 from cpu_burn import burn_thread_cpu
@@ -228,12 +228,12 @@ def test_a_vouched_per_expert_mapping_is_read_without_its_type_check() -> None:
     # no longer: only the newest VOUCHED_HELD are held) is checked and converted as ever.
     from moescope.agent.policy import rules
 
-    odd = {(0, 1): 1}  # an int value: converted when checked
+    odd: dict[tuple[int, int], Any] = {(0, 1): 1}  # an int value: converted when checked
     assert rules.vouch_expert_values(odd) is odd
-    assert Signals(t_s=0.0, expert_queue_tokens=odd).targets("expert_queue_tokens") is odd  # type: ignore[arg-type]
+    assert Signals(t_s=0.0, expert_queue_tokens=odd).targets("expert_queue_tokens") is odd
     for _ in range(rules.VOUCHED_HELD):
         rules.vouch_expert_values({})
-    got = Signals(t_s=0.0, expert_queue_tokens=odd).targets("expert_queue_tokens")  # type: ignore[arg-type]
+    got = Signals(t_s=0.0, expert_queue_tokens=odd).targets("expert_queue_tokens")
     assert got == {(0, 1): 1.0} and got is not odd and type(got[(0, 1)]) is float
 
 
