@@ -71,11 +71,7 @@ def pids_listening_on(port: int, *, proc_root: Path = PROC) -> list[int]:
     Several with SO_REUSEPORT or a pre-forking server: all of them are returned."""
     if not 1 <= port <= 65535:
         raise errors.UsageError(f"--port must be 1..65535, got {port}")
-    inodes = {
-        s.inode
-        for s in procnet.read_tcp_tables(net_dir=proc_root / "net")
-        if s.state == procnet.TCP_LISTEN and s.local_port == port
-    }
+    inodes = {s.inode for s in procnet.listening_sockets(proc_root=proc_root) if s.local_port == port}
     if not inodes:
         raise errors.PortNotListening(f"nothing is listening on TCP port {port}")
     own = os.getpid()

@@ -117,6 +117,12 @@ def read_hf_own(doc: dict[str, Any]) -> tuple[bool, str]:
     )
 
 
+def read_listening_scan(doc: dict[str, Any]) -> tuple[bool, str]:
+    return bool(doc["bar_met"]), (
+        f"listening sockets: sock_diag {doc['sock_diag_us_per_read']:.0f} us a read against /proc "
+        f"{doc['proc_us_per_read']:.0f} (B/A {doc['ratio_b_over_a']:.3f})")
+
+
 def read_stats_poll(doc: dict[str, Any]) -> tuple[bool, str]:
     return bool(doc["bar_met"]), "; ".join(
         f"{r['shape']} narrowed agent {r['narrowed_agent_ms_per_poll']:.2f} (loaded "
@@ -159,6 +165,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("ingress_load", (), ("--seconds", "2", "--connections", "1", "64"), "ingress_load.json",
               read_ingress_load),
     Benchmark("stats_poll", (), ("--pairs", "1", "--polls", "10"), "stats_poll.json", read_stats_poll),
+    Benchmark("listening_scan", (), ("--pairs", "2", "--reads", "10"), "listening_scan.json", read_listening_scan),
     Benchmark("host_ab", (), ("--pairs", "2", "--duration-s", "5", "--warmup-s", "2"), "host_ab.json", read_host_ab),
     Benchmark("agent_threads", (), ("--runs", "1", "--idle-s", "3", "--duration-s", "5"), "agent_threads.json",
               read_agent_threads),

@@ -47,9 +47,11 @@ register_stream(
 )
 
 DEFAULT_PERIOD_S = 1.0  # counters and netstat; events are drained on every poll
-# Listening sockets are opened once at start: a slow refresh is enough. It is also dear: reading
-# /proc/PID/net/tcp{,6} walks the kernel's whole established hash (262144 buckets here) whatever the
-# namespace holds, 11 ms of CPU for the pair on this VM, so 5 s was 0.2 % of a core on its own.
+# Listening sockets are opened once at start: a slow refresh is enough. In another network namespace
+# than the agent's it is also dear: reading /proc/PID/net/tcp{,6} walks the kernel's whole
+# established hash (262144 buckets here) whatever the namespace holds, 2.5-11 ms of CPU for the pair
+# on this VM (in the agent's own namespace a sock_diag dump of the listening hash: ~0.03 ms,
+# probes/ingress/procnet.py listening_sockets).
 DEFAULT_PORTS_REFRESH_S = 30.0
 DEFAULT_WINDOW_NS = 10_000_000_000  # the policy's sliding windows (10 s)
 NETSTAT_GROUP = "TcpExt"
@@ -155,8 +157,7 @@ def listening_ports(pid: int, *, proc_root: Path = Path("/proc")) -> frozenset[i
     fds = procnet.socket_fds(pid, proc_root=proc_root)
     if not fds:
         return frozenset()
-    table = procnet.read_tcp_tables(net_dir=proc_root / str(pid) / "net")
-    return frozenset(s.local_port for s in table if s.state == procnet.TCP_LISTEN and s.inode in fds)
+    return frozenset(s.local_port for s in procnet.listening_sockets(pid, proc_root=proc_root) if s.inode in fds)
 
 
 # ---------------------------------------------------------------- the source

@@ -1,15 +1,32 @@
-"""Read TCP sockets from procfs: /proc/<pid>/net/tcp{,6} tables and /proc/<pid>/fd socket inodes.
+"""Read TCP sockets: /proc/<pid>/net/tcp{,6} tables, /proc/<pid>/fd socket inodes, and the
+listening sockets from the kernel's sock_diag netlink interface.
 
-Used at attach (seed connections opened before the probe) and by `agent start --port` (find the
-processes holding a listening socket). `proc_root` lets tests point the parsers at fixture trees.
+Used at attach (seed connections opened before the probe), by `agent start --port` (find the
+processes holding a listening socket, and while a port waits for a restarted server, rescan it every
+200 ms) and by the netsig source (each target's listening ports, every 30 s). `proc_root` lets tests
+point the parsers at fixture trees.
+
+Listening sockets (``listening_sockets``) come from sock_diag where the namespace is the agent's
+own: a dump that asks for the LISTEN state only walks the kernel's listening hash. Reading
+/proc/<pid>/net/tcp{,6} walks the whole established hash as well (262,144 buckets on this VM)
+whatever the namespace holds: ~2.5 ms of CPU a read of the pair, against ~0.03 ms for the dump
+(`benchmarks/listening_scan.py`). Another namespace's sockets, a kernel without inet_diag, or a
+refused dump: /proc, as before.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
+import socket
+import struct
 from dataclasses import dataclass
 from pathlib import Path
+
+from moescope.procfs import PROC
+
+log = logging.getLogger(__name__)
 
 TCP_ESTABLISHED = 0x01
 TCP_CLOSE_WAIT = 0x08
@@ -84,6 +101,94 @@ def read_tcp_tables(*, net_dir: Path) -> list[TcpSocket]:
             continue  # no IPv6 in this kernel/namespace
         sockets.extend(parse_tcp_table(text, family=family))
     return sockets
+
+
+# sock_diag, as <linux/netlink.h>, <linux/sock_diag.h> and <linux/inet_diag.h> define it.
+NETLINK_SOCK_DIAG = 4
+SOCK_DIAG_BY_FAMILY = 20
+NLM_F_REQUEST = 0x1
+NLM_F_DUMP = 0x300  # NLM_F_ROOT | NLM_F_MATCH
+NLMSG_ERROR = 2
+NLMSG_DONE = 3
+IPPROTO_TCP = 6
+_NLMSG = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
+# inet_diag_req_v2: family, protocol, ext, pad, states; its inet_diag_sockid (48 bytes) left zero
+_DIAG_REQUEST = struct.Struct("=BBBBI48x")
+# inet_diag_msg: family, state, timer, retrans; sockid: sport, dport (big-endian), src, dst
+# (16 bytes each, network order), interface, cookie; expires, rqueue, wqueue, uid, inode
+_DIAG_MSG = struct.Struct("=BBBB2s2s16s16sI8xIIIII")
+DIAG_RECV_BYTES = 1 << 16
+DIAG_TIMEOUT_S = 1.0  # a dump of the listening hash takes microseconds; never wait on it for long
+DIAG_MAX_SOCKETS = 1 << 16  # a bound on one dump (a host with more listeners reads /proc instead)
+
+
+def _diag_listening(family: int) -> list[TcpSocket]:
+    """This namespace's TCP sockets of `family` in the LISTEN state, from one sock_diag dump.
+    Raises OSError when the kernel refuses or answers out of shape (the caller reads /proc)."""
+    request = _DIAG_REQUEST.pack(family, IPPROTO_TCP, 0, 0, 1 << TCP_LISTEN)
+    header = _NLMSG.pack(_NLMSG.size + len(request), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0)
+    found: list[TcpSocket] = []
+    addr_len = 4 if family == AF_INET else 16
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG) as sock:
+        sock.settimeout(DIAG_TIMEOUT_S)
+        sock.sendto(header + request, (0, 0))
+        while len(found) <= DIAG_MAX_SOCKETS:
+            data = sock.recv(DIAG_RECV_BYTES)
+            if not data:
+                raise OSError("sock_diag: the dump ended without NLMSG_DONE")
+            offset = 0
+            while offset + _NLMSG.size <= len(data):
+                length, kind, _flags, _seq, _port = _NLMSG.unpack_from(data, offset)
+                if length < _NLMSG.size or offset + length > len(data):
+                    raise OSError(f"sock_diag: a message of {length} bytes at {offset} of {len(data)}")
+                if kind == NLMSG_DONE:
+                    return found
+                if kind == NLMSG_ERROR:
+                    errno = -struct.unpack_from("=i", data, offset + _NLMSG.size)[0] if length >= 20 else 0
+                    raise OSError(errno, f"sock_diag refused the dump: {os.strerror(errno) if errno else '?'}")
+                if kind == SOCK_DIAG_BY_FAMILY:
+                    if length < _NLMSG.size + _DIAG_MSG.size:
+                        raise OSError(f"sock_diag: a socket message of {length} bytes")
+                    (fam, state, _timer, _retrans, sport, _dport, src, _dst, _if,
+                     _expires, _rqueue, _wqueue, _uid, inode) = _DIAG_MSG.unpack_from(data, offset + _NLMSG.size)
+                    found.append(TcpSocket(inode=inode, state=state, family=fam, local_addr=src[:addr_len],
+                                           local_port=int.from_bytes(sport, "big"),
+                                           remote_addr=bytes(addr_len), remote_port=0))
+                offset += (length + 3) & ~3  # NLMSG_ALIGN
+    raise OSError(f"sock_diag: more than {DIAG_MAX_SOCKETS} listening sockets")
+
+
+def same_netns(pid: int | None, *, proc_root: Path = PROC) -> bool:
+    """Whether process `pid` (None: this one) is in this process's network namespace; False when
+    either cannot be read."""
+    if pid is None:
+        return True
+    try:
+        theirs = os.stat(proc_root / str(pid) / "ns" / "net")
+        ours = os.stat(proc_root / "self" / "ns" / "net")
+    except OSError:
+        return False
+    return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
+
+
+_diag_failures = 0  # (the first is logged; /proc answers every call)
+
+
+def listening_sockets(pid: int | None = None, *, proc_root: Path = PROC) -> list[TcpSocket]:
+    """The TCP sockets in the LISTEN state (IPv4, then IPv6) in the network namespace of `pid`
+    (None: the agent's own, /proc/net). From sock_diag when that namespace is this process's own
+    and `proc_root` is the real /proc (module docstring); else, or when the dump fails, from
+    /proc/<pid>/net/tcp{,6}. Either way the same sockets, fields and order of families."""
+    global _diag_failures
+    if proc_root == PROC and same_netns(pid, proc_root=proc_root):
+        try:
+            return [*_diag_listening(AF_INET), *_diag_listening(AF_INET6)]
+        except OSError as exc:
+            _diag_failures += 1
+            if _diag_failures == 1:
+                log.info("listening sockets from /proc instead of sock_diag: %s", exc)
+    net_dir = proc_root / "net" if pid is None else proc_root / str(pid) / "net"
+    return [s for s in read_tcp_tables(net_dir=net_dir) if s.state == TCP_LISTEN]
 
 
 def socket_fds(pid: int, *, proc_root: Path = Path("/proc")) -> dict[int, int]:
