@@ -120,6 +120,7 @@ _DIAG_MSG = struct.Struct("=BBBB2s2s16s16sI8xIIIII")
 DIAG_RECV_BYTES = 1 << 16
 DIAG_TIMEOUT_S = 1.0  # a dump of the listening hash takes microseconds; never wait on it for long
 DIAG_MAX_SOCKETS = 1 << 16  # a bound on one dump (a host with more listeners reads /proc instead)
+DIAG_MAX_RECVS = 1 << 12  # and on its replies (~70 listeners fit in one)
 
 
 def _diag_listening(family: int) -> list[TcpSocket]:
@@ -132,30 +133,42 @@ def _diag_listening(family: int) -> list[TcpSocket]:
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG) as sock:
         sock.settimeout(DIAG_TIMEOUT_S)
         sock.sendto(header + request, (0, 0))
-        while len(found) <= DIAG_MAX_SOCKETS:
+        for _ in range(DIAG_MAX_RECVS):
+            if len(found) > DIAG_MAX_SOCKETS:
+                break
             data = sock.recv(DIAG_RECV_BYTES)
             if not data:
                 raise OSError("sock_diag: the dump ended without NLMSG_DONE")
-            offset = 0
-            while offset + _NLMSG.size <= len(data):
-                length, kind, _flags, _seq, _port = _NLMSG.unpack_from(data, offset)
-                if length < _NLMSG.size or offset + length > len(data):
-                    raise OSError(f"sock_diag: a message of {length} bytes at {offset} of {len(data)}")
-                if kind == NLMSG_DONE:
-                    return found
-                if kind == NLMSG_ERROR:
-                    errno = -struct.unpack_from("=i", data, offset + _NLMSG.size)[0] if length >= 20 else 0
-                    raise OSError(errno, f"sock_diag refused the dump: {os.strerror(errno) if errno else '?'}")
-                if kind == SOCK_DIAG_BY_FAMILY:
-                    if length < _NLMSG.size + _DIAG_MSG.size:
-                        raise OSError(f"sock_diag: a socket message of {length} bytes")
-                    (fam, state, _timer, _retrans, sport, _dport, src, _dst, _if,
-                     _expires, _rqueue, _wqueue, _uid, inode) = _DIAG_MSG.unpack_from(data, offset + _NLMSG.size)
-                    found.append(TcpSocket(inode=inode, state=state, family=fam, local_addr=src[:addr_len],
-                                           local_port=int.from_bytes(sport, "big"),
-                                           remote_addr=bytes(addr_len), remote_port=0))
-                offset += (length + 3) & ~3  # NLMSG_ALIGN
-    raise OSError(f"sock_diag: more than {DIAG_MAX_SOCKETS} listening sockets")
+            if parse_diag_reply(data, found, addr_len=addr_len):
+                return found
+    raise OSError(f"sock_diag: no end of the dump after {len(found)} listening sockets")
+
+
+def parse_diag_reply(data: bytes, found: list[TcpSocket], *, addr_len: int) -> bool:
+    """One sock_diag reply: its listening sockets appended to `found`; True at NLMSG_DONE. Raises
+    OSError for a refusal (NLMSG_ERROR) or a message out of shape (cut short, a length that does
+    not advance); messages of other types are passed over."""
+    offset = 0
+    while offset + _NLMSG.size <= len(data):
+        length, kind, _flags, _seq, _port = _NLMSG.unpack_from(data, offset)
+        if length < _NLMSG.size or offset + length > len(data):
+            raise OSError(f"sock_diag: a message of {length} bytes at {offset} of {len(data)}")
+        if kind == NLMSG_DONE:
+            return True
+        if kind == NLMSG_ERROR:
+            errno = -struct.unpack_from("=i", data, offset + _NLMSG.size)[0] if length >= _NLMSG.size + 4 else 0
+            raise OSError(errno, f"sock_diag refused the dump: {os.strerror(errno) if errno > 0 else '?'}")
+        if kind == SOCK_DIAG_BY_FAMILY:
+            if length < _NLMSG.size + _DIAG_MSG.size:
+                raise OSError(f"sock_diag: a socket message of {length} bytes")
+            (family, state, _timer, _retrans, sport, _dport, src, _dst, _if,
+             _expires, _rqueue, _wqueue, _uid, inode) = _DIAG_MSG.unpack_from(data, offset + _NLMSG.size)
+            if state == TCP_LISTEN:  # (asked for LISTEN only; anything else is not taken)
+                found.append(TcpSocket(inode=inode, state=state, family=family, local_addr=src[:addr_len],
+                                       local_port=int.from_bytes(sport, "big"),
+                                       remote_addr=bytes(addr_len), remote_port=0))
+        offset += (length + 3) & ~3  # NLMSG_ALIGN
+    return False
 
 
 def same_netns(pid: int | None, *, proc_root: Path = PROC) -> bool:

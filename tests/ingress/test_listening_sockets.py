@@ -3,9 +3,11 @@ same moment: real sockets of this test, and a listener in a network namespace th
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -130,3 +132,39 @@ def test_another_namespace_is_read_from_its_proc(other_namespace_listener: tuple
         assert pid not in targets.pids_listening_on(port)
     except errors.PortNotListening:
         pass
+
+
+def _message(kind: int, payload: bytes, *, length: int | None = None) -> bytes:
+    size = 16 + len(payload) if length is None else length
+    return struct.pack("=IHHII", size, kind, 0, 1, 0) + payload
+
+
+def _socket_message(port: int, inode: int, *, state: int = procnet.TCP_LISTEN) -> bytes:
+    src = bytes([127, 0, 0, 1]) + bytes(12)
+    payload = struct.pack("=BBBB", procnet.AF_INET, state, 0, 0) + port.to_bytes(2, "big") + bytes(2)
+    payload += src + bytes(16) + struct.pack("=I8xIIIII", 0, 0, 0, 0, 0, inode)
+    return _message(procnet.SOCK_DIAG_BY_FAMILY, payload)
+
+
+def test_hostile_replies_are_refused_or_passed_over_never_a_hang() -> None:
+    """The reply parser against replies the kernel does not send: each is an OSError (the caller
+    reads /proc) or is passed over; none loops, none is taken as a socket."""
+    found: list[procnet.TcpSocket] = []
+    done = procnet.parse_diag_reply(_socket_message(8080, 11) + _message(99, b"xxxx")
+                                    + _socket_message(9090, 12, state=procnet.TCP_ESTABLISHED)
+                                    + _message(procnet.NLMSG_DONE, bytes(4)), found, addr_len=4)
+    assert done
+    assert [(s.local_port, s.inode, s.local_addr) for s in found] == [(8080, 11, b"\x7f\x00\x00\x01")]
+    assert not procnet.parse_diag_reply(_socket_message(1, 2), [], addr_len=4)  # more to come
+    hostile = {
+        "a length that does not advance": _message(procnet.SOCK_DIAG_BY_FAMILY, b"", length=0),
+        "a length past the reply": _message(procnet.SOCK_DIAG_BY_FAMILY, bytes(8), length=4096),
+        "a socket message cut short": _message(procnet.SOCK_DIAG_BY_FAMILY, bytes(20)),
+        "a refusal": _message(procnet.NLMSG_ERROR, struct.pack("=i", -errno.ENOENT) + bytes(16)),
+        "a refusal cut short": _message(procnet.NLMSG_ERROR, b""),
+    }
+    for what, reply in hostile.items():
+        with pytest.raises(OSError):
+            procnet.parse_diag_reply(reply, [], addr_len=4)
+            pytest.fail(f"{what}: taken")
+    assert procnet.parse_diag_reply(b"\x00" * 7, [], addr_len=4) is False  # less than a header: nothing
