@@ -26,7 +26,7 @@ from moescope.probes.ingress import procnet
 
 
 def read_proc() -> list[procnet.TcpSocket]:
-    return [s for s in procnet.read_tcp_tables(net_dir=Path("/proc/self/net")) if s.state == procnet.TCP_LISTEN]
+    return procnet.proc_listening_sockets(net_dir=Path("/proc/self/net"))
 
 
 def read_dump() -> list[procnet.TcpSocket]:

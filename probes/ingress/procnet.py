@@ -103,6 +103,12 @@ def read_tcp_tables(*, net_dir: Path) -> list[TcpSocket]:
     return sockets
 
 
+def proc_listening_sockets(*, net_dir: Path) -> list[TcpSocket]:
+    """The LISTEN-state sockets of one namespace's /proc tables (``read_tcp_tables``): the dear read,
+    for another namespace or where sock_diag is refused (``listening_sockets``)."""
+    return [s for s in read_tcp_tables(net_dir=net_dir) if s.state == TCP_LISTEN]
+
+
 # sock_diag, as <linux/netlink.h>, <linux/sock_diag.h> and <linux/inet_diag.h> define it.
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
@@ -200,8 +206,7 @@ def listening_sockets(pid: int | None = None, *, proc_root: Path = PROC) -> list
             _diag_failures += 1
             if _diag_failures == 1:
                 log.info("listening sockets from /proc instead of sock_diag: %s", exc)
-    net_dir = proc_root / "net" if pid is None else proc_root / str(pid) / "net"
-    return [s for s in read_tcp_tables(net_dir=net_dir) if s.state == TCP_LISTEN]
+    return proc_listening_sockets(net_dir=proc_root / "net" if pid is None else proc_root / str(pid) / "net")
 
 
 def socket_fds(pid: int, *, proc_root: Path = Path("/proc")) -> dict[int, int]:
