@@ -13,7 +13,8 @@ import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "bench-results"
 BUILD_DIR = REPO / "build" / "bench"
+# The kernel's per-program accounting (run_time_ns / run_cnt of every loaded eBPF program) is kept
+# while this is 1: two clock reads a program run, so benchmarks turn it on for their window only.
+BPF_STATS_SYSCTL = Path("/proc/sys/kernel/bpf_stats_enabled")
 
 
 Metrics = dict[str, float]
@@ -99,3 +103,44 @@ def build_c(source: Path, *, name: str) -> Path:
     if not binary.exists() or binary.stat().st_mtime < source.stat().st_mtime:
         subprocess.run(["gcc", "-O2", "-Wall", "-Werror", "-o", str(binary), str(source)], check=True)
     return binary
+
+
+@contextmanager
+def bpf_stats_enabled() -> Iterator[bool]:
+    """kernel.bpf_stats_enabled=1 for the block, the previous value restored after; yields whether
+    it could be turned on (False: not root, or a kernel without it: the run times then read 0)."""
+    try:
+        previous = BPF_STATS_SYSCTL.read_text().strip()
+        BPF_STATS_SYSCTL.write_text("1")
+    except OSError:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        BPF_STATS_SYSCTL.write_text(previous)
+
+
+def bpf_run_time_ns(pid: int) -> int:
+    """The kernel-measured run time (ns) of every eBPF program process `pid` holds a descriptor of,
+    summed (/proc/PID/fdinfo of its `bpf-prog` descriptors; root reads another process's). A program
+    runs in the context of whatever fired its hook (a syscall tracepoint: the thread in that syscall),
+    so this CPU is charged to those threads, never to the process that loaded it. Counts only while
+    kernel.bpf_stats_enabled is 1 (``bpf_stats_enabled``); 0 for a process gone or holding none."""
+    total = 0
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return 0
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") != "anon_inode:bpf-prog":
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}") as info:
+                for line in info:
+                    if line.startswith("run_time_ns:"):
+                        total += int(line.split(":", 1)[1])
+                        break
+        except (OSError, ValueError):
+            continue  # closed meanwhile
+    return total

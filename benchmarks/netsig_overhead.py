@@ -27,12 +27,12 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.common import BPF_STATS_SYSCTL as STATS_SYSCTL
 from moescope.collectors.netsig import NetSignalSource
 from moescope.probes.netsig.loader import NetSignalProbe
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench-results" / "netsig_overhead.json"
-STATS_SYSCTL = Path("/proc/sys/kernel/bpf_stats_enabled")
 
 
 def _connections(listener: socket.socket, count: int, *, reset: bool = False) -> None:

@@ -9,6 +9,7 @@ bypass that function) and segments, of which a resent skb can carry two once the
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -128,3 +129,29 @@ def test_a_full_counts_map_and_a_full_ring_are_counted(bpf: None, netns: NetName
         assert len(drained) + small.drops()["ringbuf_full"] == resets
     finally:
         small.close()
+
+
+def test_the_benchmarks_read_a_process_s_program_run_time_from_its_descriptors(
+        netns: NetNamespace, probe: NetSignalProbe) -> None:
+    """benchmarks.common.bpf_run_time_ns (what e2e_overhead reads of the agent from outside it) against
+    the loader's own accounting through bpf(2) (BPF_OBJ_GET_INFO_BY_FD): the run time this process's
+    programs spend on connections the test makes, while bpf_stats_enabled holds the sysctl at 1 and
+    puts it back after."""
+    from benchmarks.common import BPF_STATS_SYSCTL, bpf_run_time_ns, bpf_stats_enabled
+
+    previous = BPF_STATS_SYSCTL.read_text().strip()
+    watched = netns.server("reset")
+    probe.set_ports({watched.port})
+    with bpf_stats_enabled() as on:
+        assert on and BPF_STATS_SYSCTL.read_text().strip() == "1"
+        before_fds = bpf_run_time_ns(os.getpid())
+        before_own = sum(ns for ns, _ in probe.run_stats().values())
+        for mode in ("linger", "hold"):  # state changes and resets: the probe's programs run
+            netns.client("reset-client", str(watched.port), mode)
+        own = sum(ns for ns, _ in probe.run_stats().values()) - before_own
+        fds = bpf_run_time_ns(os.getpid()) - before_fds
+    assert BPF_STATS_SYSCTL.read_text().strip() == previous
+    assert own > 0
+    # every program this process holds is summed (the probe's, and any another test left loaded)
+    assert fds >= own
+    assert bpf_run_time_ns(2**22 + 1) == 0  # no such process: nothing, no error
