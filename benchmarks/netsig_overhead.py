@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import BPF_STATS_SYSCTL as STATS_SYSCTL
+from benchmarks.common import bpf_stats_enabled
 from moescope.collectors.netsig import NetSignalSource
 from moescope.probes.netsig.loader import NetSignalProbe
 
@@ -64,7 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("netsig_overhead: needs root (eBPF)", file=sys.stderr)
         return 2
-    previous = STATS_SYSCTL.read_text().strip()
     probe = NetSignalProbe()
     probe.load()
     watched = socket.socket()
@@ -81,22 +80,23 @@ def main(argv: list[str] | None = None) -> int:
     idle: list[float] = []
     periodic: list[float] = []
     try:
-        STATS_SYSCTL.write_text("1")
-        for phase, listener, count, reset in (
-            ("connections_watched_port", watched, args.connections, False),
-            ("connections_unwatched_port", unwatched, args.connections, False),
-            ("resets_watched_port", watched, args.resets, True),
-        ):
-            before = probe.run_stats()
-            started = time.perf_counter()
-            _connections(listener, count, reset=reset)
-            elapsed_s = time.perf_counter() - started
-            stats = _per_call_ns(before, probe.run_stats())
-            kernel_ns = sum(s["runs"] * s["ns_per_run"] for s in stats.values())
-            phases[phase] = {"connections": count, "programs": stats,
-                             "probe_ns_per_connection": kernel_ns / count,
-                             "workload_us_per_connection": elapsed_s / count * 1e6}
-        STATS_SYSCTL.write_text(previous)
+        with bpf_stats_enabled() as on:
+            if not on:
+                raise OSError("cannot set kernel.bpf_stats_enabled (the kernel's per-program run times)")
+            for phase, listener, count, reset in (
+                ("connections_watched_port", watched, args.connections, False),
+                ("connections_unwatched_port", unwatched, args.connections, False),
+                ("resets_watched_port", watched, args.resets, True),
+            ):
+                before = probe.run_stats()
+                started = time.perf_counter()
+                _connections(listener, count, reset=reset)
+                elapsed_s = time.perf_counter() - started
+                stats = _per_call_ns(before, probe.run_stats())
+                kernel_ns = sum(s["runs"] * s["ns_per_run"] for s in stats.values())
+                phases[phase] = {"connections": count, "programs": stats,
+                                 "probe_ns_per_connection": kernel_ns / count,
+                                 "workload_us_per_connection": elapsed_s / count * 1e6}
         source.poll_now()  # drain what the phases left in the ring
         for _ in range(args.runs):
             t0 = time.thread_time_ns()
@@ -109,7 +109,6 @@ def main(argv: list[str] | None = None) -> int:
             periodic.append((time.thread_time_ns() - t0) / (args.polls // 10))
         counts = {f"{port}/{kind}": n for (port, kind), n in sorted(probe.read_counts().items())}
     finally:
-        STATS_SYSCTL.write_text(previous)
         probe.close()
     result = {
         "kernel": phases,
