@@ -6,8 +6,8 @@ Producers are benchmarks/moe_scale.py's (same shapes, conventions, pacing and ri
 /dev/shm); the agent is `agent start --pid ... --no-policy`, run through a small wrapper that can
 turn tracemalloc on and, on SIGUSR1, writes the top allocation sites and malloc_info to files.
 
-    sudo .venv/bin/python -m benchmarks.agent_memory --shape deepseek-v3 --convention v2-step \
-        --producers 8 --steps-per-s 25 --duration-s 15 [--tracemalloc] [--json-out FILE]
+    sudo .venv/bin/python -m benchmarks.agent_memory --shape deepseek-v3 --convention v2-compact \
+        --vectors held --producers 8 --steps-per-s 25 --duration-s 15 [--tracemalloc] [--json-out FILE]
 
 Reported (JSON, and one summary line): VmHWM/VmRSS/RssAnon/RssFile/RssShmem sampled every 100 ms
 with the agent's stderr phase lines (probe loaded, rings attached) marked; the largest smaps
@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from typing import Any
 
 from benchmarks.common import REPO, RESULTS_DIR
 from benchmarks.moe_scale import (
+    CONVENTIONS,
     SHAPES,
     START_TIMEOUT_S,
     BenchError,
@@ -64,6 +66,7 @@ def dump(_signum, _frame):
     base = os.path.join(dump_dir, f"dump{count[0]}")
     if tracemalloc.is_tracing():
         snapshot = tracemalloc.take_snapshot()
+        snapshot.dump(base + ".tracemalloc.snapshot")  # the whole of it, to group offline (Snapshot.load)
         with open(base + ".tracemalloc.txt", "w") as out:
             current, peak = tracemalloc.get_traced_memory()
             out.write(f"traced current {current} peak {peak}\n")
@@ -197,7 +200,8 @@ class Sampler(threading.Thread):
 
 
 def run_once(config: Config, *, duration_s: float, tracemalloc_frames: int, step_retention_s: float,
-             allocator: str, workdir: Path, nvtx_env: dict[str, str]) -> dict[str, Any]:
+             allocator: str, workdir: Path, nvtx_env: dict[str, str],
+             snapshot_to: Path | None = None) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != INJECTION_ENV}
     env[RING_DIR_ENV] = str(workdir / "rings")
     env.update(nvtx_env)
@@ -261,7 +265,9 @@ def run_once(config: Config, *, duration_s: float, tracemalloc_frames: int, step
                 break
             time.sleep(0.5)
         sampler.done.set()
-        dumps = {p.name: p.read_text() for p in sorted(dump_dir.iterdir()) if p.suffix != ".done"}
+        dumps = {p.name: p.read_text() for p in sorted(dump_dir.iterdir()) if p.suffix not in (".done", ".snapshot")}
+        if snapshot_to is not None and (dump_dir / "dump1.tracemalloc.snapshot").exists():
+            shutil.copyfile(dump_dir / "dump1.tracemalloc.snapshot", snapshot_to)
         return {"attached": attached, "end": end, "phases": phases, "smaps": mappings,
                 "samples": sampler.samples, "dumps": dumps}
     finally:
@@ -274,12 +280,16 @@ def run_once(config: Config, *, duration_s: float, tracemalloc_frames: int, step
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.agent_memory", description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=list(SHAPES), default="deepseek-v3")
-    parser.add_argument("--convention", choices=("v1", "v2", "v2-step"), default="v2-step")
+    parser.add_argument("--convention", choices=CONVENTIONS, default="v2-compact")
+    parser.add_argument("--vectors", choices=("set", "held"), default="held",
+                        help="the Python producers' vectors: a numpy payload set per event, or held in a buffer "
+                             "bound once (moe_scale's --vectors; held: the form of the bar's run)")
     parser.add_argument("--producers", type=int, default=8)
     parser.add_argument("--steps-per-s", type=float, default=25.0)
     parser.add_argument("--duration-s", type=float, default=15.0)
     parser.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
-                        help="trace Python allocations with FRAMES frames each (slows the agent)")
+                        help="trace Python allocations with FRAMES frames each (slows the agent); the whole "
+                             "snapshot is kept beside --json-out as .tracemalloc (tracemalloc.Snapshot.load)")
     parser.add_argument("--step-retention-s", type=float, default=0.0, metavar="S",
                         help="what-if: the join retires unclaimed steps after S s (default: its own retention)")
     parser.add_argument("--allocator", choices=("agent", "glibc-defaults"), default="agent",
@@ -294,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("agent_memory: needs root (the agent attaches eBPF probes): run it with sudo", file=sys.stderr)
         return 3
-    config = Config(args.shape, args.convention, "python", args.producers, args.steps_per_s)
+    config = Config(args.shape, args.convention, "python", args.producers, args.steps_per_s, args.vectors)
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with tempfile.TemporaryDirectory(prefix="moescope-agent-memory-") as tmp, \
             tempfile.TemporaryDirectory(prefix="moescope-agent-memory-rings-", dir=shm) as rings:
@@ -303,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             result = run_once(config, duration_s=args.duration_s, tracemalloc_frames=args.tracemalloc,
                               step_retention_s=args.step_retention_s, allocator=args.allocator,
-                              workdir=workdir, nvtx_env=nvtx_env_from_agent())
+                              workdir=workdir, nvtx_env=nvtx_env_from_agent(),
+                              snapshot_to=Path(args.json_out).with_suffix(".tracemalloc") if args.tracemalloc else None)
         except (BenchError, LaunchError, TimeoutError, OSError) as exc:
             print(f"agent_memory: {exc}", file=sys.stderr)
             return 4
