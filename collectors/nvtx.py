@@ -20,6 +20,7 @@ import mmap
 import os
 import struct
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,6 +205,12 @@ STALLED_SLOT_NS = 1_000_000_000  # a reserved slot never committed for this long
 DEFAULT_BATCH_RECORDS = 1 << 16
 STRINGS_READ_BYTES = 1 << 20  # NvtxRing.read_strings copies the string region this much at a time
 PEEK_MIN_RECORDS = 1024  # NvtxRing.committed's copy holds at least this many records (64 KiB)
+# copy_ext's span buffers kept for reuse, per thread, shared by every ring that thread drains: a
+# drain's views are consumed (or copied by the join) before the next ring is drained, so two serve
+# one ring or eight (eight DeepSeek-V3 producers, 10 s: three buffers made in all). One buffer per
+# ring, each kept at its largest drain, held 16 blocks of ~2 MB, 31 MB of the agent's resident
+# memory with eight producers (docs/benchmarks.md, "The agent's memory in steady state").
+SPAN_POOL_BUFFERS = 2
 MAX_RING_RECORDS = 1 << 24  # the library's largest ring (MOESCOPE_NVTX_RING_RECORDS)
 # Caps on what a producer can make the agent hold (docs/hardening.md). The library records at most
 # 65536 texts (its intern table) and ids above that never come from it; each text is at most
@@ -748,6 +755,19 @@ def _gather_segments(blob: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -
 # --- the shared-memory file ---------------------------------------------------------------------
 
 
+class _DrainScratch(threading.local):
+    """The buffers a drain copies into and lets go of, reused by every ring drained on a thread:
+    committed()'s records peek (used within the call) and copy_ext's spans (reused once nothing
+    views them). Per thread: the agent drains every ring from its main loop."""
+
+    def __init__(self) -> None:
+        self.peek: np.ndarray | None = None
+        self.spans: list[np.ndarray] = []
+
+
+_scratch = _DrainScratch()
+
+
 class NvtxRing:
     """One process's ring file, mapped read-write by the one consumer that holds its lock."""
 
@@ -813,13 +833,11 @@ class NvtxRing:
         self.payload_max_bytes = payload_max
         self.ring_offset = ring_offset
         self.blob_offset = blob_offset
-        self._peek: np.ndarray | None = None  # committed()'s copy of the records it checks, reused
         self.short_reads = 0  # copies that met the end of the file (a ring cut short): zeros read
         self._blob_head = ctypes.c_uint64.from_buffer(self._map, OFF_BLOB_HEAD)
         self._blob_tail = ctypes.c_uint64.from_buffer(self._map, OFF_BLOB_TAIL)
         # blob bytes below _epoch_blob are free once every record below _epoch_records is read
         self._epoch: tuple[int, int] | None = None
-        self._span_buffer: np.ndarray | None = None  # copy_ext's buffer, reused while nothing views it
         # 8-byte aligned scalars: single loads/stores on x86-64 (see docs/nvtx-transport.md)
         self._head = ctypes.c_uint64.from_buffer(self._map, OFF_HEAD)
         self._tail = ctypes.c_uint64.from_buffer(self._map, OFF_TAIL)
@@ -888,9 +906,10 @@ class NvtxRing:
         n = min(avail, max_records)
         if n <= 0:
             return 0, 0
-        peek = self._peek
-        if peek is None or len(peek) < n:  # the largest drain so far, in powers of two
-            peek = self._peek = np.empty(max(PEEK_MIN_RECORDS, 1 << (n - 1).bit_length()), dtype=_RECORD_VOID)
+        scratch = _scratch
+        peek = scratch.peek
+        if peek is None or len(peek) < n:  # the largest drain so far (any ring's), in powers of two
+            peek = scratch.peek = np.empty(max(PEEK_MIN_RECORDS, 1 << (n - 1).bit_length()), dtype=_RECORD_VOID)
         seqs = self._records_into(peek[:n], tail).view(RECORD_DTYPE)["seq"]
         ok = seqs == tail + 1 + np.arange(n, dtype=np.uint64)
         if ok.all():
@@ -970,16 +989,26 @@ class NvtxRing:
         records["payload"][bad] = 0
         return span, len(bad)
 
-    def _span(self, n: int) -> np.ndarray:
-        """n bytes to copy a batch's payloads into: the last batch's buffer again once nothing holds
-        a view of it (the decoded vectors are views: the join copies what it keeps), else a new
-        one. Fresh pages cost a fault each on first touch: ~6 us a page on this VM, ~4 ms for a
-        2.4 MB drain, more than the copy itself."""
-        buffer = self._span_buffer
-        # references when unused: this attribute, `buffer`, getrefcount's argument
-        if buffer is not None and len(buffer) >= n and sys.getrefcount(buffer) <= 3:
-            return buffer[:n]
-        self._span_buffer = buffer = np.empty(-(-n // SPAN_ROUND_BYTES) * SPAN_ROUND_BYTES, dtype=np.uint8)
+    @staticmethod
+    def _span(n: int) -> np.ndarray:
+        """n bytes to copy a batch's payloads into: a buffer of this thread's pool (any ring's
+        earlier drain) once nothing holds a view of it (the decoded vectors are views: the join
+        copies what it keeps), else a new one, kept in the pool in place of a free smaller one or
+        of the oldest (which lives on while its views do). Fresh pages cost a fault each on first
+        touch: ~6 us a page on this VM, ~4 ms for a 2.4 MB drain, more than the copy itself."""
+        pool = _scratch.spans
+        free = -1
+        for i in range(len(pool)):
+            buffer = pool[i]
+            # references when unused: the pool's, `buffer`, getrefcount's argument
+            if sys.getrefcount(buffer) <= 3:
+                if len(buffer) >= n:
+                    return buffer[:n]
+                free = i
+        buffer = np.empty(-(-n // SPAN_ROUND_BYTES) * SPAN_ROUND_BYTES, dtype=np.uint8)
+        if len(pool) >= SPAN_POOL_BUFFERS:
+            del pool[free if free >= 0 else 0]
+        pool.append(buffer)
         return buffer[:n]
 
     def release_blob(self) -> None:
