@@ -67,14 +67,20 @@ DEFAULT_MAX_BUFFERED_STEPS = 20_000
 # ... and in layers: a buffered step holds its layer tree until every request of its batch has
 # claimed it, so at 58 layers the step bound alone let the buffer reach GBs (measured: 1.2 GB RSS
 # at DeepSeek-V3 shape, 8 x 25 steps/s, ~9 KB per buffered layer). 50k layers: 12,500 steps of the
-# reference model (L=4), 862 of DeepSeek-V3 (4 s at 200 steps/s); past it the oldest step leaves
-# the buffer (steps_evicted_overflow: its metrics were counted, its trace subtree is not made).
+# reference model (L=4), 862 of DeepSeek-V3 (4 s at 200 steps/s); past it the oldest held tree is
+# let go (step_trees_dropped_overflow, TreeDropped: its step span then has no layer subtree) and
+# the step stays for its requests. (Until 2026-12-07 the oldest steps left the buffer instead,
+# tree or none, so the trees' bound cut how long a step waited for its request.)
 DEFAULT_MAX_BUFFERED_LAYERS = 50_000
 # ... and in bytes, which is what grows with E: a layer's tree is its [2E] int32 routing row plus
 # ~LAYER_TREE_OVERHEAD_BYTES of columns and health (2.2 KB at E = 256; 288 B at the reference's
-# E = 16). 32 MiB: ~260 DeepSeek-V3 steps whose subtree a trace keeps (sampled-out and fully
-# claimed steps let theirs go at once), the layer bound above at the reference shape.
-DEFAULT_MAX_BUFFERED_TREE_BYTES = 32 << 20
+# E = 16), and a table that is not those rows counts too (_own_tree). 16 MiB: ~130 DeepSeek-V3
+# steps whose subtree a trace keeps (sampled-out and fully claimed steps let theirs go at once):
+# ~35 s of kept subtrees at 200 steps/s with the traces' default sampling (~3.7 a second), so a
+# request that long still finds its steps' subtrees; the layer bound above binds first at the
+# reference shape. 32 MiB held ~40 MB in steady state beside eight DeepSeek-V3 producers, the
+# agent's largest single part (docs/benchmarks.md, "The agent's memory in steady state").
+DEFAULT_MAX_BUFFERED_TREE_BYTES = 16 << 20
 LAYER_TREE_OVERHEAD_BYTES = 160
 # A kept step's table stays a view of its group (StepsTable) when everything the group holds is at
 # most SHARED_GROUP_MAX_BYTES, or at most SHARED_GROUP_BYTES_PER_STEP for each of its steps: the
@@ -138,6 +144,35 @@ class BufferedStep:
 # ---------------------------------------------------------------- what outputs receive
 
 
+
+class KeySteps:
+    """One request key's buffered steps, oldest first (RequestJoin's index by key): a list read
+    from ``head`` on, its read part cut off once it is most of the list. A deque per key was ~620 B
+    even for one step (its first 64-slot block): 25 MB of the agent at DeepSeek-V3 shape with eight
+    producers' 4,096 request keys each (docs/benchmarks.md, "The agent's memory in steady state")."""
+
+    __slots__ = ("steps", "head")
+
+    def __init__(self) -> None:
+        self.steps: list[BufferedStep] = []
+        self.head = 0
+
+    def __len__(self) -> int:
+        return len(self.steps) - self.head
+
+    def first(self) -> BufferedStep:
+        return self.steps[self.head]
+
+    def live(self) -> list[BufferedStep]:
+        return self.steps[self.head:] if self.head else self.steps
+
+    def drop_first(self) -> None:
+        head = self.head + 1
+        if head * 2 >= len(self.steps):  # (empty: the list starts over)
+            del self.steps[:head]
+            head = 0
+        self.head = head
+
 @dataclass(frozen=True, slots=True)
 class StepSeen:
     """A completed step entered the join (every step, exactly once)."""
@@ -155,6 +190,16 @@ class RequestJoined:
     first_claims: tuple[bool, ...]  # per step: this request is the first of its batch to arrive
     # where its time went (agent/request_phases.py); None when no step carried it
     breakdown: RequestBreakdown | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TreeDropped:
+    """A buffered step's layer tree let go before its requests claimed it: the trees held were past
+    max_buffered_layers or max_buffered_tree_bytes. The step stays buffered for its requests (its
+    metrics were counted at StepSeen); an output that meant to read its tree takes what it needs
+    now (the traces: the step span's health; the span then carries no layer subtree)."""
+
+    step: BufferedStep
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +234,7 @@ class NetSignalSeen:
     record: NetSignalRecord
 
 
-JoinEvent = StepSeen | RequestJoined | StepRetired | TelemetrySeen | RuntimeSeen | NetSignalSeen
+JoinEvent = StepSeen | RequestJoined | TreeDropped | StepRetired | TelemetrySeen | RuntimeSeen | NetSignalSeen
 
 
 class Output(Protocol):
@@ -268,12 +313,16 @@ def _columns_bytes(columns: LayerColumns) -> int:
     return total + len(columns) * LAYER_TREE_OVERHEAD_BYTES
 
 
-def _own_tree(b: BufferedStep) -> None:
+def _own_tree(b: BufferedStep) -> int:
     """A step kept with its tree (for its trace subtree) gets its own copies of the arrays that are
     views into its parser batch (the decoded step vectors are strided views of the batch's payload
     copy): else one kept step would hold its whole batch's payloads (~2 MB at DeepSeek-V3 shape)
-    for as long as it is buffered."""
+    for as long as it is buffered. Its table's routing block is the same numbers as its columns'
+    counts where every layer is routed (moe/v2 at DeepSeek-V3 shape: 119 KB a step): then the two
+    share one copy. Returns the bytes of a block the table holds apart from the columns (what
+    tree_bytes did not count)."""
     columns = b.step.columns
+    counts = columns.counts if columns is not None else None
     if columns is not None:
         for name in _COLUMN_ARRAYS:
             value = getattr(columns, name)
@@ -284,16 +333,28 @@ def _own_tree(b: BufferedStep) -> None:
         if columns.experts_time_us is not None:
             columns.experts_time_us = [None if v is None else v.copy() for v in columns.experts_time_us]
     table = b.table
+    owned = columns.counts if columns is not None else None
     if table.block is not None and table.block.base is not None:
         if b.group is not None and _group_bytes(b.group) <= shared_group_bound(len(b.group)):
-            return  # a small group is kept whole (SHARED_GROUP_MAX_BYTES, SHARED_GROUP_BYTES_PER_STEP)
-        block = table.block.copy()
+            return 0  # a small group is kept whole (SHARED_GROUP_MAX_BYTES, SHARED_GROUP_BYTES_PER_STEP)
+        block = table.block
+        if (owned is not None and owned is not counts and owned.dtype == block.dtype and owned.shape == block.shape
+                and np.array_equal(owned, block)):
+            block = owned  # (read-only from here on, like every buffered step's arrays)
+        else:
+            block = block.copy()
         e = table.num_experts
         b.table = dataclasses.replace(
             table, tokens=block[:, :e], dropped=block[:, e:], block=block,
             **{name: getattr(table, name).copy() for name in _TABLE_COLUMNS},
         )
     b.group = None
+    # tree_bytes counted a columnar step's arrays, not its table's block unless it is their counts
+    # (an object step's estimate covers its routers' rows, which are views of the block)
+    held = b.table.block
+    if owned is None or held is None or held is owned or held.base is owned:
+        return 0
+    return int(held.nbytes)
 
 
 def shared_group_bound(steps: int) -> int:
@@ -388,8 +449,11 @@ class RequestJoin:
         self._tree_readers: list[Callable[[BufferedStep], bool]] = []  # outputs' layer_tree_needed
         self._output_errors: dict[str, int] = {}
         # (pid, request key) -> buffered steps carrying that key, oldest first
-        self._by_key: dict[tuple[int, int], deque[BufferedStep]] = {}
+        self._by_key: dict[tuple[int, int], KeySteps] = {}
         self._buffer: deque[BufferedStep] = deque()
+        # the buffered steps that kept their layer tree, oldest first (some since let go or retired:
+        # skipped): the trees' bounds let the oldest go first (_drop_trees_over_bounds)
+        self._trees: deque[BufferedStep] = deque()
         self._seq = 0
         self._memory: MemorySignal | None = None
         self._empty_tables: dict[int, LayerTable] = {}  # per E: what a step without its tree holds
@@ -398,8 +462,9 @@ class RequestJoin:
         self._counts: dict[str, int] = dict.fromkeys(
             (
                 "requests", "requests_unanswered", "requests_joined", "steps", "steps_joined",
-                "steps_unjoined", "steps_evicted_overflow", "telemetry_samples", "runtime_states",
-                "experts_grown", "layers_bad_routing", "records_unknown", "step_trees_released_unread",
+                "steps_unjoined", "steps_evicted_overflow", "step_trees_dropped_overflow", "telemetry_samples",
+                "runtime_states", "experts_grown", "layers_bad_routing", "records_unknown",
+                "step_trees_released_unread",
             ),
             0,
         )
@@ -476,7 +541,7 @@ class RequestJoin:
                 events.extend(self._add_step(step, grouped.get(i)))
         self._export(events)
         self._release_unread_trees(events)
-        self._evict_over_tree_bounds()
+        self._drop_trees_over_bounds()
         self.expire()
 
     def on_telemetry(self, record: TelemetryRecord) -> None:
@@ -564,7 +629,10 @@ class RequestJoin:
         buffered.layer_count = layers = step.layer_count
         self._buffer.append(buffered)
         for key in set(step.requests):
-            self._by_key.setdefault((step.pid, key), deque()).append(buffered)
+            queue = self._by_key.get((step.pid, key))
+            if queue is None:
+                queue = self._by_key[(step.pid, key)] = KeySteps()
+            queue.steps.append(buffered)
         events: list[JoinEvent] = [StepSeen(buffered, changed)]
         self._buffered_layers += layers
         buffered.tree_bytes = tree_bytes(buffered)
@@ -656,16 +724,30 @@ class RequestJoin:
                         router.counts = row
         return group
 
-    def _evict_over_tree_bounds(self) -> None:
-        """After the unread trees went: the oldest steps leave while the trees still held are over
-        the layer or byte bound (their metrics were counted; their trace subtree is exported now)."""
-        evicted: list[JoinEvent] = []
+    def _drop_trees_over_bounds(self) -> None:
+        """After the unread trees went: while the trees still held are over the layer or byte bound,
+        the oldest held tree goes (TreeDropped first, so its readers take what they need); its step
+        stays buffered for its requests, counted in step_trees_dropped_overflow."""
+        dropping: list[BufferedStep] = []
         with self._lock:
-            while len(self._buffer) > 1 and (self._buffered_layers > self.max_buffered_layers
-                                             or self._buffered_tree_bytes > self.max_buffered_tree_bytes):
-                self._counts["steps_evicted_overflow"] += 1
-                evicted.append(StepRetired(self._retire_oldest_locked(), evicted=True))
-        self._export(evicted)
+            trees = self._trees
+            while trees and (trees[0].retired or not trees[0].tree_bytes):
+                trees.popleft()  # let go since (claimed by all its requests)
+            layers, size = self._buffered_layers, self._buffered_tree_bytes
+            while trees and (layers > self.max_buffered_layers or size > self.max_buffered_tree_bytes):
+                b = trees.popleft()
+                if b.retired or not b.tree_bytes:
+                    continue
+                layers -= b.step.layer_count
+                size -= b.tree_bytes
+                dropping.append(b)
+        if not dropping:
+            return
+        self._export([TreeDropped(b) for b in dropping])
+        with self._lock:
+            for b in dropping:
+                self._release_tree_locked(b)
+            self._counts["step_trees_dropped_overflow"] += len(dropping)
 
     def _table(self, step: StepEvent, num_experts: int) -> LayerTable:
         """The step's routed layers as [layers, E] count matrices and their health, all at once.
@@ -770,18 +852,18 @@ class RequestJoin:
     def _claim_steps(self, record: IngressRecord) -> list[BufferedStep]:
         """Buffered steps of this request (same pid, key == fd, started inside its interval)."""
         queue = self._by_key.get((record.tgid, record.fd))
-        if not queue:
+        if queue is None or not len(queue):
             return []
-        mine = [b for b in queue if record.start_ns <= b.step.start_ns <= record.end_ns]
+        mine = [b for b in queue.live() if record.start_ns <= b.step.start_ns <= record.end_ns]
         mine.sort(key=lambda b: b.step.start_ns)  # arrival order is end order: two model threads can interleave
         if mine:
             self._counts["requests_joined"] += 1
         for b in mine:
             b.claims += 1
         # A later request on this fd starts after this one ended: older entries can go.
-        while queue and queue[0].step.start_ns <= record.end_ns:
-            queue.popleft()
-        if not queue:
+        while len(queue) and queue.first().step.start_ns <= record.end_ns:
+            queue.drop_first()
+        if not len(queue):
             del self._by_key[(record.tgid, record.fd)]
         return mine
 
@@ -801,7 +883,11 @@ class RequestJoin:
             with self._lock:
                 for b in seen:
                     if id(b) not in released:
-                        _own_tree(b)
+                        made = _own_tree(b)  # the table's own copy counts toward the bound too
+                        if b.tree_bytes and not b.retired:
+                            b.tree_bytes += made
+                            self._buffered_tree_bytes += made
+                            self._trees.append(b)
 
     def _release_tree_locked(self, b: BufferedStep) -> None:
         if b.retired or not b.step.layer_count:
@@ -822,11 +908,14 @@ class RequestJoin:
         self._buffered_layers -= b.step.layer_count
         self._buffered_tree_bytes -= b.tree_bytes
         b.tree_bytes = 0
+        trees = self._trees  # (in buffer order: what leaves the buffer leaves its front)
+        while trees and (trees[0].retired or not trees[0].tree_bytes):
+            trees.popleft()
         for key in set(b.step.requests):
             q = self._by_key.get((b.step.pid, key))
-            if q and q[0] is b:
-                q.popleft()
-                if not q:
+            if q is not None and len(q) and q.first() is b:
+                q.drop_first()
+                if not len(q):
                     del self._by_key[(b.step.pid, key)]
         if b.claims:
             self._counts["steps_joined"] += 1

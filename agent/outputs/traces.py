@@ -55,6 +55,7 @@ from moescope.agent.join import (
     StepRetired,
     StepSeen,
     TelemetrySeen,
+    TreeDropped,
 )
 from moescope.agent.request_phases import RequestBreakdown
 from moescope.agent.routing_health import LayerTable, StepsTable
@@ -216,10 +217,12 @@ class TraceOutput:
         self.spans = spans
         self.span_detail = span_detail
         self.sampler = LayerSampler(layer_spans_per_s=layer_spans_per_s)
-        self._keep_layers: dict[int, bool] = {}  # step seq -> its subtree is kept (decided at StepSeen)
         # step seq -> the step span's routing-health attributes of a step whose subtree is sampled
-        # out, taken at StepSeen: the join then lets its layer tree and table go at once
-        self._sampled_health: dict[int, Attributes] = {}
+        # out (decided at StepSeen; a step not in it keeps its subtree), taken then: the join lets
+        # its layer tree and table go at once. Held until the step retires (up to the join's
+        # retention: ~20k steps at production rates), so as their values (STEP_HEALTH_KEYS' order)
+        # where the keys are those: a tuple is a quarter of a 7-key dict.
+        self._sampled_health: dict[int, Attributes | tuple[AttributeValue, ...]] = {}
         # Sources stamp CLOCK_MONOTONIC; OTLP wants ns since the Unix epoch: span times are shifted by this.
         self.epoch_offset_ns = epoch_offset_ns
         self._owners: dict[int, _Owner] = {}  # step seq -> the link to its owner's step span
@@ -247,17 +250,17 @@ class TraceOutput:
             match event:
                 case StepSeen(step=b):
                     step = b.step
-                    keep = self.sampler.keep(end_ns=step.end_ns, duration_ns=step.duration_ns, layers=b.layer_count)
-                    self._keep_layers[b.seq] = keep
-                    if not keep:
-                        self._sampled_health[b.seq] = self._sampled_step_health(b)
+                    if not self.sampler.keep(end_ns=step.end_ns, duration_ns=step.duration_ns, layers=b.layer_count):
+                        self._sample_out(b)
+                case TreeDropped(step=b):  # a kept subtree the join could not hold any longer
+                    if b.seq not in self._sampled_health:  # (counted by the join: step_trees_dropped_overflow)
+                        self._sample_out(b)
                 case RequestJoined():
                     self._request_trace(event)
                 case StepRetired(step=b, evicted=evicted):
                     owner = self._owners.pop(b.seq, None)
                     if owner is None and not b.claims and not evicted:
                         self._step_tree(b, parent=None, extra={"moe.step.unjoined": True})
-                    self._keep_layers.pop(b.seq, None)
                     self._sampled_health.pop(b.seq, None)
                 case TelemetrySeen(memory=memory):
                     self._memory = memory
@@ -268,17 +271,23 @@ class TraceOutput:
                 case _:
                     pass
 
+    def _sample_out(self, b: BufferedStep) -> None:
+        """The step's span will carry no layer subtree: its health is taken now, while its table is
+        there (the join lets the tree go after this)."""
+        health = self._sampled_step_health(b)
+        self._sampled_health[b.seq] = (tuple(health.values()) if len(health) == len(STEP_HEALTH_KEYS)
+                                       and tuple(health) == STEP_HEALTH_KEYS else health)
+
     def force_flush(self) -> None:
         return None  # spans leave as they end; the export pipeline flushes (agent/export/setup.py)
 
     def shutdown(self, deadline_ns: int) -> None:
         self._owners.clear()
-        self._keep_layers.clear()
         self._sampled_health.clear()
 
     def layer_tree_needed(self, b: BufferedStep) -> bool:
         """The join asks after StepSeen: a step whose subtree is sampled out needs no layer tree."""
-        return self._keep_layers.get(b.seq, True)
+        return b.seq not in self._sampled_health
 
     def stats(self) -> dict[str, int]:
         return {**self._counts, "layer_subtrees_kept_slow": self.sampler.kept_slow,
@@ -489,10 +498,11 @@ class TraceOutput:
     def _step_tree(self, b: BufferedStep, *, parent: SpanContext | None, extra: Attributes) -> SpanContext:
         spans = self.spans
         step = b.step
-        with_layers = self._keep_layers.get(b.seq, True)
-        sampled = None if with_layers else self._sampled_health.get(b.seq)
+        sampled = self._sampled_health.get(b.seq)
+        with_layers = sampled is None
         # (a step still in its join group: the group's health, made for all of its steps at once)
-        step_attrs = dict(sampled if sampled is not None else self._sampled_step_health(b))
+        step_attrs = (dict(zip(STEP_HEALTH_KEYS, sampled, strict=True)) if isinstance(sampled, tuple)
+                      else dict(sampled if sampled is not None else self._sampled_step_health(b)))
         if not with_layers and b.layer_count:
             step_attrs["moe.step.layers_sampled_out"] = True
         device_by_layer: dict[int, float] = {}
@@ -840,6 +850,13 @@ def _experts_time_of(per_layer: Sequence[np.ndarray | None]) -> list[Attributes 
         for (position, _), top, values in zip(group, ids, slowest, strict=True):
             out[position] = {"moe.layer.experts.slowest_ids": top, "moe.layer.experts.slowest_time_us": values}
     return out
+
+
+# A step span's routing-health attributes, in the order step_health_attributes and
+# steps_health_attributes make them.
+STEP_HEALTH_KEYS = ("moe.router.entropy_bits", "moe.router.entropy_normalized", "moe.expert_load.gini",
+                    "moe.expert_load.gini_max", "moe.expert_load.max_share", "moe.tokens.dropped",
+                    "moe.tokens.drop_fraction")
 
 
 def step_health_attributes(t: LayerTable) -> Attributes:

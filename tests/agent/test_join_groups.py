@@ -331,10 +331,11 @@ def test_a_step_kept_with_its_tree_holds_copies_not_its_batch(pad_rows: int) -> 
         assert columns is not None and columns.counts is not None
         for held in (columns.counts, columns.entropy_bits):
             assert not np.shares_memory(held, payload) and not np.shares_memory(held, entropy)
-        if big:  # the run let go, the table its own
+        if big:  # the run let go, the table its own: the same numbers as the columns' counts, one copy
             assert b.group is None
             for own in (b.table.block, b.table.tokens, b.table.gini):
                 assert own is not None and not np.shares_memory(own, payload)
+            assert b.table.block is columns.counts
         else:  # the run kept: the table is its row of the group's arrays
             assert b.group is not None and b.group is keeper.groups[i] and b.group_index == i
             assert np.shares_memory(b.table.block, payload) and np.shares_memory(b.table.gini, b.group.gini)
@@ -380,3 +381,40 @@ def test_a_long_round_of_small_steps_stays_one_group(pad_rows: int) -> None:
             assert b.group is None
             assert not np.shares_memory(b.table.block, payload) and not np.shares_memory(b.table.gini, group.gini)
         _assert_tables_equal(b.table, keeper.tables[i])
+
+
+def test_a_kept_table_unlike_its_counts_is_its_own_copy_and_counts_toward_the_tree_bound() -> None:
+    # A layer that routed without a routing row (has_routing False) has its row zeroed in the
+    # table: the block is not the columns' counts, so the kept step holds both, and the join's
+    # tree bytes (its bound on what kept trees hold) count the table's copy as well.
+    from moescope.agent.join import tree_bytes
+
+    rng = np.random.default_rng(17)
+    counts, entropy = _batch(rng, 2)
+    counts[:, 2] += 1  # a non-zero row to zero
+    payload = np.zeros((2, L + 600, 2 * E), dtype=np.int32)  # past the shared-group bound: copied out of
+    payload[:, :L] = counts
+    views = payload[:, :L]
+    steps = _steps(views, entropy, [10_000_000, 20_000_000], copy=False)
+    for step in steps:
+        assert step.columns is not None
+        step.columns.has_routing = np.ones(L, dtype=bool)
+        step.columns.has_routing[2] = False
+    join = RequestJoin(clock=lambda: 100_000_000)
+    keeper = _KeepsTrees()
+    join.add_output(keeper)
+    join.on_steps(steps)
+    held = 0
+    for i, b in enumerate(keeper.steps):
+        columns = b.step.columns
+        assert columns is not None and columns.counts is not None and b.table.block is not None
+        assert not np.shares_memory(b.table.block, columns.counts)
+        assert not np.shares_memory(b.table.block, payload) and not np.shares_memory(columns.counts, payload)
+        np.testing.assert_array_equal(columns.counts, counts[i])
+        assert not b.table.block[2].any() and (b.table.block[2] != counts[i, 2]).any()
+        assert b.tree_bytes == tree_bytes(b) + b.table.block.nbytes
+        held += b.tree_bytes
+    assert join.stats()["buffered_tree_bytes"] == held
+    # retiring them gives back all of it, the tables' copies included
+    join.expire(flush=True)
+    assert join.stats()["buffered_tree_bytes"] == 0

@@ -130,7 +130,7 @@ def test_a_sampled_out_step_lets_its_layer_tree_go_at_once_and_keeps_its_step_at
     released = pipeline.join.stats()["step_trees_released_unread"]
     assert released == stats["layer_subtrees_sampled_out"] > 0
     for b, has_tree in held:
-        kept = traces._keep_layers[b.seq]
+        kept = traces.layer_tree_needed(b)
         assert has_tree == kept  # sampled out: no tree left in the buffer; kept: waits for its requests
         assert b.layer_count == LAYERS
     assert pipeline.join._buffered_layers == (len(steps) - released) * LAYERS

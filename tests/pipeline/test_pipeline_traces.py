@@ -334,6 +334,7 @@ def check_received(spans: list[FlatSpan], scenario: Scenario, pipeline: Pipeline
         "steps_joined": len(scenario.joined_steps()),
         "steps_unjoined": len(scenario.unjoined),
         "steps_evicted_overflow": 0,
+        "step_trees_dropped_overflow": 0,
         "step_trees_released_unread": 0,  # every subtree kept (the default budget is far above this)
         "step_links": links,
         "owner_subtrees": len(scenario.joined_steps()),
@@ -477,7 +478,9 @@ def test_phase_spans_link_at_most_the_slowest_steps(tmp_path: Path) -> None:
 
 def test_buffered_layer_trees_are_bounded_too(tmp_path: Path) -> None:
     """Steps waiting for their requests hold their layer trees: past max_buffered_layers the oldest
-    go (counted as overflow) even below the step bound, and a claimed step's tree stops counting."""
+    trees go (counted as step_trees_dropped_overflow) even below the step bound, their steps stay
+    for their request (spans without a layer subtree, the health taken before the tree went), and
+    a claimed step's tree stops counting."""
     rng = np.random.default_rng(4)
     tracing = _memory_tracing(tmp_path)
     clock = FakeClock()
@@ -489,13 +492,25 @@ def test_buffered_layer_trees_are_bounded_too(tmp_path: Path) -> None:
         clock.now_ns = s.end_ns
         pipeline.on_steps([s])
     stats = pipeline.stats()
-    assert stats["steps_evicted_overflow"] == 2 and stats["buffered_steps"] == 2
-    assert stats["buffered_layers"] == 2 * NUM_LAYERS
+    assert stats["step_trees_dropped_overflow"] == 2 and stats["steps_evicted_overflow"] == 0
+    assert stats["buffered_steps"] == 4 and stats["buffered_layers"] == 2 * NUM_LAYERS
     pipeline.on_request(record(pid=1, tid=1, fd=3, generation=1, seq=1, peer=("127.0.0.1", 1), start_ms=0,
                                end_ms=60, bytes_in=1, bytes_out=1))
-    assert pipeline.stats()["buffered_layers"] == 0  # both claimed by their only request: trees let go
+    assert pipeline.stats()["buffered_layers"] == 0  # all claimed by their only request: trees let go
     pipeline.expire(flush=True)
     assert pipeline.stats()["buffered_steps"] == 0
+    spans = _read(tracing)
+    server = next(s for s in spans if s.name == "http.server.request")
+    assert server.attributes["moe.request.steps"] == 4  # every step still found its request
+    by_start = {s.start_ns: s for s in spans if s.name == "moe.step" and s.trace_id == server.trace_id}
+    assert sorted(by_start) == [s.start_ns + OFF for s in steps]
+    for i, step in enumerate(steps):
+        span = by_start[step.start_ns + OFF]
+        children = [s for s in spans if s.parent_span_id == span.span_id]
+        dropped = i < 2
+        assert bool(span.attributes.get("moe.step.layers_sampled_out")) is dropped
+        assert (not children) is dropped
+        assert span.attributes["moe.expert_load.gini"] == span.attributes["moe.expert_load.gini"]  # taken, not NaN
 
 
 def test_many_experts_put_top16_on_layer_spans(tmp_path: Path) -> None:
