@@ -74,13 +74,15 @@ DEFAULT_MAX_BUFFERED_STEPS = 20_000
 DEFAULT_MAX_BUFFERED_LAYERS = 50_000
 # ... and in bytes, which is what grows with E: a layer's tree is its [2E] int32 routing row plus
 # ~LAYER_TREE_OVERHEAD_BYTES of columns and health (2.2 KB at E = 256; 288 B at the reference's
-# E = 16), and a table that is not those rows counts too (_own_tree). 16 MiB: ~130 DeepSeek-V3
+# E = 16), and a table that is not those rows counts too (_own_tree). 8 MiB: ~65 DeepSeek-V3
 # steps whose subtree a trace keeps (sampled-out and fully claimed steps let theirs go at once):
-# ~35 s of kept subtrees at 200 steps/s with the traces' default sampling (~3.7 a second), so a
-# request that long still finds its steps' subtrees; the layer bound above binds first at the
-# reference shape. 32 MiB held ~40 MB in steady state beside eight DeepSeek-V3 producers, the
-# agent's largest single part (docs/benchmarks.md, "The agent's memory in steady state").
-DEFAULT_MAX_BUFFERED_TREE_BYTES = 16 << 20
+# the last ~18 s of kept subtrees at 200 steps/s with the traces' default sampling (~3.7 a
+# second); an older kept step still waiting for its requests keeps its span and health, not its
+# layer spans. At the reference shape (~1.2 KB a tree) it is ~7,000 steps, more than its 120 s
+# retention keeps at its rates. 32 MiB held ~40 MB in steady state beside eight DeepSeek-V3
+# producers, the agent's largest single part, which no request there ever claims
+# (docs/benchmarks.md, "The agent's memory in steady state").
+DEFAULT_MAX_BUFFERED_TREE_BYTES = 8 << 20
 LAYER_TREE_OVERHEAD_BYTES = 160
 # A kept step's table stays a view of its group (StepsTable) when everything the group holds is at
 # most SHARED_GROUP_MAX_BYTES, or at most SHARED_GROUP_BYTES_PER_STEP for each of its steps: the
