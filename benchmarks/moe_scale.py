@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import REPO, RESULTS_DIR, write_result
+from moescope.agent.join import DEFAULT_STEP_RETENTION_NS
 from moescope.collectors.nvtx import INJECTION_ENV, RING_DIR_ENV
 from moescope.examples.moe_runtime.launch import LaunchError, LineReader
 
@@ -82,6 +83,12 @@ EXTENSION_SYMBOL = "InitializeInjectionNvtxExtension"
 BAR_AGENT_CPU_PCT = 25.0
 BAR_AGENT_RSS_BYTES = 150_000_000
 BAR_PRODUCER_US_PER_STEP = 200.0
+# The RSS bars are judged on a window that reaches the agent's steady state: the join holds steps
+# for their requests up to its retention (120 s; these producers' requests never come), so the
+# buffer grows for that long. On a shorter window the peak is reported, not judged: a 10 s window
+# read 122-128 MB where the same code held ~218 MB from ~70 s on (2026-12-07, docs/benchmarks.md
+# "The agent's memory in steady state").
+RSS_STEADY_S = DEFAULT_STEP_RETENTION_NS / 1e9 + 10.0
 
 
 class BenchError(RuntimeError):
@@ -450,18 +457,24 @@ def bars_for(item: dict[str, Any]) -> list[dict[str, Any]]:
     key = (item["shape"], item["convention"], item["producer"], item["producers"], item["steps_per_s"])
     bars: list[dict[str, Any]] = []
 
-    def bar(name: str, value: float, limit: float | None, met: bool) -> None:
-        bars.append({"bar": name, "value": value, "limit": limit, "bar_met": met})
+    def bar(name: str, value: float, limit: float | None, met: bool, judged: bool = True) -> None:
+        """``judged`` False: reported, never counted met or missed (``bar_met`` None, ``why``)."""
+        entry: dict[str, Any] = {"bar": name, "value": value, "limit": limit, "bar_met": met if judged else None}
+        if not judged:
+            entry["why"] = (f"not judged: a {item['duration_s']:g} s window is short of the agent's steady state "
+                            f"(--duration-s {RSS_STEADY_S:g})")
+        bars.append(entry)
 
     if key in tuple(("deepseek-v3", form, "python", 8, 25.0) for form in ("v2", "v2-step", "v2-compact")):
         bar("records_dropped == 0", item["records_dropped"], 0, item["records_dropped"] == 0)
         bar("steps_seen == steps_emitted", item["steps_seen"], item["steps_emitted"],
             item["steps_seen"] == item["steps_emitted"])
         bar("agent_cpu_pct <= 25", item["agent_cpu_pct"], BAR_AGENT_CPU_PCT, item["agent_cpu_pct"] <= BAR_AGENT_CPU_PCT)
+        steady = item["duration_s"] >= RSS_STEADY_S
         bar("agent_private_peak_bytes <= 150 MB (RSS less the producers' rings)", item["agent_private_peak_bytes"],
-            BAR_AGENT_RSS_BYTES, item["agent_private_peak_bytes"] <= BAR_AGENT_RSS_BYTES)
+            BAR_AGENT_RSS_BYTES, item["agent_private_peak_bytes"] <= BAR_AGENT_RSS_BYTES, judged=steady)
         bar("agent_rss_bytes <= 150 MB (with the rings)", item["agent_rss_bytes"], BAR_AGENT_RSS_BYTES,
-            item["agent_rss_bytes"] <= BAR_AGENT_RSS_BYTES)
+            item["agent_rss_bytes"] <= BAR_AGENT_RSS_BYTES, judged=steady)
         bar("producer_us_per_step_attached <= 200", item["producer_us_per_step_attached"], BAR_PRODUCER_US_PER_STEP,
             item["producer_us_per_step_attached"] <= BAR_PRODUCER_US_PER_STEP)
     elif key == ("qwen3-30b-a3b", "v1", "python", 1, 20.0):
@@ -553,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     all_bars = [dict(b, config=f"{i['shape']} {i['convention']} {i['producer']} "
                                f"{i['producers']}x{i['steps_per_s']:g}/s")
                 for i in items for b in i["bars"]]
-    bar_met = all(b["bar_met"] for b in all_bars)
+    bar_met = all(b["bar_met"] for b in all_bars if b["bar_met"] is not None)
     out = Path(args.json_out)
     payload = {
         "command": "python -m benchmarks.moe_scale " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -580,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     if c_v2 is not None:
         print(f"  C producer, v2: {c_v2}")
     for b in all_bars:
-        print(f"  bar [{b['config']}] {b['bar']}: {b['value']:g} -> {'met' if b['bar_met'] else 'MISSED'}")
+        verdict = b.get("why") if b["bar_met"] is None else "met" if b["bar_met"] else "MISSED"
+        print(f"  bar [{b['config']}] {b['bar']}: {b['value']:g} -> {verdict}")
     print(f"  -> {path}")
     return 0 if bar_met else 1
 

@@ -85,7 +85,8 @@ def read_moe_scale(doc: dict[str, Any]) -> tuple[bool, str]:
             f"{run['shape']} {run['convention']} {run['producers']}x{run['steps_per_s']:g}/s: producer "
             f"{run['producer_us_per_step_attached']:.0f} us/step, agent {run['agent_cpu_pct']:.0f} % core "
             f"{run['agent_rss_bytes'] / 1e6:.0f} MB, steps {run['steps_seen']}/{run['steps_emitted']}, "
-            f"drops {run['records_dropped']} ({sum(b['bar_met'] for b in run['bars'])}/{len(run['bars'])} bars)"
+            f"drops {run['records_dropped']} ({sum(b['bar_met'] is True for b in run['bars'])}/"
+            f"{sum(b['bar_met'] is not None for b in run['bars'])} bars judged met)"
         )
     if doc.get("c_v2"):
         parts.append(f"C v2 {doc['c_v2']}")
