@@ -549,7 +549,9 @@ class MoeConventionParser:
         # parent uids whose waiting children are all ("columns", LayerColumns) entries: a step of
         # them can still be built column-wise when it ends
         self._column_parents: set[int] = set()
-        self._request_keys: dict[int, int] = {}  # moe.request keys seen, each once (_fast_steps)
+        # moe.request keys seen, each once (_fast_steps). Typed Any, not int: compiled, an int is
+        # unboxed and boxed anew on its way into a list (a new object past the small ints)
+        self._request_keys: dict[Any, Any] = {}
         self._stats: dict[str, int] = dict.fromkeys(_STAT_NAMES, 0)
 
     def stats(self) -> dict[str, int]:
@@ -809,7 +811,8 @@ class MoeConventionParser:
             key = _signed(value, payload_type)
             # one int object per key: a request's key is in each of its steps, buffered for minutes
             # (~28 B a key a step beyond the small ints: 4.5 MB at 20k steps of 8 keys)
-            steps[parent_row].requests.append(keys.setdefault(key, key))
+            held: Any = steps[parent_row].requests  # (Any: the object setdefault gives is appended as it is)
+            held.append(keys.setdefault(key, key))
         vectors: dict[tuple[int, int], np.ndarray] = {}
         fast_vectors = vector_rows[in_fast_mark[vector_rows]]
         vector_codes, vector_parents = mcode[fast_vectors], mparent[fast_vectors]
