@@ -146,7 +146,6 @@ class BufferedStep:
 # ---------------------------------------------------------------- what outputs receive
 
 
-
 class KeySteps:
     """One request key's buffered steps, oldest first (RequestJoin's index by key): a list read
     from ``head`` on, its read part cut off once it is most of the list. A deque per key was ~620 B
@@ -174,6 +173,7 @@ class KeySteps:
             del self.steps[:head]
             head = 0
         self.head = head
+
 
 @dataclass(frozen=True, slots=True)
 class StepSeen:
@@ -733,16 +733,14 @@ class RequestJoin:
         dropping: list[BufferedStep] = []
         with self._lock:
             trees = self._trees
-            while trees and (trees[0].retired or not trees[0].tree_bytes):
-                trees.popleft()  # let go since (claimed by all its requests)
+            self._prune_trees_locked()
             layers, size = self._buffered_layers, self._buffered_tree_bytes
             while trees and (layers > self.max_buffered_layers or size > self.max_buffered_tree_bytes):
-                b = trees.popleft()
-                if b.retired or not b.tree_bytes:
-                    continue
+                b = trees.popleft()  # (held: the front is pruned)
                 layers -= b.step.layer_count
                 size -= b.tree_bytes
                 dropping.append(b)
+                self._prune_trees_locked()
         if not dropping:
             return
         self._export([TreeDropped(b) for b in dropping])
@@ -904,15 +902,20 @@ class RequestJoin:
             table = self._empty_tables[b.num_experts] = empty_table(b.num_experts)
         b.table = table
 
+    def _prune_trees_locked(self) -> None:
+        """The kept-trees deque's stale front goes: steps retired, or whose tree was let go since
+        (claimed by all its requests, or dropped over the bounds)."""
+        trees = self._trees
+        while trees and (trees[0].retired or not trees[0].tree_bytes):
+            trees.popleft()
+
     def _retire_oldest_locked(self) -> BufferedStep:
         b = self._buffer.popleft()
         b.retired = True
         self._buffered_layers -= b.step.layer_count
         self._buffered_tree_bytes -= b.tree_bytes
         b.tree_bytes = 0
-        trees = self._trees  # (in buffer order: what leaves the buffer leaves its front)
-        while trees and (trees[0].retired or not trees[0].tree_bytes):
-            trees.popleft()
+        self._prune_trees_locked()  # (in buffer order: what leaves the buffer leaves its front)
         for key in set(b.step.requests):
             q = self._by_key.get((b.step.pid, key))
             if q is not None and len(q) and q.first() is b:

@@ -275,8 +275,7 @@ class TraceOutput:
         """The step's span will carry no layer subtree: its health is taken now, while its table is
         there (the join lets the tree go after this)."""
         health = self._sampled_step_health(b)
-        self._sampled_health[b.seq] = (tuple(health.values()) if len(health) == len(STEP_HEALTH_KEYS)
-                                       and tuple(health) == STEP_HEALTH_KEYS else health)
+        self._sampled_health[b.seq] = tuple(health.values()) if tuple(health) == STEP_HEALTH_KEYS else health
 
     def force_flush(self) -> None:
         return None  # spans leave as they end; the export pipeline flushes (agent/export/setup.py)
