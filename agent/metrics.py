@@ -23,6 +23,7 @@ import argparse
 import logging
 import math
 import os
+import re
 import resource
 import selectors
 import socket
@@ -30,11 +31,12 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
+from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import numpy as np
 import numpy.typing as npt
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
@@ -417,6 +419,10 @@ class Metrics:
     ) -> None:
         if not 0 <= max_experts_per_layer <= MAX_EXPERTS_PER_LAYER:
             raise ValueError(f"max_experts_per_layer must be 0..{MAX_EXPERTS_PER_LAYER}, got {max_experts_per_layer}")
+        # No `_created` series: in the text format each counter and histogram series had a second,
+        # gauge series beside it (its creation time), a fifth of the agent's lines, stored by
+        # Prometheus as series of their own. Process-wide in prometheus_client: the agent's own.
+        disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
         # the per-expert families' safety bound follows the label bound (layer and expert "other" included)
         expert_series = (max_layers + 1) * (max_experts_per_layer + 1)
@@ -748,6 +754,153 @@ class _RefreshOnScrape(Collector):
         return []
 
 
+# ---------------------------------------------------------------- the text exposition
+
+TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Samples only OpenMetrics has a place for: the text format writes each as a gauge family of its
+# own after the family that made it (``_created`` is off in this process: Metrics.__init__).
+_OPENMETRICS_ONLY = ("_created", "_gsum", "_gcount")
+# A family's type in the text format (what OpenMetrics calls it otherwise): name suffix, type
+_TEXT_TYPES = {"counter": ("_total", "counter"), "info": ("_info", "gauge"), "stateset": ("", "gauge"),
+               "gaugehistogram": ("", "histogram"), "unknown": ("", "untyped")}
+_LEGACY_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LEGACY_LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+def text_float(value: float) -> str:
+    """A sample's value as the Prometheus text format has it (Go's float formatting, as the reference
+    client writes it): ``+Inf``, ``-Inf``, ``NaN``, and an exponent from 1e7 up."""
+    if value != value:
+        return "NaN"
+    if value == math.inf:
+        return "+Inf"
+    if value == -math.inf:
+        return "-Inf"
+    text = repr(value)
+    dot = text.find(".")
+    if value > 0 and dot > 6:  # (Python writes up to 1e16 in full)
+        digits = (text[0] + "." + text[1:dot] + text[dot + 1:]).rstrip("0.")
+        return f"{digits}e+{dot - 1:02d}"
+    return text
+
+
+def _text_name(name: str, *, label: bool = False) -> str:
+    """A metric (or label) name as the text format takes it: each character outside the legacy
+    alphabet (``[a-zA-Z_:][a-zA-Z0-9_:]*``; no ``:`` in a label name) written as ``_``, as
+    prometheus_client's default escaping does."""
+    if (_LEGACY_LABEL if label else _LEGACY_NAME).fullmatch(name) or not name:
+        return name
+    extra = "_" if label else "_:"
+    return "".join(c if c.isascii() and (c.isalpha() or c in extra or (i and c.isdigit())) else "_"
+                   for i, c in enumerate(name))
+
+
+def _text_label_value(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class TextExposition:
+    """``/metrics`` in the Prometheus text format (0.0.4), written from a registry's families.
+
+    The same bytes as prometheus_client's ``generate_latest`` (tests/export/test_metrics_text.py
+    holds them equal), without its per-sample work: each series' line head (its name and label set,
+    sorted and escaped) is made once and kept between scrapes, each family's HELP and TYPE lines too.
+    With the ``_created`` series gone, a scrape of the live agent went 5.5 -> 3.3 ms of its CPU at
+    the reference load and 15.8 -> 7.0 ms at DeepSeek-V3 shape with eight producers
+    (benchmarks/metrics_scrape.py; docs/benchmarks.md "/metrics: no `_created` series"). Heads of
+    series that stopped showing are let go once they are more than twice a scrape's lines (a rank's
+    pid gone, a layer's expert moved)."""
+
+    def __init__(self, registry: Collector) -> None:
+        self._registry = registry
+        self._heads: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
+        self._family_heads: dict[tuple[str, str, str], str] = {}
+        self._lock = threading.Lock()  # (two scrapes at once: the maps are written by one at a time)
+
+    def render(self, names: frozenset[str] | None = None) -> bytes:
+        """The text of every family, or only of those with a sample named in ``names`` (a scrape's
+        ``name[]=`` filters: ``moescope_requests_total``, ``moescope_step_duration_seconds_bucket``)."""
+        with self._lock:
+            return self._render(names).encode("utf-8")
+
+    def _render(self, names: frozenset[str] | None) -> str:
+        out: list[str] = []
+        heads = self._heads
+        lines = 0
+        for family in self._registry.collect():
+            name, doc = family.name, family.documentation
+            if names is not None and not any(sample.name in names for sample in family.samples):
+                continue
+            out.append(self._family_head(name, family.type, doc))
+            held: dict[str, list[str]] | None = None  # the OpenMetrics-only samples, by suffix
+            for sample in family.samples:
+                sample_name, labels = sample.name, sample.labels
+                key = (sample_name, tuple(labels.items()))
+                head = heads.get(key)
+                if head is None:
+                    head = heads[key] = self._line_head(sample_name, labels)
+                stamp = sample.timestamp
+                line = (head + text_float(float(sample.value)) + "\n" if stamp is None
+                        else f"{head}{text_float(float(sample.value))} {int(float(stamp) * 1000):d}\n")
+                lines += 1
+                suffix = sample_name[len(name):] if sample_name.startswith(name) else ""
+                if suffix in _OPENMETRICS_ONLY:
+                    if held is None:
+                        held = {}
+                    held.setdefault(suffix, []).append(line)
+                else:
+                    out.append(line)
+            if held is not None:
+                for suffix in sorted(held):
+                    out.append(self._family_head(name + suffix, "gauge", doc))
+                    out.extend(held[suffix])
+        if len(heads) > 2 * lines + 1024:
+            heads.clear()
+        if len(self._family_heads) > 4096:
+            self._family_heads.clear()
+        return "".join(out)
+
+    def _family_head(self, name: str, kind: str, doc: str) -> str:
+        key = (name, kind, doc)
+        text = self._family_heads.get(key)
+        if text is None:
+            suffix, text_kind = _TEXT_TYPES.get(kind, ("", kind))
+            shown = _text_name(name + suffix)
+            help_text = doc.replace("\\", "\\\\").replace("\n", "\\n")
+            text = self._family_heads[key] = f"# HELP {shown} {help_text}\n# TYPE {shown} {text_kind}\n"
+        return text
+
+    @staticmethod
+    def _line_head(name: str, labels: Mapping[str, str]) -> str:
+        if not labels:
+            return _text_name(name) + " "
+        pairs = ",".join(f'{_text_name(k, label=True)}="{_text_label_value(v)}"' for k, v in sorted(labels.items()))
+        return f"{_text_name(name)}{{{pairs}}} "
+
+
+WsgiApp = Callable[..., Iterable[bytes]]
+
+
+def _metrics_app(exposition: TextExposition, fallback: WsgiApp) -> WsgiApp:
+    """The WSGI app behind ``/metrics``: a GET (or HEAD) of any path gets the text format from
+    ``exposition``, whatever it accepts (a Prometheus that asks for OpenMetrics first takes the text
+    format: the server chooses), uncompressed (the default bind is loopback), only the families
+    named by ``name[]=`` parameters where there are any; another method, or ``/favicon.ico``, goes
+    to prometheus_client's own app."""
+
+    def app(environ: dict[str, object], start_response: Callable[..., object]) -> Iterable[bytes]:
+        method = environ.get("REQUEST_METHOD", "GET")
+        if method not in ("GET", "HEAD") or environ.get("PATH_INFO") == "/favicon.ico":
+            return fallback(environ, start_response)
+        query = str(environ.get("QUERY_STRING") or "")
+        wanted = parse_qs(query).get("name[]") if query else None
+        body = exposition.render(frozenset(wanted) if wanted else None)
+        start_response("200 OK", [("Content-Type", TEXT_CONTENT_TYPE), ("Content-Length", str(len(body)))])
+        return [b"" if method == "HEAD" else body]
+
+    return app
+
+
 class _MetricsHttpServer(ThreadingWSGIServer):
     """prometheus_client's threaded WSGI server, served by a loop that sleeps until a scrape or
     stop(): socketserver's serve_forever wakes every 0.5 s to look for a shutdown request (two
@@ -796,8 +949,8 @@ class MetricsServer:
             family = socket.getaddrinfo(self.addr or None, self.requested_port, type=socket.SOCK_STREAM,
                                         flags=socket.AI_PASSIVE)[0][0]
             server_class = _MetricsHttpServer6 if family == socket.AF_INET6 else _MetricsHttpServer
-            server = make_server(self.addr, self.requested_port, make_wsgi_app(registry), server_class,
-                                 handler_class=_QuietHandler)
+            app = _metrics_app(TextExposition(registry), make_wsgi_app(registry))
+            server = make_server(self.addr, self.requested_port, app, server_class, handler_class=_QuietHandler)
         except OSError as exc:
             raise errors.UsageError(f"cannot serve /metrics on {where}: {exc.strerror or exc}") from exc
         wake = os.pipe()
