@@ -5,7 +5,6 @@ from __future__ import annotations
 import socket
 import threading
 import urllib.request
-from collections.abc import Iterator
 
 import pytest
 from cpu_burn import burn_thread_cpu
@@ -27,17 +26,6 @@ def scrape(port: int) -> dict[str, Metric]:
         assert resp.status == 200
         text = resp.read().decode()
     return {family.name: family for family in text_string_to_metric_families(text)}
-
-
-@pytest.fixture
-def served() -> Iterator[tuple[m.Metrics, int]]:
-    metrics = m.Metrics(version="9.9.9")
-    server = m.MetricsServer(metrics, port=0)
-    port = server.start()
-    try:
-        yield metrics, port
-    finally:
-        server.stop()
 
 
 def test_every_declared_family_is_scraped_with_its_value(served: tuple[m.Metrics, int]) -> None:

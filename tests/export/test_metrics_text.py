@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import urllib.request
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -104,17 +104,6 @@ def test_odd_families_and_changing_series_read_the_same() -> None:
         sizes.append(len(exposition._heads))
     assert any(b < a for a, b in zip(sizes, sizes[1:], strict=False))  # (the bound was reached: heads let go)
     assert exposition.render() == generate_latest(registry)
-
-
-@pytest.fixture
-def served() -> Iterator[tuple[m.Metrics, int]]:
-    metrics = m.Metrics(version="9.9.9")
-    server = m.MetricsServer(metrics, port=0)
-    port = server.start()
-    try:
-        yield metrics, port
-    finally:
-        server.stop()
 
 
 def _get(port: int, path: str, **headers: str) -> tuple[str, str]:
