@@ -796,8 +796,14 @@ def _text_name(name: str, *, label: bool = False) -> str:
                    for i, c in enumerate(name))
 
 
+def _text_help(text: str) -> str:
+    """A HELP text as the text format takes it: backslashes and newlines escaped."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
 def _text_label_value(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    """A label value: as a HELP text, and its double quotes escaped too."""
+    return _text_help(value).replace('"', '\\"')
 
 
 class TextExposition:
@@ -867,8 +873,7 @@ class TextExposition:
         if text is None:
             suffix, text_kind = _TEXT_TYPES.get(kind, ("", kind))
             shown = _text_name(name + suffix)
-            help_text = doc.replace("\\", "\\\\").replace("\n", "\\n")
-            text = self._family_heads[key] = f"# HELP {shown} {help_text}\n# TYPE {shown} {text_kind}\n"
+            text = self._family_heads[key] = f"# HELP {shown} {_text_help(doc)}\n# TYPE {shown} {text_kind}\n"
         return text
 
     @staticmethod

@@ -592,7 +592,8 @@ class Observers:
             f"pipeline: {p['requests']} requests ({p['requests_joined']} joined to steps), {p['steps']} steps "
             f"({p['steps_unjoined']} unjoined), {p['spans']} spans, layer subtrees "
             f"{p.get('layer_subtrees_kept_slow', 0)} slow + {p.get('layer_subtrees_kept_budget', 0)} kept, "
-            f"{p.get('layer_subtrees_sampled_out', 0)} sampled out"
+            f"{p.get('layer_subtrees_sampled_out', 0)} sampled out, "
+            f"{p.get('step_trees_dropped_overflow', 0)} let go over the memory bound"
         )
         for collector, parser in zip(self.nvtx, self.parsers, strict=True):
             s = collector.stats()

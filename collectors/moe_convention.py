@@ -535,6 +535,7 @@ class _RangeRow(NamedTuple):
 # starts over; a key's steps then hold two equal ints, nothing else changes).
 REQUEST_KEYS_HELD = 1 << 16
 
+
 class MoeConventionParser:
     """An NvtxCollector sink: feed it NvtxBatch objects; completed steps go to `sink` per batch."""
 

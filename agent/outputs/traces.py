@@ -499,9 +499,12 @@ class TraceOutput:
         step = b.step
         sampled = self._sampled_health.get(b.seq)
         with_layers = sampled is None
-        # (a step still in its join group: the group's health, made for all of its steps at once)
-        step_attrs = (dict(zip(STEP_HEALTH_KEYS, sampled, strict=True)) if isinstance(sampled, tuple)
-                      else dict(sampled if sampled is not None else self._sampled_step_health(b)))
+        if sampled is None:  # (a step still in its join group: the group's health, made for all its steps at once)
+            step_attrs = dict(self._sampled_step_health(b))
+        elif isinstance(sampled, tuple):
+            step_attrs = dict(zip(STEP_HEALTH_KEYS, sampled, strict=True))
+        else:
+            step_attrs = dict(sampled)
         if not with_layers and b.layer_count:
             step_attrs["moe.step.layers_sampled_out"] = True
         device_by_layer: dict[int, float] = {}
