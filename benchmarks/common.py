@@ -10,6 +10,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import subprocess
 import time
@@ -61,6 +62,28 @@ class ABResult:
             "delta": {m: self.delta(m) for m in metrics},
             "ratio": {m: self.ratio(m) for m in metrics},
         }
+
+
+def median_ratio_interval(a: list[float], b: list[float], *, level: float = 0.95, resamples: int = 4000,
+                          seed: int = 0) -> tuple[float, float]:
+    """A percentile-bootstrap interval for median(b) / median(a): each arm's runs resampled with
+    replacement on their own (the arms are separate processes), ``resamples`` times, seeded. It says
+    whether a reading resolves its bar: an interval that straddles the bar is the machine's swing
+    between runs, not a measured cost either way. (NaN, NaN) with fewer than two runs an arm."""
+    if len(a) < 2 or len(b) < 2 or not 0.0 < level < 1.0 or resamples < 1:
+        return math.nan, math.nan
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(resamples):
+        base = statistics.median(rng.choices(a, k=len(a)))
+        if base:
+            ratios.append(statistics.median(rng.choices(b, k=len(b))) / base)
+    if not ratios:
+        return math.nan, math.nan
+    ratios.sort()
+    tail = (1.0 - level) / 2.0
+    last = len(ratios) - 1
+    return ratios[round(tail * last)], ratios[round((1.0 - tail) * last)]
 
 
 def alternate_ab(

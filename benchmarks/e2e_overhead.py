@@ -28,10 +28,15 @@ reported as a share of the runtime's CPU beside the agent's own share.
     sudo .venv/bin/python -m benchmarks.e2e_overhead [--pairs 5] [--duration-s 15] [--quick]
     sudo .venv/bin/python -m benchmarks.e2e_overhead --soak [SECONDS]   # default 3600: flat RSS
     ... --agent-arg=--no-nvtx     # cost breakdown: an extra `agent start` flag for the on arm / soak
+    ... --no-bare --pairs 12      # off/on only: more rounds of the agent's bars in the same time
 
 Writes bench-results/e2e_overhead.json (or e2e_soak.json; *_breakdown_<args>.json with
---agent-arg). Exit status: 0 all bars met, 1 a bar missed (numbers still written), 2 bad options,
-3 not root, 4 a run could not be carried out (runtime or agent did not come up with every probe).
+--agent-arg). Each ratio of the bars comes with a 95 % bootstrap interval over the rounds and a
+reading of it against its bar: met, missed, or unresolved (the rounds swing across the bar); the
+host-CPU ratio also by its parts measured in the same windows (the agent's CPU and its eBPF
+programs' over the runtime's), which the swing between rounds does not reach. Exit status: 0 all
+bars met, 1 a bar missed (numbers still written), 2 bad options, 3 not root, 4 a run could not be
+carried out (runtime or agent did not come up with every probe).
 How to read the numbers: docs/benchmarks.md.
 """
 
@@ -40,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -54,7 +60,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, ABResult, Metrics, bpf_run_time_ns, bpf_stats_enabled, write_result
+from benchmarks.common import (
+    REPO,
+    ABResult,
+    Metrics,
+    bpf_run_time_ns,
+    bpf_stats_enabled,
+    median_ratio_interval,
+    write_result,
+)
 from moescope.agent.join import DEFAULT_STEP_RETENTION_NS
 from moescope.collectors.nvtx import INJECTION_ENV, RING_DIR_ENV, injection_env
 from moescope.examples.moe_runtime.launch import LaunchError, LineReader, launch, runtime_argv
@@ -248,6 +262,20 @@ class Settings:
     agent_args: tuple[str, ...] = ()
 
 
+def resolved(interval: tuple[float, float], bar: float, *, upper_is_worse: bool) -> str:
+    """What a ratio's interval says of its bar: "met" / "missed" when the whole interval is on one
+    side, "unresolved" when it straddles the bar (the rounds swing more than the cost being read)."""
+    low, high = interval
+    if math.isnan(low) or math.isnan(high):
+        return "unresolved"
+    worst, best = (high, low) if upper_is_worse else (low, high)
+    if (worst <= bar) if upper_is_worse else (worst >= bar):
+        return "met"
+    if (best > bar) if upper_is_worse else (best < bar):
+        return "missed"
+    return "unresolved"
+
+
 def one_run(arm: str, *, index: int, workdir: Path, settings: Settings, extra: dict[str, Any]) -> Metrics:
     """One fresh runtime, (agent), warm-up, measured window. Returns the run's numbers."""
     name = f"{arm}{index}"
@@ -318,10 +346,11 @@ def fmt_run(metrics: Metrics) -> str:
 def overhead(args: argparse.Namespace, workdir: Path) -> int:
     settings = Settings(duration_s=args.duration_s, warmup_s=args.warmup_s, concurrency=args.concurrency,
                         agent_args=tuple(args.agent_arg or ()))
-    runs: dict[str, list[Metrics]] = {arm: [] for arm in ARMS}
+    arms = ARMS if not args.no_bare else ("off", "on")
+    runs: dict[str, list[Metrics]] = {arm: [] for arm in arms}
     extra: dict[str, Any] = {}
     for r in range(args.pairs):
-        order = ARMS[r % 3:] + ARMS[: r % 3]  # rotate: no arm always first or always after another
+        order = arms[r % len(arms):] + arms[: r % len(arms)]  # rotate: no arm always first or always after another
         for arm in order:
             metrics = one_run(arm, index=r, workdir=workdir, settings=settings, extra=extra)
             runs[arm].append(metrics)
@@ -331,7 +360,7 @@ def overhead(args: argparse.Namespace, workdir: Path) -> int:
         return [{k: v for k, v in run.items() if k != "failures"} for run in runs[arm]]
 
     agent_on = ABResult(a=ratioable("off"), b=ratioable("on"))
-    nvtx_idle = ABResult(a=ratioable("bare"), b=ratioable("off"))
+    nvtx_idle = ABResult(a=ratioable("bare"), b=ratioable("off")) if "bare" in runs else None
     on = runs["on"]
     throughput_ratio = agent_on.ratio("throughput_rps")
     throughput_cost = 1.0 - throughput_ratio
@@ -345,6 +374,16 @@ def overhead(args: argparse.Namespace, workdir: Path) -> int:
         / statistics.median(run["runtime_cpu_ms_per_request"] for run in runs["off"])
     )
     cpu_cost = cpu_per_request_ratio - 1.0
+    # How far the rounds' swing lets either ratio be read: 95 % bootstrap intervals over the rounds.
+    # The bars are judged on the medians (as stated); an interval straddling 1.01 says that this
+    # run's rounds cannot tell a met bar from a missed one, whatever the median reads.
+    cpu_interval = median_ratio_interval(
+        [run["runtime_cpu_ms_per_request"] for run in runs["off"]],
+        [run["runtime_cpu_ms_per_request"] + run["agent_cpu_ms_per_request"] for run in on])
+    throughput_interval = median_ratio_interval([run["throughput_rps"] for run in runs["off"]],
+                                                [run["throughput_rps"] for run in on])
+    cpu_reading = resolved(cpu_interval, 1.0 + BAR_THROUGHPUT_COST, upper_is_worse=True)
+    throughput_reading = resolved(throughput_interval, 1.0 - BAR_THROUGHPUT_COST, upper_is_worse=False)
     # The agent's CPU over the runtime's in the same window, per on-round: the agent's own part of
     # that ratio, free of the VM's swing between rounds (both processes see the same window). What
     # the ratio adds beyond it is the runtime's own change while observed (the injection library
@@ -358,9 +397,17 @@ def overhead(args: argparse.Namespace, workdir: Path) -> int:
         kernel_share = statistics.median(
             run["agent_bpf_kernel_ms_per_request"] / run["runtime_cpu_ms_per_request"] for run in on
             if run["runtime_cpu_ms_per_request"] > 0)
+    # The ratio by its parts measured in the same windows: 1 + the agent's CPU + its eBPF programs'
+    # (which run in the runtime's CPU), over the runtime's, per on-round. Free of the swing between
+    # rounds that the direct ratio carries; it leaves out what is not measured in-window: the
+    # injection library's ring writes (~70 ns an NVTX record, benchmarks/nvtx_overhead.py) and any
+    # effect of the agent's threads on the runtime's caches.
+    by_parts = [1.0 + (run["agent_cpu_ms_per_request"] + run.get("agent_bpf_kernel_ms_per_request", 0.0))
+                / run["runtime_cpu_ms_per_request"] for run in on if run["runtime_cpu_ms_per_request"] > 0]
+    cpu_by_parts = statistics.median(by_parts) if by_parts else math.nan
     agent_peak = statistics.median(run["agent_peak_rss_bytes"] for run in on)
     agent_rss = statistics.median(run["agent_rss_bytes"] for run in on)
-    failures = sum(run["failures"] for arm in ARMS for run in runs[arm])
+    failures = sum(run["failures"] for arm in arms for run in runs[arm])
     bars = {
         "throughput_cost_le_1pct": throughput_cost <= BAR_THROUGHPUT_COST,
         "cpu_per_request_cost_le_1pct": cpu_cost <= BAR_THROUGHPUT_COST,
@@ -382,18 +429,24 @@ def overhead(args: argparse.Namespace, workdir: Path) -> int:
         "agent_extra_args": list(settings.agent_args),
         "runs": runs,
         "agent_on": agent_on.to_dict(),
-        "nvtx_idle": nvtx_idle.to_dict(),
+        "nvtx_idle": nvtx_idle.to_dict() if nvtx_idle else None,
         "throughput_ratio_on_over_off": throughput_ratio,
         "throughput_cost": throughput_cost,
         "host_cpu_per_request_ratio_on_over_off": cpu_per_request_ratio,
         "host_cpu_per_request_cost": cpu_cost,
+        "host_cpu_per_request_ratio_interval_95": list(cpu_interval),
+        "host_cpu_per_request_bar_reading": cpu_reading,
+        "host_cpu_per_request_ratio_by_parts": cpu_by_parts,
+        "host_cpu_per_request_ratio_by_parts_range": [min(by_parts), max(by_parts)] if by_parts else None,
+        "throughput_ratio_interval_95": list(throughput_interval),
+        "throughput_bar_reading": throughput_reading,
         "agent_share_of_runtime_cpu_same_window": agent_share,
         "agent_bpf_kernel_share_of_runtime_cpu_same_window": kernel_share,
         "p99_ratio_on_over_off": agent_on.ratio("p99_ms"),
         "p50_ratio_on_over_off": agent_on.ratio("p50_ms"),
         "runtime_cpu_ratio_on_over_off": agent_on.ratio("runtime_cpu_pct_of_core"),
-        "throughput_ratio_off_over_bare": nvtx_idle.ratio("throughput_rps"),
-        "p99_ratio_off_over_bare": nvtx_idle.ratio("p99_ms"),
+        "throughput_ratio_off_over_bare": nvtx_idle.ratio("throughput_rps") if nvtx_idle else None,
+        "p99_ratio_off_over_bare": nvtx_idle.ratio("p99_ms") if nvtx_idle else None,
         "agent_cpu_pct_of_core": agent_cpu,
         "agent_cpu_ms_per_request": agent_ms,
         "agent_peak_rss_bytes": agent_peak,
@@ -417,22 +470,29 @@ def overhead(args: argparse.Namespace, workdir: Path) -> int:
         return statistics.median(run[metric] for run in runs[arm])
 
     print(f"e2e_overhead: medians of {args.pairs} rounds x {args.duration_s:g} s, concurrency {args.concurrency}:")
-    for arm in ARMS:
+    for arm in arms:
         print(f"  {arm:4s} {med(arm, 'throughput_rps'):.2f} req/s, p50 {med(arm, 'p50_ms'):.0f} ms, "
               f"p99 {med(arm, 'p99_ms'):.0f} ms, runtime CPU {med(arm, 'runtime_cpu_pct_of_core'):.0f} % of a core")
     print(f"  agent on/off: throughput ratio {throughput_ratio:.4f} (cost {100 * throughput_cost:+.2f} %, bar 1 %), "
-          f"p99 ratio {agent_on.ratio('p99_ms'):.3f}")
+          f"p99 ratio {agent_on.ratio('p99_ms'):.3f}; 95 % interval over the rounds "
+          f"{throughput_interval[0]:.3f}-{throughput_interval[1]:.3f} ({throughput_reading})")
     print(f"  host CPU per request (runtime + agent) on/off: {cpu_per_request_ratio:.3f} "
           f"(cost {100 * cpu_cost:+.1f} %, bar 1 %): runtime {med('off', 'runtime_cpu_ms_per_request'):.1f} -> "
-          f"{med('on', 'runtime_cpu_ms_per_request'):.1f} ms, agent {med('on', 'agent_cpu_ms_per_request'):.1f} ms")
+          f"{med('on', 'runtime_cpu_ms_per_request'):.1f} ms, agent {med('on', 'agent_cpu_ms_per_request'):.2f} ms; "
+          f"95 % interval over the rounds {cpu_interval[0]:.3f}-{cpu_interval[1]:.3f} ({cpu_reading})")
     print(f"  the agent's part of it, against the runtime in the same windows: {100 * agent_share:.2f} % "
           f"(median of the on rounds; the rest of the ratio is the runtime's own change and the VM's swing)")
     if kernel_share is not None:
         print(f"  the agent's eBPF programs in the kernel, on the runtime's syscalls (bpf_stats, in the runtime's "
               f"CPU): {100 * kernel_share:.3f} % of the runtime's CPU, "
               f"{1000 * statistics.median(run['agent_bpf_kernel_ms_per_request'] for run in on):.1f} µs a request")
-    print(f"  NVTX injection idle (off/bare): throughput ratio {nvtx_idle.ratio('throughput_rps'):.4f}, "
-          f"p99 ratio {nvtx_idle.ratio('p99_ms'):.3f}")
+    if by_parts:
+        print(f"  host CPU per request on/off by its parts in the same windows (1 + agent + its eBPF, over the "
+              f"runtime): {cpu_by_parts:.4f}, rounds {min(by_parts):.4f}-{max(by_parts):.4f} (ring writes and cache "
+              f"effects on the runtime not in it)")
+    if nvtx_idle:
+        print(f"  NVTX injection idle (off/bare): throughput ratio {nvtx_idle.ratio('throughput_rps'):.4f}, "
+              f"p99 ratio {nvtx_idle.ratio('p99_ms'):.3f}")
     print(f"  agent: {agent_cpu:.1f} % of one core (bar 5), {agent_ms:.2f} ms CPU per request (bar "
           f"{BAR_AGENT_CPU_MS_PER_REQUEST:g}), peak RSS {agent_peak / 1e6:.0f} MB "
           f"(bar 100), RSS at end {agent_rss / 1e6:.0f} MB; failed requests {failures:.0f}")
@@ -553,6 +613,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="extra `agent start` argument for the on arm or the soak (repeatable), for a "
                         "cost breakdown, e.g. --agent-arg=--no-nvtx; results then go to "
                         "e2e_overhead_breakdown_<args>.json / e2e_soak_breakdown_<args>.json")
+    parser.add_argument("--no-bare", action="store_true",
+                        help="run the off and on arms only (no `bare` arm: what the idle NVTX injection "
+                        "costs is not read): the same time buys half again as many rounds of the agent's "
+                        "bars, e.g. --no-bare --pairs 12")
     parser.add_argument("--quick", action="store_true", help="smoke: 2 rounds x 5 s, 1 s warm-up")
     parser.add_argument("--soak", type=float, nargs="?", const=3600.0, metavar="SECONDS",
                         help="instead: one run with the agent on for SECONDS (default 3600), agent RSS "
