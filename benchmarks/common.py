@@ -64,13 +64,19 @@ class ABResult:
         }
 
 
+MIN_INTERVAL_RUNS = 5
+
+
 def median_ratio_interval(a: list[float], b: list[float], *, level: float = 0.95, resamples: int = 4000,
-                          seed: int = 0) -> tuple[float, float]:
+                          seed: int = 0, min_runs: int = MIN_INTERVAL_RUNS) -> tuple[float, float]:
     """A percentile-bootstrap interval for median(b) / median(a): each arm's runs resampled with
     replacement on their own (the arms are separate processes), ``resamples`` times, seeded. It says
     whether a reading resolves its bar: an interval that straddles the bar is the machine's swing
-    between runs, not a measured cost either way. (NaN, NaN) with fewer than two runs an arm."""
-    if len(a) < 2 or len(b) < 2 or not 0.0 < level < 1.0 or resamples < 1:
+    between runs, not a measured cost either way. (NaN, NaN) with fewer than ``min_runs`` runs an
+    arm: a median's bootstrap over fewer runs is too narrow (simulated, normal runs with no
+    difference: the 95 % interval missed the true ratio in 13 % of trials at 3 runs an arm, 2-4 %
+    at 5, 8 and 15)."""
+    if len(a) < min_runs or len(b) < min_runs or not 0.0 < level < 1.0 or resamples < 1:
         return math.nan, math.nan
     rng = random.Random(seed)
     ratios = []

@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
+    MIN_INTERVAL_RUNS,
     REPO,
     ABResult,
     Metrics,
@@ -262,6 +263,17 @@ class Settings:
     agent_args: tuple[str, ...] = ()
 
 
+def finite(interval: tuple[float, float]) -> list[float] | None:
+    """An interval for the JSON: None where there is none (fewer than two rounds an arm)."""
+    return None if any(math.isnan(end) for end in interval) else list(interval)
+
+
+def shown(interval: tuple[float, float], reading: str) -> str:
+    if any(math.isnan(end) for end in interval):
+        return f"no interval under {MIN_INTERVAL_RUNS} rounds an arm ({reading})"
+    return f"95 % interval over the rounds {interval[0]:.3f}-{interval[1]:.3f} ({reading})"
+
+
 def resolved(interval: tuple[float, float], bar: float, *, upper_is_worse: bool) -> str:
     """What a ratio's interval says of its bar: "met" / "missed" when the whole interval is on one
     side, "unresolved" when it straddles the bar (the rounds swing more than the cost being read)."""
@@ -434,11 +446,11 @@ def overhead(args: argparse.Namespace, workdir: Path) -> int:
         "throughput_cost": throughput_cost,
         "host_cpu_per_request_ratio_on_over_off": cpu_per_request_ratio,
         "host_cpu_per_request_cost": cpu_cost,
-        "host_cpu_per_request_ratio_interval_95": list(cpu_interval),
+        "host_cpu_per_request_ratio_interval_95": finite(cpu_interval),
         "host_cpu_per_request_bar_reading": cpu_reading,
-        "host_cpu_per_request_ratio_by_parts": cpu_by_parts,
+        "host_cpu_per_request_ratio_by_parts": cpu_by_parts if by_parts else None,
         "host_cpu_per_request_ratio_by_parts_range": [min(by_parts), max(by_parts)] if by_parts else None,
-        "throughput_ratio_interval_95": list(throughput_interval),
+        "throughput_ratio_interval_95": finite(throughput_interval),
         "throughput_bar_reading": throughput_reading,
         "agent_share_of_runtime_cpu_same_window": agent_share,
         "agent_bpf_kernel_share_of_runtime_cpu_same_window": kernel_share,
@@ -474,12 +486,11 @@ def overhead(args: argparse.Namespace, workdir: Path) -> int:
         print(f"  {arm:4s} {med(arm, 'throughput_rps'):.2f} req/s, p50 {med(arm, 'p50_ms'):.0f} ms, "
               f"p99 {med(arm, 'p99_ms'):.0f} ms, runtime CPU {med(arm, 'runtime_cpu_pct_of_core'):.0f} % of a core")
     print(f"  agent on/off: throughput ratio {throughput_ratio:.4f} (cost {100 * throughput_cost:+.2f} %, bar 1 %), "
-          f"p99 ratio {agent_on.ratio('p99_ms'):.3f}; 95 % interval over the rounds "
-          f"{throughput_interval[0]:.3f}-{throughput_interval[1]:.3f} ({throughput_reading})")
+          f"p99 ratio {agent_on.ratio('p99_ms'):.3f}; {shown(throughput_interval, throughput_reading)}")
     print(f"  host CPU per request (runtime + agent) on/off: {cpu_per_request_ratio:.3f} "
           f"(cost {100 * cpu_cost:+.1f} %, bar 1 %): runtime {med('off', 'runtime_cpu_ms_per_request'):.1f} -> "
           f"{med('on', 'runtime_cpu_ms_per_request'):.1f} ms, agent {med('on', 'agent_cpu_ms_per_request'):.2f} ms; "
-          f"95 % interval over the rounds {cpu_interval[0]:.3f}-{cpu_interval[1]:.3f} ({cpu_reading})")
+          f"{shown(cpu_interval, cpu_reading)}")
     print(f"  the agent's part of it, against the runtime in the same windows: {100 * agent_share:.2f} % "
           f"(median of the on rounds; the rest of the ratio is the runtime's own change and the VM's swing)")
     if kernel_share is not None:
@@ -605,7 +616,8 @@ def soak(args: argparse.Namespace, workdir: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=5, help="rounds of off/on/bare runs (>= 5 for a result)")
+    parser.add_argument("--pairs", type=int, default=5,
+                        help="rounds of off/on/bare runs (off/on with --no-bare; >= 5 for a result)")
     parser.add_argument("--duration-s", type=float, default=15.0, help="measured load per run")
     parser.add_argument("--warmup-s", type=float, default=3.0, help="unmeasured load before each measured run")
     parser.add_argument("--concurrency", type=int, default=8, help="closed-loop load generator clients")

@@ -46,12 +46,17 @@ def test_rounds_that_swing_more_than_the_cost_read_unresolved() -> None:
 def test_a_bar_where_lower_is_worse_reads_from_the_other_end() -> None:
     rps = [17.40, 17.42, 17.41, 17.43, 17.40]
     assert resolved(median_ratio_interval(rps, rps), 0.99, upper_is_worse=False) == "met"
+    assert math.isnan(median_ratio_interval(rps[:4], rps[:4])[0])  # four rounds: no interval
     assert resolved(median_ratio_interval(rps, [v * 0.9 for v in rps]), 0.99, upper_is_worse=False) == "missed"
     assert resolved((0.97, 1.02), 0.99, upper_is_worse=False) == "unresolved"
 
 
-@pytest.mark.parametrize("a, b", [([], [1.0, 2.0]), ([1.0], [1.0, 2.0]), ([1.0, 2.0], [3.0]), ([0.0, 0.0], [1.0, 2.0])])
+FIVE = [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+@pytest.mark.parametrize("a, b", [([], FIVE), (FIVE[:2], FIVE), (FIVE, FIVE[:4]), ([0.0] * 5, FIVE)])
 def test_too_few_rounds_or_a_zero_baseline_give_no_interval(a: list[float], b: list[float]) -> None:
+    # (a median's bootstrap over fewer than five runs an arm is too narrow to read a bar from)
     low, high = median_ratio_interval(a, b)
     assert math.isnan(low) and math.isnan(high)
     assert resolved((low, high), 1.01, upper_is_worse=True) == "unresolved"
