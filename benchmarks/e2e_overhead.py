@@ -280,12 +280,8 @@ def resolved(interval: tuple[float, float], bar: float, *, upper_is_worse: bool)
     low, high = interval
     if math.isnan(low) or math.isnan(high):
         return "unresolved"
-    worst, best = (high, low) if upper_is_worse else (low, high)
-    if (worst <= bar) if upper_is_worse else (worst >= bar):
-        return "met"
-    if (best > bar) if upper_is_worse else (best < bar):
-        return "missed"
-    return "unresolved"
+    met, missed = (high <= bar, low > bar) if upper_is_worse else (low >= bar, high < bar)
+    return "met" if met else "missed" if missed else "unresolved"
 
 
 def one_run(arm: str, *, index: int, workdir: Path, settings: Settings, extra: dict[str, Any]) -> Metrics:

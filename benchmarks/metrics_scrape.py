@@ -40,6 +40,7 @@ from typing import Any
 from benchmarks.agent_ab import agent_beside_runtime
 from benchmarks.common import REPO, write_result
 from benchmarks.e2e_overhead import BenchError, cpu_s, run_loadgen, stop_group
+from moescope import procfs
 
 SHAPES = ("reference", "deepseek-v3")
 LOAD_S = 4.0  # reference: load before measuring, so every family has its series
@@ -73,6 +74,13 @@ def measure(pid: int, port: int, *, scrapes: int, windows: int) -> dict[str, Any
             "ms_per_scrape_windows": per_scrape}
 
 
+def _metrics_port(argv: list[str]) -> int | None:
+    """The `--metrics-port` an agent was started with (None: none on its command line)."""
+    if "--metrics-port" not in argv:
+        return None
+    return int(argv[argv.index("--metrics-port") + 1])
+
+
 def _agent_under(root_pid: int) -> tuple[int, int] | None:
     """(pid, metrics port) of an `agent` process descending from root_pid, if one is up."""
     parents: dict[int, int] = {}
@@ -80,14 +88,13 @@ def _agent_under(root_pid: int) -> tuple[int, int] | None:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
+        stat, argv = procfs.read_stat(int(entry)), procfs.read_cmdline(int(entry))
+        if stat is None or argv is None:
             continue
-        parents[int(entry)] = int(stat[stat.rindex(")") + 2:].split()[1])
-        if b"moescope.agent" in argv and b"--metrics-port" in argv:
-            agents[int(entry)] = int(argv[argv.index(b"--metrics-port") + 1])
+        parents[stat.pid] = stat.ppid
+        port = _metrics_port(argv) if "moescope.agent" in argv else None
+        if port is not None:
+            agents[stat.pid] = port
     for pid, port in agents.items():
         up, hops = pid, 0
         while up in parents and hops < 16:
@@ -99,8 +106,9 @@ def _agent_under(root_pid: int) -> tuple[int, int] | None:
 
 def run_reference(tree: Path, *, scrapes: int, windows: int) -> dict[str, Any]:
     with agent_beside_runtime(tree, name="scrape") as (runtime, proc):
-        argv = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
-        port = int(argv[argv.index(b"--metrics-port") + 1])
+        port = _metrics_port(procfs.read_cmdline(proc.pid) or [])
+        if port is None:
+            raise BenchError(f"agent from {tree}: no --metrics-port in its command line")
         load = run_loadgen(runtime.port, duration_s=LOAD_S, concurrency=8, out=None)
         if int(load["failures"]):
             raise BenchError(f"the load generator saw {load['failures']} failed requests")
