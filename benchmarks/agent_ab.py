@@ -46,7 +46,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from benchmarks.agent_cpu import Receiver
 from benchmarks.common import REPO, Metrics, alternate_ab, write_result
@@ -77,9 +77,16 @@ def agent_argv(tree: Path, *args: str) -> list[str]:
     return [sys.executable, "-c", code, *args]
 
 
+class Beside(NamedTuple):
+    """What agent_beside_runtime yields: the runtime, the agent's process and its /metrics port."""
+
+    runtime: Runtime
+    proc: subprocess.Popen[str]
+    metrics_port: int
+
+
 @contextmanager
-def agent_beside_runtime(tree: Path, *, name: str,
-                         extra_args: tuple[str, ...] = ()) -> Iterator[tuple[Runtime, subprocess.Popen[str]]]:
+def agent_beside_runtime(tree: Path, *, name: str, extra_args: tuple[str, ...] = ()) -> Iterator[Beside]:
     """A fresh reference runtime (NVTX injection on, rings on tmpfs) and `agent start --pid` from
     `tree` beside it with e2e_overhead's arguments (and `extra_args`), settled after its last
     start-up note; both stopped on the way out."""
@@ -90,8 +97,9 @@ def agent_beside_runtime(tree: Path, *, name: str,
         runtime = start_runtime(workdir, inject=True, name=name)
         state = workdir / "state"
         state.mkdir()
+        metrics_port = free_port()
         proc = subprocess.Popen(
-            agent_argv(tree, *agent_start_args(runtime, state, free_port()), *extra_args),
+            agent_argv(tree, *agent_start_args(runtime, state, metrics_port), *extra_args),
             cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )
         assert proc.stdout is not None and proc.stderr is not None
@@ -102,7 +110,7 @@ def agent_beside_runtime(tree: Path, *, name: str,
             except LaunchError as exc:
                 raise BenchError(f"agent from {tree}: {exc}") from None
             time.sleep(SETTLE_S)
-            yield runtime, proc
+            yield Beside(runtime, proc, metrics_port)
         finally:
             stop_group(proc, sig=signal.SIGINT, timeout_s=60.0)
             err.join(10.0)
@@ -111,7 +119,7 @@ def agent_beside_runtime(tree: Path, *, name: str,
 
 
 def one_run(tree: Path, *, idle_s: float, duration_s: float, extra_args: tuple[str, ...] = ()) -> Metrics:
-    with agent_beside_runtime(tree, name="agent-ab", extra_args=extra_args) as (runtime, proc):
+    with agent_beside_runtime(tree, name="agent-ab", extra_args=extra_args) as (runtime, proc, _):
         cpu0, t0 = cpu_s(proc.pid), time.monotonic()
         time.sleep(idle_s)
         idle = (cpu_s(proc.pid) - cpu0) / (time.monotonic() - t0)

@@ -89,15 +89,9 @@ def _window(runtime: Any, proc: Any, metrics_port: int | None, *, duration_s: fl
     return window
 
 
-def _metrics_port(pid: int) -> int:
-    """The --metrics-port the agent was started with (agent_ab's arguments always give one)."""
-    argv = open(f"/proc/{pid}/cmdline", encoding="utf-8", errors="replace").read().split("\0")
-    return int(argv[argv.index("--metrics-port") + 1])
-
-
 def one_run(*, idle_s: float, duration_s: float, per_step: bool = False, parts: bool = False) -> dict[str, Any]:
-    with agent_beside_runtime(REPO, name="agent-threads") as (runtime, proc):
-        port = _metrics_port(proc.pid) if per_step or parts else None
+    with agent_beside_runtime(REPO, name="agent-threads") as (runtime, proc, metrics_port):
+        port = metrics_port if per_step or parts else None
         parts0 = work_cpu_s(port) if parts and port is not None else {}
         before, t0 = task_cpu_by_name(proc.pid, precise=True), time.monotonic()
         time.sleep(idle_s)

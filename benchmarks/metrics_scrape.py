@@ -105,10 +105,7 @@ def _agent_under(root_pid: int) -> tuple[int, int] | None:
 
 
 def run_reference(tree: Path, *, scrapes: int, windows: int) -> dict[str, Any]:
-    with agent_beside_runtime(tree, name="scrape") as (runtime, proc):
-        port = _metrics_port(procfs.read_cmdline(proc.pid) or [])
-        if port is None:
-            raise BenchError(f"agent from {tree}: no --metrics-port in its command line")
+    with agent_beside_runtime(tree, name="scrape") as (runtime, proc, port):
         load = run_loadgen(runtime.port, duration_s=LOAD_S, concurrency=8, out=None)
         if int(load["failures"]):
             raise BenchError(f"the load generator saw {load['failures']} failed requests")
