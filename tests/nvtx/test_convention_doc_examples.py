@@ -1,0 +1,168 @@
+"""The Python producer examples in docs/nvtx-convention.md ("Examples for adopters") run as
+published: each is executed, unchanged, in a real process with the real `nvtx` package and the
+injection library, around stand-ins for the model's parts (router, top-k, experts) that draw
+their numbers from numpy; the agent's parser must read back exactly those numbers. An example
+that no longer runs, or that sends something the parser reads differently, fails here."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from nvtx_helpers import HERE, Producer, drain_until_finished, kill_group
+
+from moescope.collectors.moe_convention import MoeConventionParser, StepEvent
+from moescope.collectors.nvtx import NvtxCollector, injection_env
+
+REPO = HERE.parent.parent
+DOC = REPO / "docs" / "nvtx-convention.md"
+LAYERS, EXPERTS, STEPS = 3, 8, 4
+
+# The stand-ins each example calls, and the loop that drives it; what they drew is the truth the
+# parsed steps are held to. `{example}` is the doc's code, run as it is printed.
+HARNESS = '''
+import json, sys
+from types import SimpleNamespace
+import numpy as np
+
+rng = np.random.default_rng(11)
+num_layers, num_experts = {layers}, {experts}
+truth = {{"steps": []}}
+current = []  # the step being made: its layers' numbers, in order
+
+def router(layer, x):
+    entropy = float(rng.uniform(0.5, 3.0))
+    current.append({{"entropy": entropy}})
+    return rng.standard_normal(num_experts), entropy
+
+def select(logits):
+    top_k = rng.integers(0, 20, num_experts)
+    over = np.minimum(rng.integers(0, 3, num_experts), top_k)
+    current[-1].update(demand=top_k.tolist(), dropped=over.tolist(), computed=int(top_k.sum()))
+    return top_k, over
+
+def fused_experts(x, top_k):
+    return x
+
+def run_layer(layer, x):
+    raise AssertionError("the tool is attached: the example must take its instrumented path")
+
+def layer_fn(i):
+    def run(x):
+        top_k = rng.integers(0, 20, num_experts)
+        over = np.minimum(rng.integers(0, 3, num_experts), top_k)
+        entropy = float(np.float32(rng.uniform(0.5, 3.0)))
+        current.append({{"entropy": entropy, "demand": top_k.tolist(), "dropped": over.tolist()}})
+        return x
+    return run
+
+layers = [layer_fn(i) for i in range(num_layers)]
+
+def step_router_stats():
+    routing = np.concatenate([np.concatenate((np.asarray(l["demand"]), np.asarray(l["dropped"])))
+                              for l in current]).astype(np.int32)
+    return routing, np.asarray([l["entropy"] for l in current], dtype=np.float32)
+
+def forward(batch, x=None):
+    if x is not None:
+        raise AssertionError("the tool is attached: the example must take its instrumented path")
+    for layer in range(num_layers):
+        moe_layer(layer, None, num_experts)
+
+{example}
+
+print("ready", flush=True)
+sys.stdin.readline()
+for s in range(__STEPS__):
+    current.clear()
+    if "{mode}" == "per-layer":
+        batch = [SimpleNamespace(key=7000 + 10 * s + r, new_tokens=[0] * (1 + r), prompt_tokens_this_step=5 * r)
+                 for r in range(2 + s % 2)]
+        step(batch)
+        truth["steps"].append({{"tokens": sum(len(r.new_tokens) for r in batch),
+                                "requests": {{r.key: [r.prompt_tokens_this_step, 1] for r in batch}},
+                                "layers": list(current)}})
+    else:
+        step(SimpleNamespace(tokens=16 + s), None)
+        truth["steps"].append({{"tokens": 16 + s, "layers": list(current)}})
+json.dump(truth, open(sys.argv[1], "w"))
+'''
+
+
+def _examples() -> dict[str, str]:
+    """The doc's Python examples: the per-layer form (the section's blocks before the compact form's
+    heading) and the compact form (its block)."""
+    text = DOC.read_text()
+    section = text.split("## Examples for adopters", 1)[1]
+    per_layer, compact = section.split("### The compact form", 1)
+    blocks = {mode: re.findall(r"```python\n(.*?)```", part, flags=re.S)
+              for mode, part in (("per-layer", per_layer), ("compact", compact))}
+    assert len(blocks["per-layer"]) == 2 and len(blocks["compact"]) == 1, "the doc's examples moved"
+    return {mode: "\n".join(found) for mode, found in blocks.items()}
+
+
+def _run(tmp_path: Path, ring_dir: Path, mode: str) -> tuple[list[StepEvent], dict, dict[str, int], dict[str, int]]:
+    script = tmp_path / f"example_{mode}.py"
+    script.write_text(HARNESS.format(layers=LAYERS, experts=EXPERTS, mode=mode, example=_examples()[mode])
+                      .replace("__STEPS__", str(STEPS)))
+    log_path = tmp_path / f"example_{mode}.json"
+    env = dict(os.environ)
+    env.pop("NVTX_INJECTION64_PATH", None)
+    env.update(injection_env())
+    env["MOESCOPE_NVTX_DIR"] = str(ring_dir)
+    proc = subprocess.Popen([sys.executable, str(script), str(log_path)], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        producer = Producer(proc=proc, log_path=log_path, ring_dir=ring_dir)
+        producer.expect_line("ready")
+        steps: list[StepEvent] = []
+        parser = MoeConventionParser(sink=steps.extend)
+        collector = NvtxCollector(producer.pid, sink=parser, directory=ring_dir)
+        try:
+            producer.go()
+            drain_until_finished(collector)
+            assert producer.wait() == 0
+            cstats = collector.stats()
+        finally:
+            collector.close()
+        return steps, json.loads(log_path.read_text()), parser.stats(), cstats
+    finally:
+        kill_group(proc)
+
+
+def _nonzero(values: list[int]) -> dict[int, int]:
+    return {e: n for e, n in enumerate(values) if n}
+
+
+@pytest.mark.parametrize("mode", ["per-layer", "compact"])
+def test_the_docs_python_examples_are_read_back_exactly(tmp_path: Path, ring_dir: Path, mode: str) -> None:
+    steps, truth, stats, cstats = _run(tmp_path, ring_dir, mode)
+    assert cstats["dropped_ring_full"] == 0
+    assert stats["malformed_vectors"] == stats["misplaced"] == stats["orphans"] == stats["unknown_names"] == 0
+    assert len(steps) == len(truth["steps"]) == STEPS
+    for got, want in zip(steps, truth["steps"], strict=True):
+        assert got.tokens == want["tokens"]
+        if mode == "per-layer":
+            assert got.request_tokens == {int(k): tuple(v) for k, v in want["requests"].items()}
+        assert [layer.layer for layer in got.layers] == list(range(LAYERS))
+        for layer, wl in zip(got.layers, want["layers"], strict=True):
+            assert layer.num_experts == EXPERTS
+            router = layer.router
+            assert router is not None
+            assert router.entropy_bits == wl["entropy"]  # as sent, bit for bit
+            assert router.tokens_by_expert() == _nonzero(wl["demand"])
+            assert router.dropped_by_expert() == _nonzero(wl["dropped"])
+            if mode == "per-layer":
+                assert layer.experts is not None and layer.experts.tokens == wl["computed"]
+                assert router.end_ns <= layer.experts.start_ns < layer.experts.end_ns <= layer.end_ns
+            else:
+                assert layer.experts is None  # the compact form has no experts range
+    assert stats["routing_vectors"] == (STEPS * LAYERS if mode == "per-layer" else STEPS)
+    # what the truth holds is numpy's own draw, not something the parser could have made up
+    assert sum(np.sum(wl["demand"]) for s in truth["steps"] for wl in s["layers"]) > 0
