@@ -26,6 +26,7 @@ stats(), never raised.
 | moe.experts.time (v2)| mark inside moe.experts | layer + 1  | float vector [E]: µs per expert |
 | moe.step.device (v2) | mark inside moe.step    | -          | float vector [L]: µs per layer |
 | moe.step.routing (v2)| mark inside moe.step    | -          | int vector [L·2E]: moe.routing of every layer |
+| moe.step.entropy (v2.2) | mark inside moe.step | -          | float vector [L]: router entropy (bits) per layer |
 | moe.step.requests (v2.1) | mark inside moe.step | -        | int vector [3R]: keys, input, output tokens |
 
 Whole batches: a step whose tree is complete in one batch and well formed (known names in their

@@ -205,7 +205,7 @@ typedef struct msnvtx_schema_entry {
     const void *reserved;
 } msnvtx_schema_entry;
 
-/* nvtxPayloadSchemaAttr_t (88 bytes). */
+/* nvtxPayloadSchemaAttr_t (80 bytes). */
 typedef struct msnvtx_schema_attr {
     uint64_t field_mask;
     const char *name;
