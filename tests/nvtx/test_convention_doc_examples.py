@@ -1,8 +1,14 @@
-"""The Python producer examples in docs/nvtx-convention.md ("Examples for adopters") run as
-published: each is executed, unchanged, in a real process with the real `nvtx` package and the
+"""The producer examples in docs/nvtx-convention.md ("Examples for adopters") work as published.
+
+Python: each example is executed, unchanged, in a real process with the real `nvtx` package and the
 injection library, around stand-ins for the model's parts (router, top-k, experts) that draw
 their numbers from numpy; the agent's parser must read back exactly those numbers. An example
-that no longer runs, or that sends something the parser reads differently, fails here."""
+that no longer runs, or that sends something the parser reads differently, fails here.
+
+C: the doc's snippets need NVIDIA's headers, which are not in this tree, so doc_c_producer.c makes
+the same calls with nvtx_abi.h's names (the schemas as the doc registers them: a dynamic schema of
+a UINT64 length and the values indexed by it, which the `nvtx` package never sends); the test
+checks the doc still shows that form, and the parser reads the C producer's steps exactly."""
 
 from __future__ import annotations
 
@@ -15,10 +21,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from nvtx_helpers import HERE, Producer, drain_until_finished, kill_group
+from abi_harness import build_c_harness
+from nvtx_helpers import HERE, WAIT_S, Producer, drain_until_finished, kill_group
 
 from moescope.collectors.moe_convention import MoeConventionParser, StepEvent
-from moescope.collectors.nvtx import NvtxCollector, injection_env
+from moescope.collectors.nvtx import NvtxCollector, injection_env, injection_library_path
 
 REPO = HERE.parent.parent
 DOC = REPO / "docs" / "nvtx-convention.md"
@@ -166,3 +173,83 @@ def test_the_docs_python_examples_are_read_back_exactly(tmp_path: Path, ring_dir
     assert stats["routing_vectors"] == (STEPS * LAYERS if mode == "per-layer" else STEPS)
     # what the truth holds is numpy's own draw, not something the parser could have made up
     assert sum(np.sum(wl["demand"]) for s in truth["steps"] for wl in s["layers"]) > 0
+
+
+# What doc_c_producer.c mirrors of the doc's C examples: if one of these leaves the doc, the mirror
+# (and this test) must follow it.
+C_EXAMPLE_FORMS = (
+    '{NVTX_PAYLOAD_ENTRY_FLAG_UNUSED, NVTX_PAYLOAD_ENTRY_TYPE_UINT64, "length"}',
+    '{NVTX_PAYLOAD_ENTRY_FLAG_ARRAY_LENGTH_INDEX, NVTX_PAYLOAD_ENTRY_TYPE_INT32, "values",',
+    "NVTX_PAYLOAD_ENTRY_TYPE_INT64, \"values\", NULL, 0}",
+    "NVTX_PAYLOAD_ENTRY_TYPE_FLOAT32, \"values\", NULL, 0}",
+    "schema.type = NVTX_PAYLOAD_SCHEMA_TYPE_DYNAMIC;",
+    "NVTX_PAYLOAD_SCHEMA_ATTR_FIELD_TYPE | NVTX_PAYLOAD_SCHEMA_ATTR_FIELD_ENTRIES |",
+    "{vector_schema, sizeof(uint64_t) + 2 * E * sizeof(int32_t), buf}",
+    "{int64_vector_schema, sizeof(uint64_t) + 3 * R * sizeof(int64_t), buf}",
+    "a.payloadType = NVTX_PAYLOAD_TYPE_EXT;",
+    "a.reserved0 = 1;",
+)
+
+
+def _c_truth(steps: int) -> list[dict]:
+    """doc_c_producer.c's numbers, computed here with numpy from the formulas in its header."""
+    layer, expert = np.arange(LAYERS)[:, None], np.arange(EXPERTS)[None, :]
+    out = []
+    for s in range(2 * steps):
+        tokens = (7 * s + 3 * layer + 5 * expert) % 11
+        over = np.minimum((s + layer + expert) % 3, tokens)
+        requests = {5000 + 10 * s + r: (4 * r, 1) for r in range(2 + s % 2)} if s < steps else None
+        out.append({"tokens": 16 + s, "requests": requests, "demand": tokens, "dropped": over,
+                    "entropy": 0.5 + 0.25 * np.arange(LAYERS) + 0.125 * s})
+    return out
+
+
+def test_the_docs_c_example_is_read_back_exactly(tmp_path: Path, ring_dir: Path) -> None:
+    doc = DOC.read_text().split("## Examples for adopters", 1)[1]
+    c_blocks = "\n".join(re.findall(r"```c\n(.*?)```", doc, flags=re.S))
+    missing = [form for form in C_EXAMPLE_FORMS if form not in c_blocks]
+    assert not missing, f"the doc's C example changed; update tests/nvtx/doc_c_producer.c: {missing}"
+    exe = build_c_harness("doc_c_producer", tmp_path)
+    env = dict(os.environ, MOESCOPE_NVTX_DIR=str(ring_dir))
+    env.pop("NVTX_INJECTION64_PATH", None)
+    proc = subprocess.Popen([str(exe), str(injection_library_path()), str(LAYERS), str(EXPERTS), str(STEPS)],
+                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    steps: list[StepEvent] = []
+    parser = MoeConventionParser(sink=steps.extend)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "ready", f"doc_c_producer exited {proc.poll()}"
+        collector = NvtxCollector(proc.pid, sink=parser, directory=ring_dir)
+        try:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            drain_until_finished(collector)
+            assert proc.wait(timeout=WAIT_S) == 0
+            cstats, schemas = collector.stats(), len(collector.strings.schemas)
+        finally:
+            collector.close()
+    finally:
+        kill_group(proc)
+    stats = parser.stats()
+    # the three schemas (registered before the attach: read from the ring, not counted as new)
+    assert schemas == 3 and cstats["schemas_malformed_dropped"] == cstats["schemas_dropped"] == 0
+    assert cstats["dropped_ring_full"] == 0 and cstats["ext_payloads_recorded"] == STEPS * (1 + LAYERS) + 2 * STEPS
+    assert stats["malformed_vectors"] == stats["misplaced"] == stats["orphans"] == stats["unknown_names"] == 0
+    truth = _c_truth(STEPS)
+    assert len(steps) == len(truth) == 2 * STEPS
+    for s, (got, want) in enumerate(zip(steps, truth, strict=True)):
+        assert got.tokens == want["tokens"]
+        assert got.request_tokens == want["requests"]
+        assert [layer.layer for layer in got.layers] == list(range(LAYERS))
+        for layer, demand, dropped, entropy in zip(got.layers, want["demand"], want["dropped"], want["entropy"],
+                                                   strict=True):
+            router = layer.router
+            assert layer.num_experts == EXPERTS and router is not None
+            assert router.entropy_bits == float(entropy)  # exact in float32 and float64 alike
+            assert router.tokens_by_expert() == _nonzero(demand.tolist())
+            assert router.dropped_by_expert() == _nonzero(dropped.tolist())
+            if s < STEPS:
+                assert layer.experts is not None and layer.experts.tokens == int(demand.sum())
+            else:
+                assert layer.experts is None
+    assert stats["routing_vectors"] == STEPS * LAYERS + STEPS
