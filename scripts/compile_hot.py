@@ -33,10 +33,17 @@ C_DIR = compiled.REPO / "build" / "compiled-c"
 MYPY_OPTIONS = ("--ignore-missing-imports", "--disable-error-code", "no-redef", "--python-version", "3.11")
 
 
-def up_to_date() -> bool:
-    """Whether build/compiled/ matches the sources (moescope.compiled's own check)."""
+def up_to_date(opt_level: str | None = None) -> bool:
+    """Whether build/compiled/ matches the sources (moescope.compiled's own check) and, given one,
+    was built at ``opt_level`` (a build from before the level was recorded was at -O2)."""
     _, files = compiled.check_build(compiled.BUILD_DIR, obey_switch=False)
-    return bool(files)
+    if not files or opt_level is None:
+        return bool(files)
+    try:
+        manifest = json.loads((compiled.BUILD_DIR / compiled.MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and str(manifest.get("opt_level", "2")) == opt_level
 
 
 def copy_sources(tree: Path) -> None:
@@ -55,7 +62,14 @@ def copy_sources(tree: Path) -> None:
             shutil.copyfile(path, out)
 
 
-def build(opt_level: str = "2") -> None:
+# gcc -O3, mypyc's own default: the agent at the reference load ~5 % less CPU than at -O2 (10
+# agent_ab pairs, 2026-12-07), and -Os ~7 % more (5 pairs): its code runs mostly cold, after
+# sleeps beside a busy runtime, and the faster code is faster cold too (docs/benchmarks.md,
+# "The hot path at gcc -O3").
+DEFAULT_OPT_LEVEL = "3"
+
+
+def build(opt_level: str = DEFAULT_OPT_LEVEL) -> None:
     from mypyc.build import mypycify  # the venv's mypy (a test dependency: make setup installs it)
     from setuptools import setup
 
@@ -82,7 +96,7 @@ def build(opt_level: str = "2") -> None:
             shutil.rmtree(staging, ignore_errors=True)
             raise SystemExit(f"compile_hot: mypyc built no {rel}")
         modules[name] = str(rel)
-    manifest = {"abi": suffix, "sources_sha256": digest, "modules": modules,
+    manifest = {"abi": suffix, "sources_sha256": digest, "modules": modules, "opt_level": opt_level,
                 "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     (staging / compiled.MANIFEST_NAME).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     old = compiled.BUILD_DIR.with_name("compiled-old")
@@ -96,16 +110,18 @@ def build(opt_level: str = "2") -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--force", action="store_true", help="build even if build/compiled/ matches the sources")
-    parser.add_argument("--check", action="store_true", help="only say whether the build matches the sources")
-    parser.add_argument("--opt-level", choices=("0", "1", "2", "3"), default="2",
-                        help="the C compiler's -O (default 2; 0 builds in about half the time, for trying a change)")
+    parser.add_argument("--check", action="store_true",
+                        help="only say whether the build matches the sources and --opt-level")
+    parser.add_argument("--opt-level", choices=("0", "1", "2", "3", "s"), default=DEFAULT_OPT_LEVEL,
+                        help=f"the C compiler's -O (default {DEFAULT_OPT_LEVEL}; 0 builds in about half the time, "
+                             "for trying a change)")
     args = parser.parse_args(argv)
-    fresh = up_to_date()
+    fresh = up_to_date(args.opt_level)
     if args.check:
         print(f"compile_hot: {'up to date' if fresh else 'out of date'}")
         return 0 if fresh else 1
     if fresh and not args.force:
-        print("compile_hot: build/compiled/ matches the sources")
+        print(f"compile_hot: build/compiled/ matches the sources (-O{args.opt_level})")
         return 0
     t0 = time.monotonic()
     print(f"compile_hot: compiling {len(compiled.HOT_MODULES)} modules with mypyc (~2-3 min)", flush=True)

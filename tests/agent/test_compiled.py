@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -134,3 +135,29 @@ def test_a_hot_module_imported_before_the_finder_keeps_every_one_python() -> Non
         assert first == "off (moescope.agent.join was imported before the finder)"
     else:
         assert first == built
+
+
+def _compile_hot() -> ModuleType:
+    """scripts/compile_hot.py as a module (a script, not in a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compile_hot_under_test", REPO / "scripts" / "compile_hot.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_build_at_another_opt_level_is_built_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`compile_hot.py` (what `make setup` runs) rebuilds a matching build made at another -O: a
+    machine built before the default moved keeps no slower build. The finder itself takes any level."""
+    hot = _compile_hot()
+    monkeypatch.setattr(compiled, "BUILD_DIR", tmp_path)
+    _manifest(tmp_path)  # no level recorded: the -O2 builds before the level was
+    assert hot.up_to_date() and hot.up_to_date("2") and not hot.up_to_date("3")
+    _manifest(tmp_path, opt_level="3")
+    assert hot.up_to_date("3") and not hot.up_to_date("2")
+    assert hot.DEFAULT_OPT_LEVEL == "3"
+    assert compiled.check_build(tmp_path)[0].startswith("on")
+    _manifest(tmp_path, opt_level="3", sources_sha256="0" * 64)
+    assert not hot.up_to_date("3")
