@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from nvtx_helpers import Producer, drain_until_finished, kill_group
+from nvtx_helpers import Producer, kill_group, parse_producer
 
-from moescope.collectors.moe_convention import MoeConventionParser, RouterEvent, StepEvent
-from moescope.collectors.nvtx import INJECTION_ENV, NvtxCollector
+from moescope.collectors.moe_convention import RouterEvent, StepEvent
+from moescope.collectors.nvtx import INJECTION_ENV
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -43,18 +43,9 @@ def run_producer(tmp_path: Path, ring_dir: Path, *args: str) -> tuple[list[StepE
     )
     try:
         producer = Producer(proc=proc, log_path=log_path, ring_dir=ring_dir)
-        producer.expect_line("ready")
-        steps: list[StepEvent] = []
-        parser = MoeConventionParser(sink=steps.extend)
-        collector = NvtxCollector(producer.pid, sink=parser, directory=ring_dir)
-        try:
-            producer.go()
-            drain_until_finished(collector)
-            assert producer.wait() == 0
-            assert collector.stats()["dropped_ring_full"] == 0
-        finally:
-            collector.close()
-        return steps, producer.log(), parser.stats()
+        steps, stats, collector = parse_producer(producer)
+        assert collector.stats()["dropped_ring_full"] == 0
+        return steps, producer.log(), stats
     finally:
         kill_group(proc)
 

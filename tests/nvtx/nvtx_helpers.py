@@ -80,6 +80,23 @@ def drain_until_finished(collector: NvtxCollector, *, poll_sleep_s: float = 0.00
         time.sleep(poll_sleep_s)
 
 
+def parse_producer(producer: Producer, **collector_args: Any) -> tuple[list[StepEvent], dict[str, int], NvtxCollector]:
+    """The moe.* steps of a producer that prints "ready" and then waits for "go": attach, let it run,
+    drain until it has exited 0 and nothing is left. Returns the steps, the parser's counters and
+    the collector, closed (its stats() and strings still read)."""
+    producer.expect_line("ready")
+    steps: list[StepEvent] = []
+    parser = MoeConventionParser(sink=steps.extend)
+    collector = NvtxCollector(producer.pid, sink=parser, directory=producer.ring_dir, **collector_args)
+    try:
+        producer.go()
+        drain_until_finished(collector)
+        assert producer.wait() == 0
+    finally:
+        collector.close()
+    return steps, parser.stats(), collector
+
+
 def close_harness(collector: NvtxCollector | None, proc: subprocess.Popen[str]) -> None:
     """A harness run's cleanup, whatever happened: the collector closed, the process group gone."""
     if collector is not None:

@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from abi_harness import build_c_harness
-from nvtx_helpers import HERE, WAIT_S, Producer, drain_until_finished, kill_group
+from nvtx_helpers import HERE, Producer, kill_group, parse_producer
 
-from moescope.collectors.moe_convention import MoeConventionParser, StepEvent
-from moescope.collectors.nvtx import NvtxCollector, injection_env, injection_library_path
+from moescope.collectors.moe_convention import StepEvent
+from moescope.collectors.nvtx import injection_env, injection_library_path
 
 REPO = HERE.parent.parent
 DOC = REPO / "docs" / "nvtx-convention.md"
@@ -126,19 +126,8 @@ def _run(tmp_path: Path, ring_dir: Path, mode: str) -> tuple[list[StepEvent], di
     proc = subprocess.Popen([sys.executable, str(script), str(log_path)], env=env, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        producer = Producer(proc=proc, log_path=log_path, ring_dir=ring_dir)
-        producer.expect_line("ready")
-        steps: list[StepEvent] = []
-        parser = MoeConventionParser(sink=steps.extend)
-        collector = NvtxCollector(producer.pid, sink=parser, directory=ring_dir)
-        try:
-            producer.go()
-            drain_until_finished(collector)
-            assert producer.wait() == 0
-            cstats = collector.stats()
-        finally:
-            collector.close()
-        return steps, json.loads(log_path.read_text()), parser.stats(), cstats
+        steps, stats, collector = parse_producer(Producer(proc=proc, log_path=log_path, ring_dir=ring_dir))
+        return steps, json.loads(log_path.read_text()), stats, collector.stats()
     finally:
         kill_group(proc)
 
@@ -214,23 +203,11 @@ def test_the_docs_c_example_is_read_back_exactly(tmp_path: Path, ring_dir: Path)
     env.pop("NVTX_INJECTION64_PATH", None)
     proc = subprocess.Popen([str(exe), str(injection_library_path()), str(LAYERS), str(EXPERTS), str(STEPS)],
                             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    steps: list[StepEvent] = []
-    parser = MoeConventionParser(sink=steps.extend)
     try:
-        assert proc.stdout is not None and proc.stdin is not None
-        assert proc.stdout.readline().strip() == "ready", f"doc_c_producer exited {proc.poll()}"
-        collector = NvtxCollector(proc.pid, sink=parser, directory=ring_dir)
-        try:
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-            drain_until_finished(collector)
-            assert proc.wait(timeout=WAIT_S) == 0
-            cstats, schemas = collector.stats(), len(collector.strings.schemas)
-        finally:
-            collector.close()
+        steps, stats, collector = parse_producer(Producer(proc=proc, log_path=tmp_path / "unused", ring_dir=ring_dir))
     finally:
         kill_group(proc)
-    stats = parser.stats()
+    cstats, schemas = collector.stats(), len(collector.strings.schemas)
     # the three schemas (registered before the attach: read from the ring, not counted as new)
     assert schemas == 3 and cstats["schemas_malformed_dropped"] == cstats["schemas_dropped"] == 0
     assert cstats["dropped_ring_full"] == 0 and cstats["ext_payloads_recorded"] == STEPS * (1 + LAYERS) + 2 * STEPS

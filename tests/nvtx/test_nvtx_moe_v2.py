@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from nvtx_helpers import HERE, Producer, drain_until_finished, kill_group
+from nvtx_helpers import HERE, Producer, kill_group, parse_producer
 
 from moescope.agent.metrics import Metrics
 from moescope.agent.pipeline import Pipeline
 from moescope.collectors import moe_convention
-from moescope.collectors.moe_convention import MoeConventionParser, StepEvent
-from moescope.collectors.nvtx import NvtxCollector, injection_env
+from moescope.collectors.moe_convention import StepEvent
+from moescope.collectors.nvtx import injection_env
 
 REPO = HERE.parent.parent
 V2_PRODUCER = HERE / "moe_v2_producer.py"
@@ -48,18 +48,9 @@ def run_producer(tmp_path: Path, ring_dir: Path) -> Iterator[Any]:
     def run(*args: str) -> tuple[list[StepEvent], dict[str, Any], dict[str, int], dict[str, int]]:
         producer, proc = _start(tmp_path, ring_dir, *args)
         started.append(proc)
-        producer.expect_line("ready")
-        steps: list[StepEvent] = []
-        parser = MoeConventionParser(sink=steps.extend)
-        collector = NvtxCollector(producer.pid, sink=parser, directory=ring_dir, batch_records=61)
-        try:
-            producer.go()
-            drain_until_finished(collector)  # small batches: parents and children land in different ones
-            assert producer.wait() == 0
-            cstats = collector.stats()
-        finally:
-            collector.close()
-        return steps, producer.log(), parser.stats(), cstats
+        # small batches: parents and children land in different ones
+        steps, stats, collector = parse_producer(producer, batch_records=61)
+        return steps, producer.log(), stats, collector.stats()
 
     try:
         yield run
