@@ -62,9 +62,9 @@ def copy_sources(tree: Path) -> None:
             shutil.copyfile(path, out)
 
 
-# gcc -O3, mypyc's own default: the agent at the reference load ~5 % less CPU than at -O2 (10
-# agent_ab pairs, 2026-12-07), and -Os ~7 % more (5 pairs): its code runs mostly cold, after
-# sleeps beside a busy runtime, and the faster code is faster cold too (docs/benchmarks.md,
+# gcc -O3, mypyc's own default. At the reference load it measured level with -O2 (the agent's
+# threads' CPU, 15 agent_ab pairs: median 0.973, 8 of 15 below 1), while -Os cost 7 % more (5 of 5
+# pairs): the agent's code runs mostly cold, and smaller code is not cheaper cold (docs/benchmarks.md,
 # "The hot path at gcc -O3").
 DEFAULT_OPT_LEVEL = "3"
 

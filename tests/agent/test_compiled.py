@@ -150,7 +150,8 @@ def _compile_hot() -> ModuleType:
 
 def test_a_build_at_another_opt_level_is_built_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`compile_hot.py` (what `make setup` runs) rebuilds a matching build made at another -O: a
-    machine built before the default moved keeps no slower build. The finder itself takes any level."""
+    machine built before the default moved ends up with the default's build. The finder itself takes
+    any level."""
     hot = _compile_hot()
     monkeypatch.setattr(compiled, "BUILD_DIR", tmp_path)
     _manifest(tmp_path)  # no level recorded: the -O2 builds before the level was
