@@ -54,6 +54,8 @@ from benchmarks.e2e_overhead import (
     START_TIMEOUT_S,
     BenchError,
     Runtime,
+    agent_cpu_now,
+    agent_cpu_since,
     agent_start_args,
     cpu_s,
     free_port,
@@ -120,15 +122,15 @@ def agent_beside_runtime(tree: Path, *, name: str, extra_args: tuple[str, ...] =
 
 def one_run(tree: Path, *, idle_s: float, duration_s: float, extra_args: tuple[str, ...] = ()) -> Metrics:
     with agent_beside_runtime(tree, name="agent-ab", extra_args=extra_args) as (runtime, proc, _):
-        cpu0, t0 = cpu_s(proc.pid), time.monotonic()
+        cpu0, t0 = agent_cpu_now(proc.pid), time.monotonic()
         time.sleep(idle_s)
-        idle = (cpu_s(proc.pid) - cpu0) / (time.monotonic() - t0)
+        idle = agent_cpu_since(cpu0, proc.pid) / (time.monotonic() - t0)
         run_loadgen(runtime.port, duration_s=WARMUP_S, concurrency=CONCURRENCY, out=None)
-        cpu0, runtime0, t0 = cpu_s(proc.pid), cpu_s(runtime.proc.pid), time.monotonic()
+        cpu0, runtime0, t0 = agent_cpu_now(proc.pid), cpu_s(runtime.proc.pid), time.monotonic()
         threads0 = task_cpu_by_name(proc.pid, precise=True)
         load = run_loadgen(runtime.port, duration_s=duration_s, concurrency=CONCURRENCY, out=None)
         window_s = time.monotonic() - t0
-        agent_s, runtime_s = cpu_s(proc.pid) - cpu0, cpu_s(runtime.proc.pid) - runtime0
+        agent_s, runtime_s = agent_cpu_since(cpu0, proc.pid), cpu_s(runtime.proc.pid) - runtime0
         threads = {name: 1000.0 * (cpu - threads0.get(name, 0.0)) / window_s
                    for name, cpu in task_cpu_by_name(proc.pid, precise=True).items()}
     if int(load["failures"]):

@@ -17,9 +17,12 @@ long-lived server drifts (allocator, batching state); fresh processes make every
 start-up (1-2 s) is outside the measured window. Each run: runtime ready -> (agent attached) ->
 warm-up load -> measured closed-loop load for --duration-s -> agent SIGINT (its summary is kept).
 
-Agent CPU is (utime + stime) of the agent process over the measured window, from /proc/PID/stat,
-as % of one core; its peak RSS is VmHWM (bcc compiles in a child process, not counted), with
-VmRSS and its anon/file/shmem split at the end of the window. Runtime CPU is measured the same way.
+Agent CPU is its threads' time on a CPU over the measured window, from their schedstat (ns; the
+utime + stime of /proc/PID/stat are whole 10 ms ticks, ±10 % on the ~0.1 s an agent spends in a
+round; those are used instead when a thread left within the window), as % of one core; its peak
+RSS is VmHWM (bcc compiles in a child process, not counted), with VmRSS and its anon/file/shmem
+split at the end of the window. Runtime CPU is its utime + stime (~13 s a round: ticks suffice, and
+its per-connection threads come and go).
 The agent's eBPF programs run in the kernel on the runtime's own syscalls, so their CPU is in the
 runtime's, not the agent's: an on-round turns kernel.bpf_stats_enabled on for its measured window
 (restored after) and reads their run time from the agent's program descriptors (/proc/PID/fdinfo),
@@ -73,6 +76,7 @@ from benchmarks.common import (
 from moescope.agent.join import DEFAULT_STEP_RETENTION_NS
 from moescope.collectors.nvtx import INJECTION_ENV, RING_DIR_ENV, injection_env
 from moescope.examples.moe_runtime.launch import LaunchError, LineReader, launch, runtime_argv
+from moescope.procfs import task_cpu
 
 ARMS: tuple[str, ...] = ("off", "on", "bare")
 BAR_THROUGHPUT_COST = 0.01
@@ -97,6 +101,23 @@ def cpu_s(pid: int) -> float:
     text = Path(f"/proc/{pid}/stat").read_text()
     fields = text[text.rindex(")") + 2:].split()  # comm may hold spaces; fields resume after ')'
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+AgentCpu = tuple[float, float]  # (utime + stime in ticks' seconds, its threads' schedstat seconds)
+
+
+def agent_cpu_now(pid: int) -> AgentCpu:
+    """The agent's CPU two ways, for agent_cpu_since: cpu_s, and the sum of its live threads' time on a
+    CPU from their schedstat (ns). An agent spends ~0.1 s of CPU in a 15 s round, which whole 10 ms
+    ticks read to ±10 %."""
+    return cpu_s(pid), sum(seconds for _, seconds in task_cpu(pid, precise=True).values())
+
+
+def agent_cpu_since(before: AgentCpu, pid: int) -> float:
+    """The agent's CPU since ``before`` in seconds: its threads' exact time, unless the ticks read more
+    than two ticks above it (a thread exited in between and took its schedstat with it)."""
+    ticks, exact = (now - then for now, then in zip(agent_cpu_now(pid), before, strict=True))
+    return exact if ticks - exact <= 2.0 / CLK_TCK else ticks
 
 
 def memory_bytes(pid: int) -> dict[str, int]:
@@ -300,7 +321,7 @@ def one_run(arm: str, *, index: int, workdir: Path, settings: Settings, extra: d
             # ~7 ms (~0.03 ms a request of a 15 s round), the benchmark's probe, not the load's cost.
             seen0 = scrape_requests(agent.metrics_port) if agent else 0.0
             rt_cpu0 = cpu_s(runtime.proc.pid)
-            agent_cpu0 = cpu_s(agent.proc.pid) if agent else 0.0
+            agent_cpu0 = agent_cpu_now(agent.proc.pid) if agent else (0.0, 0.0)
             bpf_ns0 = bpf_run_time_ns(agent.proc.pid) if agent else 0
             t0 = time.monotonic()
             load = run_loadgen(runtime.port, duration_s=settings.duration_s, concurrency=settings.concurrency,
@@ -322,7 +343,7 @@ def one_run(arm: str, *, index: int, workdir: Path, settings: Settings, extra: d
             "requests_per_step": float(load["requests"]) / max(1, int(load.get("server", {}).get("steps", 0))),
         }
         if agent is not None:
-            agent_cpu = cpu_s(agent.proc.pid) - agent_cpu0
+            agent_cpu = agent_cpu_since(agent_cpu0, agent.proc.pid)
             metrics["agent_cpu_pct_of_core"] = 100.0 * agent_cpu / window_s
             metrics["agent_cpu_ms_per_request"] = 1000.0 * agent_cpu / ok
             metrics["agent_requests_seen"] = scrape_requests(agent.metrics_port) - seen0
