@@ -12,9 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from nvtx_helpers import PRODUCER, Producer, kill_group
-
-from moescope.collectors.nvtx import injection_env
+from nvtx_helpers import PRODUCER, Producer, kill_group, producer_env
 
 
 @pytest.fixture
@@ -33,11 +31,7 @@ def start_producer(tmp_path: Path, ring_dir: Path) -> Iterator[Callable[..., Pro
 
     def start(*args: str, inject: bool = True, extra_env: dict[str, str] | None = None) -> Producer:
         log_path = tmp_path / f"producer-{len(started)}.json"
-        env = dict(os.environ)
-        env.pop("NVTX_INJECTION64_PATH", None)
-        env["MOESCOPE_NVTX_DIR"] = str(ring_dir)
-        if inject:
-            env.update(injection_env())
+        env = producer_env(ring_dir, inject=inject)
         env.update(extra_env or {})
         proc = subprocess.Popen(
             [sys.executable, str(PRODUCER), "--log", str(log_path), *args],

@@ -16,10 +16,21 @@ from typing import Any
 import numpy as np
 
 from moescope.collectors.moe_convention import MoeConventionParser, StepEvent
-from moescope.collectors.nvtx import MARK_DTYPE, PAYLOAD_I64, RANGE_DTYPE, NvtxBatch, NvtxCollector, StringTable
+from moescope.collectors.nvtx import (
+    INJECTION_ENV,
+    MARK_DTYPE,
+    PAYLOAD_I64,
+    RANGE_DTYPE,
+    RING_DIR_ENV,
+    NvtxBatch,
+    NvtxCollector,
+    StringTable,
+    injection_env,
+)
 
 HERE = Path(__file__).resolve().parent
 PRODUCER = HERE / "producer.py"
+REPO = HERE.parent.parent
 WAIT_S = 90.0  # generous: only bounds waiting on a shared, noisy 2-core machine
 
 
@@ -95,6 +106,25 @@ def parse_producer(producer: Producer, **collector_args: Any) -> tuple[list[Step
     finally:
         collector.close()
     return steps, parser.stats(), collector
+
+
+def producer_env(ring_dir: Path, *, inject: bool = True, pythonpath: bool = False) -> dict[str, str]:
+    """The environment a test's producer runs in: its rings under ``ring_dir``; the injection library
+    where ``inject`` (never one inherited from the test's own environment); the repository on
+    PYTHONPATH where ``pythonpath`` (a script that imports moescope)."""
+    env = dict(os.environ)
+    env.pop(INJECTION_ENV, None)
+    env[RING_DIR_ENV] = str(ring_dir)
+    if inject:
+        env.update(injection_env())
+    if pythonpath:
+        env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def nonzero(values: list[int]) -> dict[int, int]:
+    """expert -> count for the experts with a non-zero count: how the parser's routing reads back."""
+    return {e: n for e, n in enumerate(values) if n}
 
 
 def close_harness(collector: NvtxCollector | None, proc: subprocess.Popen[str]) -> None:

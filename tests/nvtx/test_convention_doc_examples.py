@@ -13,7 +13,6 @@ checks the doc still shows that form, and the parser reads the C producer's step
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -22,12 +21,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from abi_harness import build_c_harness
-from nvtx_helpers import HERE, Producer, kill_group, parse_producer
+from nvtx_helpers import REPO, Producer, kill_group, nonzero, parse_producer, producer_env
 
 from moescope.collectors.moe_convention import StepEvent
-from moescope.collectors.nvtx import injection_env, injection_library_path
+from moescope.collectors.nvtx import injection_library_path
 
-REPO = HERE.parent.parent
 DOC = REPO / "docs" / "nvtx-convention.md"
 LAYERS, EXPERTS, STEPS = 3, 8, 4
 
@@ -119,21 +117,13 @@ def _run(tmp_path: Path, ring_dir: Path, mode: str) -> tuple[list[StepEvent], di
     script.write_text(HARNESS.format(layers=LAYERS, experts=EXPERTS, mode=mode, example=_examples()[mode])
                       .replace("__STEPS__", str(STEPS)))
     log_path = tmp_path / f"example_{mode}.json"
-    env = dict(os.environ)
-    env.pop("NVTX_INJECTION64_PATH", None)
-    env.update(injection_env())
-    env["MOESCOPE_NVTX_DIR"] = str(ring_dir)
-    proc = subprocess.Popen([sys.executable, str(script), str(log_path)], env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, str(script), str(log_path)], env=producer_env(ring_dir),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         steps, stats, collector = parse_producer(Producer(proc=proc, log_path=log_path, ring_dir=ring_dir))
         return steps, json.loads(log_path.read_text()), stats, collector.stats()
     finally:
         kill_group(proc)
-
-
-def _nonzero(values: list[int]) -> dict[int, int]:
-    return {e: n for e, n in enumerate(values) if n}
 
 
 @pytest.mark.parametrize("mode", ["per-layer", "compact"])
@@ -152,8 +142,8 @@ def test_the_docs_python_examples_are_read_back_exactly(tmp_path: Path, ring_dir
             router = layer.router
             assert router is not None
             assert router.entropy_bits == wl["entropy"]  # as sent, bit for bit
-            assert router.tokens_by_expert() == _nonzero(wl["demand"])
-            assert router.dropped_by_expert() == _nonzero(wl["dropped"])
+            assert router.tokens_by_expert() == nonzero(wl["demand"])
+            assert router.dropped_by_expert() == nonzero(wl["dropped"])
             if mode == "per-layer":
                 assert layer.experts is not None and layer.experts.tokens == wl["computed"]
                 assert router.end_ns <= layer.experts.start_ns < layer.experts.end_ns <= layer.end_ns
@@ -199,10 +189,9 @@ def test_the_docs_c_example_is_read_back_exactly(tmp_path: Path, ring_dir: Path)
     missing = [form for form in C_EXAMPLE_FORMS if form not in c_blocks]
     assert not missing, f"the doc's C example changed; update tests/nvtx/doc_c_producer.c: {missing}"
     exe = build_c_harness("doc_c_producer", tmp_path)
-    env = dict(os.environ, MOESCOPE_NVTX_DIR=str(ring_dir))
-    env.pop("NVTX_INJECTION64_PATH", None)
     proc = subprocess.Popen([str(exe), str(injection_library_path()), str(LAYERS), str(EXPERTS), str(STEPS)],
-                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+                            env=producer_env(ring_dir, inject=False), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
     try:
         steps, stats, collector = parse_producer(Producer(proc=proc, log_path=tmp_path / "unused", ring_dir=ring_dir))
     finally:
@@ -223,8 +212,8 @@ def test_the_docs_c_example_is_read_back_exactly(tmp_path: Path, ring_dir: Path)
             router = layer.router
             assert layer.num_experts == EXPERTS and router is not None
             assert router.entropy_bits == float(entropy)  # exact in float32 and float64 alike
-            assert router.tokens_by_expert() == _nonzero(demand.tolist())
-            assert router.dropped_by_expert() == _nonzero(dropped.tolist())
+            assert router.tokens_by_expert() == nonzero(demand.tolist())
+            assert router.dropped_by_expert() == nonzero(dropped.tolist())
             if s < STEPS:
                 assert layer.experts is not None and layer.experts.tokens == int(demand.sum())
             else:

@@ -4,7 +4,6 @@ sent, and a v1 producer of the same routing gives the agent identical metrics.""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,26 +12,20 @@ from typing import Any
 
 import numpy as np
 import pytest
-from nvtx_helpers import HERE, Producer, kill_group, parse_producer
+from nvtx_helpers import HERE, Producer, kill_group, nonzero, parse_producer, producer_env
 
 from moescope.agent.metrics import Metrics
 from moescope.agent.pipeline import Pipeline
 from moescope.collectors import moe_convention
 from moescope.collectors.moe_convention import StepEvent
-from moescope.collectors.nvtx import injection_env
 
-REPO = HERE.parent.parent
 V2_PRODUCER = HERE / "moe_v2_producer.py"
 LAYERS, EXPERTS, STEPS = 4, 64, 6
 
 
 def _start(tmp_path: Path, ring_dir: Path, *args: str) -> tuple[Producer, subprocess.Popen[str]]:
     log_path = tmp_path / f"v2-producer-{len(list(tmp_path.glob('v2-producer-*')))}.json"
-    env = dict(os.environ)
-    env.pop("NVTX_INJECTION64_PATH", None)
-    env.update(injection_env())
-    env["MOESCOPE_NVTX_DIR"] = str(ring_dir)
-    env["PYTHONPATH"] = str(REPO)
+    env = producer_env(ring_dir, pythonpath=True)
     proc = subprocess.Popen(
         [sys.executable, str(V2_PRODUCER), "--log", str(log_path), "--layers", str(LAYERS), "--experts",
          str(EXPERTS), "--steps", str(STEPS), *args],
@@ -59,10 +52,6 @@ def run_producer(tmp_path: Path, ring_dir: Path) -> Iterator[Any]:
             kill_group(proc)
 
 
-def _nonzero(values: list[int]) -> dict[int, int]:
-    return {e: n for e, n in enumerate(values) if n}
-
-
 @pytest.mark.parametrize("routing", ["layer", "step"])
 def test_v2_steps_equal_what_the_producer_sent(run_producer: Any, routing: str) -> None:
     steps, truth, stats, cstats = run_producer("--convention", "v2", "--routing", routing)
@@ -76,8 +65,8 @@ def test_v2_steps_equal_what_the_producer_sent(run_producer: Any, routing: str) 
             assert layer.num_experts == EXPERTS
             router = layer.router
             assert router is not None and router.entropy_bits == wl["entropy"]
-            assert router.tokens_by_expert() == _nonzero(wl["demand"])
-            assert router.dropped_by_expert() == _nonzero(wl["dropped"])
+            assert router.tokens_by_expert() == nonzero(wl["demand"])
+            assert router.dropped_by_expert() == nonzero(wl["dropped"])
             assert router.vector is None and router.counts is not None  # checked, kept as one array
             assert not router.tokens and not router.dropped  # no per-expert dicts made for v2
             experts = layer.experts
@@ -111,8 +100,8 @@ def test_compact_steps_carry_routing_and_entropy_in_step_vectors(run_producer: A
             router = layer.router
             assert router is not None and not router.timed and router.start_ns == router.end_ns == layer.start_ns
             assert router.entropy_bits == wl["entropy"]
-            assert router.tokens_by_expert() == _nonzero(wl["demand"])
-            assert router.dropped_by_expert() == _nonzero(wl["dropped"])
+            assert router.tokens_by_expert() == nonzero(wl["demand"])
+            assert router.dropped_by_expert() == nonzero(wl["dropped"])
             assert layer.experts is None and layer.num_experts == EXPERTS
     assert stats["routing_vectors"] == STEPS and stats["routers"] == stats["experts_ranges"] == 0
     assert stats["malformed_vectors"] == stats["misplaced"] == stats["orphans"] == stats["unknown_names"] == 0

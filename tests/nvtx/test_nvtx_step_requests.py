@@ -5,7 +5,6 @@ what was sent, hostile vectors are counted and leave their steps intact, and the
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,12 +12,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from nvtx_helpers import HERE, Producer, drain_until_finished, kill_group, parse_steps, plain
+from nvtx_helpers import (
+    HERE,
+    Producer,
+    drain_until_finished,
+    kill_group,
+    parse_steps,
+    plain,
+    producer_env,
+)
 
 from moescope.collectors.moe_convention import StepEvent
-from moescope.collectors.nvtx import NvtxBatch, NvtxCollector, injection_env
+from moescope.collectors.nvtx import NvtxBatch, NvtxCollector
 
-REPO = HERE.parent.parent
 STEP_REQUESTS_PRODUCER = HERE / "step_requests_producer.py"
 V2_PRODUCER = HERE / "moe_v2_producer.py"
 STEPS, LAYERS = 12, 3
@@ -31,12 +37,8 @@ def record(tmp_path: Path, ring_dir: Path) -> Iterator[Any]:
 
     def run(script: Path, *args: str, batch_records: int) -> tuple[list[NvtxBatch], dict[str, Any]]:
         log_path = tmp_path / f"producer-{len(started)}.json"
-        env = dict(os.environ)
-        env.pop("NVTX_INJECTION64_PATH", None)
-        env.update(injection_env())
-        env["MOESCOPE_NVTX_DIR"] = str(ring_dir)
-        env["PYTHONPATH"] = str(REPO)
-        proc = subprocess.Popen([sys.executable, str(script), "--log", str(log_path), *args], env=env,
+        proc = subprocess.Popen([sys.executable, str(script), "--log", str(log_path), *args],
+                                env=producer_env(ring_dir, pythonpath=True),
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
         started.append(proc)
         producer = Producer(proc=proc, log_path=log_path, ring_dir=ring_dir)
