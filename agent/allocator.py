@@ -12,9 +12,10 @@ causes, three settings, all no-ops off glibc:
   both thresholds: blocks of MMAP_THRESHOLD_BYTES and more are mmapped and unmapped at free.
 - Free pages in the middle of a heap are returned only by `malloc_trim(0)`: once right after
   start-up, then every TRIM_PERIOD_NS (under 1 ms with little to return; 94 ms measured to hand
-  back 235 MB of holes, which a 5 s period keeps from piling up). The free top of a heap goes back
-  at free() past TRIM_THRESHOLD_BYTES, set above a round's working set so that it is not faulted
-  in anew every round.
+  back 235 MB of holes, which a 5 s period keeps from piling up) while the heaps hold at least
+  TRIM_MIN_FREE_BYTES free (glibc's mallinfo2): a quiet round's working set is not handed back
+  only to be faulted in again the next round. The free top of a heap goes back at free() past
+  TRIM_THRESHOLD_BYTES, set above a round's working set for the same reason.
 - Each thread that allocates gets its own arena (main loop, exporter, metrics server, collectors),
   each with its own holes: at most ARENAS (M_ARENA_MAX), set before the agent starts any thread.
 
@@ -34,6 +35,7 @@ import ctypes
 import ctypes.util
 import gc
 import logging
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,14 @@ MMAP_THRESHOLD_BYTES = 256 << 10
 # 79 -> 80 MB (docs/benchmarks.md, "Interpreted calls counted, page faults counted").
 TRIM_THRESHOLD_BYTES = 4 << 20
 TRIM_PERIOD_NS = 5_000_000_000
+# A periodic trim runs only when the heaps hold this much free (mallinfo2's fordblks, every arena):
+# the holes a production-shape drain leaves (hundreds of MB at DeepSeek-V3 shape) go back every
+# period as before, while beside the reference runtime (1.2-2.9 MB free at each trim) the trim
+# handed a round's working set back and the next round faulted it in again: the main loop's page
+# faults 120 -> 60 a second without those trims, RSS +0.3 MB (docs/benchmarks.md, "Page faults
+# halved: the periodic trim only past 8 MiB free"). Where glibc lacks mallinfo2 (before 2.33) the
+# trim runs every period.
+TRIM_MIN_FREE_BYTES = 8 << 20
 GC_THRESHOLDS = (20_000, 20, 20)  # gc.set_threshold: gen 0 every 20k net allocations (default 700, 10, 10)
 
 
@@ -71,12 +81,28 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
+class _MallInfo2(ctypes.Structure):
+    """glibc's struct mallinfo2 (<malloc.h>, glibc 2.33+): ten size_t counters, summed over arenas."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
 class Allocator:
-    def __init__(self, *, trim_period_ns: int = TRIM_PERIOD_NS) -> None:
+    def __init__(self, *, trim_period_ns: int = TRIM_PERIOD_NS,
+                 trim_min_free_bytes: int = TRIM_MIN_FREE_BYTES) -> None:
         self._libc = _libc()
         self.trim_period_ns = trim_period_ns
+        self.trim_min_free_bytes = trim_min_free_bytes
         self._last_trim_ns: int | None = None
         self.trims = 0
+        self.trims_skipped = 0  # periodic trims not run: less than trim_min_free_bytes free
+        self._mallinfo2: Callable[[], _MallInfo2] | None = None
+        if self._libc is not None and hasattr(self._libc, "mallinfo2"):
+            mallinfo2 = self._libc.mallinfo2
+            mallinfo2.restype = _MallInfo2
+            mallinfo2.argtypes = []
+            self._mallinfo2 = mallinfo2
 
     @property
     def available(self) -> bool:
@@ -101,6 +127,13 @@ class Allocator:
         gc.freeze()
         self.trim_now()
 
+    def free_bytes(self) -> int | None:
+        """Bytes free in malloc's heaps, every arena (mallinfo2's fordblks; None: glibc has no
+        mallinfo2, or this is not glibc)."""
+        if self._mallinfo2 is None:
+            return None
+        return int(self._mallinfo2().fordblks)
+
     def trim_now(self) -> None:
         """Hand every free page of every arena back to the kernel (after start-up, say)."""
         if self._libc is not None:
@@ -108,12 +141,17 @@ class Allocator:
             self.trims += 1
 
     def trim(self, now_ns: int) -> None:
-        """Daemon tick hook: malloc_trim(0) once per trim period (the first tick only starts the clock)."""
+        """Daemon tick hook: malloc_trim(0) once per trim period (the first tick only starts the
+        clock) when the heaps hold at least trim_min_free_bytes free; else counted in trims_skipped."""
         if self._libc is None:
             return None
         if self._last_trim_ns is None:
             self._last_trim_ns = now_ns
         elif now_ns - self._last_trim_ns >= self.trim_period_ns:
             self._last_trim_ns = now_ns
-            self.trim_now()
+            free = self.free_bytes()
+            if free is not None and free < self.trim_min_free_bytes:
+                self.trims_skipped += 1
+            else:
+                self.trim_now()
         return None

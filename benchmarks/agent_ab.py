@@ -59,6 +59,7 @@ from benchmarks.e2e_overhead import (
     agent_start_args,
     cpu_s,
     free_port,
+    minor_faults,
     run_loadgen,
     start_runtime,
     stop_group,
@@ -128,8 +129,10 @@ def one_run(tree: Path, *, idle_s: float, duration_s: float, extra_args: tuple[s
         run_loadgen(runtime.port, duration_s=WARMUP_S, concurrency=CONCURRENCY, out=None)
         cpu0, runtime0, t0 = agent_cpu_now(proc.pid), cpu_s(runtime.proc.pid), time.monotonic()
         threads0 = task_cpu_by_name(proc.pid, precise=True)
+        faults0 = minor_faults(proc.pid)
         load = run_loadgen(runtime.port, duration_s=duration_s, concurrency=CONCURRENCY, out=None)
         window_s = time.monotonic() - t0
+        faults = minor_faults(proc.pid) - faults0
         agent_s, runtime_s = agent_cpu_since(cpu0, proc.pid), cpu_s(runtime.proc.pid) - runtime0
         threads = {name: 1000.0 * (cpu - threads0.get(name, 0.0)) / window_s
                    for name, cpu in task_cpu_by_name(proc.pid, precise=True).items()}
@@ -145,6 +148,8 @@ def one_run(tree: Path, *, idle_s: float, duration_s: float, extra_args: tuple[s
         # which moves with the VM's speed as much as with the agent (docs/benchmarks.md)
         "agent_share_of_runtime_cpu_pct": 100.0 * agent_s / runtime_s if runtime_s > 0 else float("nan"),
         "throughput_rps": float(load["throughput_rps"]),
+        # loaded: pages the agent faulted in a second (malloc's heap grown again after a trim, fresh mmaps)
+        "agent_minor_faults_per_s": faults / window_s,
         # loaded, per thread (moescope.procfs.name_thread's names), ms on a CPU a second (schedstat):
         # `thread_ms_per_s_main`, ...
         **{f"thread_ms_per_s_{name.removeprefix('ms-')}": ms for name, ms in threads.items()},

@@ -103,6 +103,13 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def minor_faults(pid: int) -> int:
+    """Minor page faults of the whole process so far, exited threads included (field 10 of
+    /proc/PID/stat): each is a fresh page zeroed and mapped, ~1.5-4 µs on this VM."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return int(text[text.rindex(")") + 2:].split()[7])
+
+
 AgentCpu = tuple[float, float]  # (utime + stime in ticks' seconds, its threads' schedstat seconds)
 
 

@@ -125,7 +125,7 @@ def test_trim_returns_a_hole_in_the_middle_of_the_heap() -> None:
 
 
 def test_trim_runs_once_per_period_from_the_first_tick() -> None:
-    allocator = Allocator(trim_period_ns=100)
+    allocator = Allocator(trim_period_ns=100, trim_min_free_bytes=0)
     for now_ns in (1_000, 1_050, 1_099):
         allocator.trim(now_ns)
     assert allocator.trims == 0
@@ -134,3 +134,73 @@ def test_trim_runs_once_per_period_from_the_first_tick() -> None:
     assert allocator.trims == 1
     allocator.trim(1_200)
     assert allocator.trims == 2
+
+
+GATE_CHILD = textwrap.dedent(
+    """
+    import ctypes, json, re
+    from moescope.agent.allocator import Allocator
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+
+    def anon_bytes():
+        status = open("/proc/self/status").read()
+        return int(re.search(r"RssAnon:\\s+(\\d+)", status).group(1)) * 1024
+
+    def touched(size):
+        block = libc.malloc(size)
+        ctypes.memset(block, 1, size)
+        return block
+
+    allocator = Allocator(trim_period_ns=1)
+    assert allocator.configure()
+    allocator.trim_now()  # start from a trimmed heap, as the agent after start-up
+    out = {"free_start": allocator.free_bytes()}
+    allocator.trim(0)  # the first tick starts the clock
+    guards = []
+
+    def holes(count):
+        made = []
+        for _ in range(count):
+            made.append(touched(200 << 10))
+            guards.append(touched(150 << 10))
+        for block in made:
+            libc.free(block)
+
+    # A round's working set: ~3 MB of holes, under the gate; the periodic trim leaves it resident.
+    holes(16)
+    out["small_free"] = allocator.free_bytes()
+    before = anon_bytes()
+    allocator.trim(10)
+    out["small_returned"] = before - anon_bytes()
+    out["after_small"] = [allocator.trims, allocator.trims_skipped]
+    # A production drain's holes: ~25 MB more, past the gate; the periodic trim hands them back.
+    holes(128)
+    out["big_free"] = allocator.free_bytes()
+    before = anon_bytes()
+    allocator.trim(20)
+    out["big_returned"] = before - anon_bytes()
+    out["after_big"] = [allocator.trims, allocator.trims_skipped]
+    for block in guards:
+        libc.free(block)
+    print(json.dumps(out))
+    """
+)
+
+
+def test_the_periodic_trim_waits_for_enough_free_memory() -> None:
+    from moescope.agent.allocator import TRIM_MIN_FREE_BYTES
+
+    done = subprocess.run([sys.executable, "-c", GATE_CHILD], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["small_free"] < TRIM_MIN_FREE_BYTES <= out["big_free"], out
+    # under the gate: skipped and counted (trim_now at the start is the one trim), nothing handed back
+    assert out["after_small"] == [1, 1], out
+    assert out["small_returned"] < MIB, out
+    # past it: trimmed, the holes back to the kernel
+    assert out["after_big"] == [2, 1], out
+    assert out["big_returned"] >= 10 * MIB, out
