@@ -17,7 +17,9 @@ every agent thread's time on a CPU over the loaded window (schedstat, ns): `thre
 `thread_ms_per_s_policy`, ... in the JSON and the printed medians, and the agent's CPU over its
 runtime's in the same window (`agent_share_of_runtime_cpu_pct`, with pair ratios): per request the
 agent's CPU moves with the VM's speed between runs (pair ratios of 0.92-1.29 for one change on
-2026-12-06), its share of the runtime's less (0.96-1.06 for the same runs).
+2026-12-06), its share of the runtime's less (0.96-1.06 for the same runs). And the pages the agent
+faulted in a second over the window (`agent_minor_faults_per_s`): a count where a few % of CPU is
+not resolved (agent/allocator.py's periodic trim).
 
 A baseline tree: `git archive REV | tar -x -C /tmp/base`, with every native library copied in
 (agent/native/libmoescope_health.so, collectors/nvtx_inject/libmoescope_nvtx.so, moescope/hf/libmoescope_hf.so
@@ -208,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             run.setdefault(key, 0.0)
     for metric in ("agent_idle_cpu_pct_of_core", "agent_cpu_pct_of_core", "agent_cpu_ms_per_request",
                    "runtime_cpu_ms_per_request", "agent_share_of_runtime_cpu_pct", "throughput_rps",
-                   *thread_metrics):
+                   "agent_minor_faults_per_s", *thread_metrics):
         print(f"agent_ab: {metric}: A {result.median('a', metric):.2f}, B {result.median('b', metric):.2f} "
               f"(B/A {result.ratio(metric):.3f})")
     print(f"agent_ab: per request, pair ratios B/A: {', '.join(f'{r:.2f}' for r in per_pair)} "
