@@ -55,7 +55,8 @@ def test_gc_is_tuned_at_configure_and_start_up_frozen_at_settle() -> None:
     assert out["frozen_before"] == 0 and out["frozen"] > 1000  # the imports at least
     assert out["trims"] == 1
 
-CHILD = textwrap.dedent(
+# Both children: glibc's malloc and free through ctypes, a touched block, the process's RssAnon.
+PRELUDE = textwrap.dedent(
     """
     import ctypes, json, re, sys
     from moescope.agent.allocator import Allocator
@@ -73,7 +74,11 @@ CHILD = textwrap.dedent(
         block = libc.malloc(size)
         ctypes.memset(block, 1, size)
         return block
+    """
+)
 
+CHILD = PRELUDE + textwrap.dedent(
+    """
     allocator = Allocator()
     if sys.argv[1] == "tuned":
         assert allocator.configure()
@@ -136,25 +141,8 @@ def test_trim_runs_once_per_period_from_the_first_tick() -> None:
     assert allocator.trims == 2
 
 
-GATE_CHILD = textwrap.dedent(
+GATE_CHILD = PRELUDE + textwrap.dedent(
     """
-    import ctypes, json, re
-    from moescope.agent.allocator import Allocator
-
-    libc = ctypes.CDLL(None)
-    libc.malloc.restype = ctypes.c_void_p
-    libc.malloc.argtypes = [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
-
-    def anon_bytes():
-        status = open("/proc/self/status").read()
-        return int(re.search(r"RssAnon:\\s+(\\d+)", status).group(1)) * 1024
-
-    def touched(size):
-        block = libc.malloc(size)
-        ctypes.memset(block, 1, size)
-        return block
-
     allocator = Allocator(trim_period_ns=1)
     assert allocator.configure()
     allocator.trim_now()  # start from a trimmed heap, as the agent after start-up
@@ -170,20 +158,18 @@ GATE_CHILD = textwrap.dedent(
         for block in made:
             libc.free(block)
 
+    def periodic_trim(count, now_ns, name):
+        holes(count)
+        out[name + "_free"] = allocator.free_bytes()
+        before = anon_bytes()
+        allocator.trim(now_ns)
+        out[name + "_returned"] = before - anon_bytes()
+        out["after_" + name] = [allocator.trims, allocator.trims_skipped]
+
     # A round's working set: ~3 MB of holes, under the gate; the periodic trim leaves it resident.
-    holes(16)
-    out["small_free"] = allocator.free_bytes()
-    before = anon_bytes()
-    allocator.trim(10)
-    out["small_returned"] = before - anon_bytes()
-    out["after_small"] = [allocator.trims, allocator.trims_skipped]
+    periodic_trim(16, 10, "small")
     # A production drain's holes: ~25 MB more, past the gate; the periodic trim hands them back.
-    holes(128)
-    out["big_free"] = allocator.free_bytes()
-    before = anon_bytes()
-    allocator.trim(20)
-    out["big_returned"] = before - anon_bytes()
-    out["after_big"] = [allocator.trims, allocator.trims_skipped]
+    periodic_trim(128, 20, "big")
     for block in guards:
         libc.free(block)
     print(json.dumps(out))
