@@ -59,7 +59,7 @@ TRIM_PERIOD_NS = 5_000_000_000
 # the holes a production-shape drain leaves (hundreds of MB at DeepSeek-V3 shape) go back every
 # period as before, while beside the reference runtime (1.2-2.9 MB free at each trim) the trim
 # handed a round's working set back and the next round faulted it in again: the main loop's page
-# faults 120 -> 60 a second without those trims, RSS +0.3 MB (docs/benchmarks.md, "Page faults
+# faults ~120 -> ~60 a second without those trims, RSS +0.1-0.3 MB (docs/benchmarks.md, "Page faults
 # halved: the periodic trim only past 8 MiB free"). Where glibc lacks mallinfo2 (before 2.33) the
 # trim runs every period.
 TRIM_MIN_FREE_BYTES = 8 << 20
