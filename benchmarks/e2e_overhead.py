@@ -96,18 +96,22 @@ class BenchError(RuntimeError):
     """A run could not be carried out as specified (a crash, not a missed bar)."""
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the comm (field 3 onward: index 0 is the state)."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rindex(")") + 2:].split()  # comm may hold spaces; fields resume after ')'
+
+
 def cpu_s(pid: int) -> float:
     """utime + stime of every thread of `pid`, in seconds (fields 14 and 15 of /proc/PID/stat)."""
-    text = Path(f"/proc/{pid}/stat").read_text()
-    fields = text[text.rindex(")") + 2:].split()  # comm may hold spaces; fields resume after ')'
+    fields = _stat_fields(pid)
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def minor_faults(pid: int) -> int:
     """Minor page faults of the whole process so far, exited threads included (field 10 of
     /proc/PID/stat): each is a fresh page zeroed and mapped, ~1.5-4 µs on this VM."""
-    text = Path(f"/proc/{pid}/stat").read_text()
-    return int(text[text.rindex(")") + 2:].split()[7])
+    return int(_stat_fields(pid)[7])
 
 
 AgentCpu = tuple[float, float]  # (utime + stime in ticks' seconds, its threads' schedstat seconds)
