@@ -71,6 +71,7 @@ from moescope.collectors.registry import (
     enabled_collectors,
     sampled_names,
 )
+from moescope.probes import bpf
 from moescope.probes.ingress import loader
 from moescope.probes.ingress.aggregate import RequestTotals
 from moescope.probes.ingress.loader import IngressOptions, IngressProbe, IngressRecord
@@ -416,7 +417,7 @@ def run(args: argparse.Namespace) -> int:
         raise errors.NotPermitted("agent start needs root (eBPF, other processes' memory maps): run it with sudo")
     if kernel_timing(args):
         try:
-            loader.check_kernel_headers(loader.kernel_build_dir())
+            bpf.check_kernel_headers(bpf.kernel_build_dir())
         except errors.ProbeLoadError as exc:
             raise errors.ProbeLoadError(f"{exc}; {NO_KERNEL_TIMING_HINT}") from exc
 

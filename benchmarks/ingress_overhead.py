@@ -31,7 +31,8 @@ from pathlib import Path
 
 from benchmarks.common import Metrics, alternate_ab, build_c, write_result
 from moescope.agent.daemon import Daemon
-from moescope.probes.ingress.loader import DROP_NAMES, IngressOptions, IngressProbe, load_program, program_text
+from moescope.probes.bpf import load_program
+from moescope.probes.ingress.loader import DROP_NAMES, IngressOptions, IngressProbe, program_text
 
 BAR_NS_PER_REQUEST = 400
 SOURCE = Path(__file__).resolve().parent / "ingress_keepalive.c"

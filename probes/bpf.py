@@ -110,6 +110,25 @@ def map_info(fd: int) -> MapInfo:
     return info
 
 
+# struct bpf_prog_info (include/uapi/linux/bpf.h): run_time_ns and run_cnt, kept by the kernel
+# while sysctl kernel.bpf_stats_enabled=1 (the overhead benchmarks turn it on, then off).
+PROG_INFO_RUN_TIME_OFFSET = 192
+PROG_INFO_RUN_CNT_OFFSET = 200
+PROG_INFO_BYTES = 208
+
+
+def program_run_stats(prog_fd: int) -> tuple[int, int]:
+    """(run_time_ns, run_cnt) of one loaded program; (0, 0) while bpf_stats_enabled is off."""
+    info = (ct.c_uint8 * PROG_INFO_BYTES)()
+    attr = _InfoAttr(bpf_fd=prog_fd, info_len=PROG_INFO_BYTES, info=ct.addressof(info))
+    result = _bpf(BPF_OBJ_GET_INFO_BY_FD, attr)
+    if result < 0:
+        raise OSError(-result, f"BPF_OBJ_GET_INFO_BY_FD on a program: {os.strerror(-result)}")
+    run_time = ct.c_uint64.from_buffer(info, PROG_INFO_RUN_TIME_OFFSET).value
+    run_cnt = ct.c_uint64.from_buffer(info, PROG_INFO_RUN_CNT_OFFSET).value
+    return int(run_time), int(run_cnt)
+
+
 def possible_cpus(path: Path = Path("/sys/devices/system/cpu/possible")) -> int:
     """How many CPUs a per-CPU map holds values for ("0-3,5" -> 6 ids, counting up to the last)."""
     last = 0
@@ -271,6 +290,26 @@ class LoadedObject:
         for fd in list(self.programs.values()) + list(self.maps.values()):
             os.close(fd)
         self.programs, self.maps = {}, {}
+
+
+def kernel_build_dir() -> Path:
+    return Path("/lib/modules") / os.uname().release / "build"
+
+
+def check_kernel_headers(build_dir: Path) -> None:
+    """bcc compiles against build_dir (the running kernel's headers); without them its compile
+    error is long and unclear."""
+    if not (build_dir / "include").is_dir():
+        raise errors.ProbeLoadError(
+            f"kernel headers missing: {build_dir}/include not found (run `make setup` to install or map them)"
+        )
+
+
+def load_program(*, text: str, flags: list[str], build_dir: Path | None = None) -> LoadedObject:
+    """Compile and load `text` in the eBPF compiler process (this module's docstring says why),
+    after checking the kernel's headers are there; nothing is attached yet."""
+    check_kernel_headers(build_dir or kernel_build_dir())
+    return load_in_child(text=text, flags=flags)
 
 
 def load_in_child(*, text: str, flags: list[str], timeout_s: float = CHILD_TIMEOUT_S) -> LoadedObject:

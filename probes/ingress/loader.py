@@ -313,25 +313,6 @@ def ebpf_listing(options: IngressOptions) -> str:
     )
 
 
-def kernel_build_dir() -> Path:
-    return Path("/lib/modules") / os.uname().release / "build"
-
-
-def check_kernel_headers(build_dir: Path) -> None:
-    """bcc compiles against build_dir; without it the compile error is long and unclear."""
-    if not (build_dir / "include").is_dir():
-        raise errors.ProbeLoadError(
-            f"kernel headers missing: {build_dir}/include not found (run `make setup` to install or map them)"
-        )
-
-
-def load_program(*, text: str, flags: list[str], build_dir: Path | None = None) -> bpf.LoadedObject:
-    """Compile and load `text` in the eBPF compiler process (probes/bpf.py says why); nothing is
-    attached yet."""
-    check_kernel_headers(build_dir or kernel_build_dir())
-    return bpf.load_in_child(text=text, flags=flags)
-
-
 class IngressProbe:
     """The ingress eBPF program and its maps. Satisfies moescope.agent.daemon.Source."""
 
@@ -366,7 +347,7 @@ class IngressProbe:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def load(self, *, build_dir: Path | None = None) -> None:
-        loaded = load_program(text=program_text(), flags=cflags(self.options), build_dir=build_dir)
+        loaded = bpf.load_program(text=program_text(), flags=cflags(self.options), build_dir=build_dir)
         try:
             self._maps = _Maps(loaded.maps)
             self._ring = RingReader(

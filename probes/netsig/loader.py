@@ -31,7 +31,6 @@ import numpy as np
 from moescope import errors
 from moescope.probes import bpf
 from moescope.probes.ingress import procnet
-from moescope.probes.ingress.loader import load_program
 from moescope.probes.ingress.procnet import address_text
 from moescope.probes.ingress.ring import RingReader
 
@@ -184,25 +183,6 @@ def ebpf_listing(options: NetsigOptions) -> str:
     )
 
 
-# struct bpf_prog_info (include/uapi/linux/bpf.h): run_time_ns and run_cnt, kept by the kernel
-# while sysctl kernel.bpf_stats_enabled=1 (the overhead benchmark turns it on, then off).
-PROG_INFO_RUN_TIME_OFFSET = 192
-PROG_INFO_RUN_CNT_OFFSET = 200
-PROG_INFO_BYTES = 208
-
-
-def program_run_stats(prog_fd: int) -> tuple[int, int]:
-    """(run_time_ns, run_cnt) of one loaded program; (0, 0) while bpf_stats_enabled is off."""
-    info = (ct.c_uint8 * PROG_INFO_BYTES)()
-    attr = bpf._InfoAttr(bpf_fd=prog_fd, info_len=PROG_INFO_BYTES, info=ct.addressof(info))
-    result = bpf._bpf(bpf.BPF_OBJ_GET_INFO_BY_FD, attr)  # bpf.py's one bpf(2) gateway
-    if result < 0:
-        raise OSError(-result, "BPF_OBJ_GET_INFO_BY_FD on a program")
-    run_time = ct.c_uint64.from_buffer(info, PROG_INFO_RUN_TIME_OFFSET).value
-    run_cnt = ct.c_uint64.from_buffer(info, PROG_INFO_RUN_CNT_OFFSET).value
-    return int(run_time), int(run_cnt)
-
-
 class NetSignalProbe:
     """The netsig eBPF program and its maps."""
 
@@ -216,7 +196,7 @@ class NetSignalProbe:
         self._final_drops = dict.fromkeys(DROP_NAMES.values(), 0)
 
     def load(self, *, build_dir: Path | None = None) -> None:
-        loaded = load_program(text=program_text(), flags=cflags(self.options), build_dir=build_dir)
+        loaded = bpf.load_program(text=program_text(), flags=cflags(self.options), build_dir=build_dir)
         try:
             self._maps = _Maps(loaded.maps)
             self._ring = RingReader(
@@ -292,7 +272,7 @@ class NetSignalProbe:
         """Per tracepoint: (run_time_ns, run_cnt) the kernel measured (kernel.bpf_stats_enabled=1)."""
         if self._object is None:
             return {}
-        return {name: program_run_stats(fd) for name, fd in sorted(self._object.programs.items())}
+        return {name: bpf.program_run_stats(fd) for name, fd in sorted(self._object.programs.items())}
 
     def _require_loaded(self) -> _Maps:
         if self._maps is None:

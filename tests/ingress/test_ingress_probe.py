@@ -13,6 +13,7 @@ import pytest
 from ingress_harness import ClientRequest, CPair, HttpClient, Server, Tracer
 
 from moescope import errors
+from moescope.probes.bpf import load_program
 from moescope.probes.ingress import aggregate, loader
 from moescope.probes.ingress.aggregate import RequestTotals
 from moescope.probes.ingress.loader import IngressRecord
@@ -219,7 +220,7 @@ def test_the_agent_cannot_target_itself(tracer: Tracer) -> None:
 def test_compile_failure_is_a_probe_load_error(bpf: None) -> None:
     # compiled in the child process; the one-line error carries clang's first error with its line
     with pytest.raises(errors.ProbeLoadError, match=r"failed to compile.*\(/virtual/main\.c:1:\d+: error: "):
-        loader.load_program(text="int this is not C;", flags=[])
+        load_program(text="int this is not C;", flags=[])
 
 
 def test_targets_sharing_a_filter_slot_are_told_apart(bpf: None, start_server: Callable[..., Server]) -> None:

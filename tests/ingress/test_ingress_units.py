@@ -15,6 +15,7 @@ import pytest
 from moescope import errors
 from moescope.agent.daemon import OUTSIDE_PEEK_MAX_NS, Daemon
 from moescope.collectors.registry import BACKLOG_FILL
+from moescope.probes import bpf
 from moescope.probes.ingress import aggregate, loader, procnet
 from moescope.probes.ingress.aggregate import RequestTotals
 from moescope.probes.ingress.sampling import RecordSampler
@@ -151,7 +152,7 @@ def test_daemon_counts_sink_errors_and_keeps_going() -> None:
 
 def test_missing_kernel_headers_is_a_probe_load_error(tmp_path: Path) -> None:
     with pytest.raises(errors.ProbeLoadError, match="kernel headers missing") as info:
-        loader.check_kernel_headers(tmp_path / "no-such-build")
+        bpf.check_kernel_headers(tmp_path / "no-such-build")
     assert info.value.exit_code == errors.EXIT_PROBE_LOAD
 
 
