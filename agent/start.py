@@ -4,7 +4,8 @@ tracepoints; no change to the server).
   agent start --pid PID [--pid PID2 ...]    processes already running
   agent start --port 8000                   the process(es) listening on a TCP port
   agent start -- CMD ARGS...                launch CMD, attached before it runs (it is held
-                                            before exec until the probe tracks its pid)
+                                            before exec until the probe tracks its pid; its
+                                            NVTX is recorded from its first event)
 
 Beside the kernel timing it captures the target's NVTX ranges (when it was started with
 `agent nvtx-env`, or launched with -- CMD), samples NVML or host memory, joins everything into one
@@ -398,6 +399,16 @@ def child_env(args: argparse.Namespace) -> dict[str, str]:
     return injection_env()
 
 
+def child_pid_env(args: argparse.Namespace) -> tuple[str, ...]:
+    """Variables set to the launched command's own pid: the NVTX library arms that process's ring,
+    so that it records from its first event rather than from the round that finds the ring."""
+    if "nvtx" not in enabled_collectors(args):
+        return ()
+    from moescope.collectors.nvtx import ARMED_ENV
+
+    return (ARMED_ENV,)
+
+
 def privileges_to_keep(args: argparse.Namespace) -> tuple[str, ...]:
     keep: tuple[str, ...] = privileges.KEEP_AFTER_ATTACH
     if args.metrics_port and 0 < args.metrics_port < 1024:  # bound after the drop
@@ -481,7 +492,7 @@ def _observe(
             except (errors.BccMissing, errors.ProbeLoadError) as exc:
                 raise type(exc)(f"{exc}; {NO_KERNEL_TIMING_HINT}") from exc
         if command:
-            launched = LaunchedCommand(command, extra_env=child_env(args))
+            launched = LaunchedCommand(command, extra_env=child_env(args), pid_env=child_pid_env(args))
             targets.append(launched.target)
         seeded = sum(probe.add_target(t.pid) for t in targets) if probe is not None else 0
         if pending_netsig is not None:

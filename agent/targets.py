@@ -27,10 +27,12 @@ _TRAMPOLINE = (
     "fd = int(sys.argv[1])\n"
     "os.read(fd, 1)\n"
     "os.close(fd)\n"
+    "for name in filter(None, sys.argv[2].split(',')):\n"
+    "    os.environ[name] = str(os.getpid())\n"
     "try:\n"
-    "    os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "    os.execvp(sys.argv[3], sys.argv[3:])\n"
     "except OSError as exc:\n"
-    "    print(f'agent: cannot run {sys.argv[2]}: {exc}', file=sys.stderr)\n"
+    "    print(f'agent: cannot run {sys.argv[3]}: {exc}', file=sys.stderr)\n"
     "    os._exit(127)\n"
 )
 
@@ -119,9 +121,13 @@ def successors_on_port(port: int, *, known_pids: set[int]) -> list[Target]:
 class LaunchedCommand:
     """A command started by the agent, held before exec until release() (after attach)."""
 
-    def __init__(self, argv: list[str], *, extra_env: dict[str, str] | None = None) -> None:
+    def __init__(self, argv: list[str], *, extra_env: dict[str, str] | None = None,
+                 pid_env: tuple[str, ...] = ()) -> None:
         """`extra_env` is added to the agent's environment for the command (e.g. the NVTX
-        injection variables)."""
+        injection variables); each variable of `pid_env` is set to the command's own pid, which
+        only the held process knows before exec (the NVTX library arms the ring of that pid)."""
+        if any(not name or "," in name or "=" in name for name in pid_env):
+            raise ValueError(f"pid_env names variables: {pid_env!r}")
         if not argv:
             raise errors.UsageError("no command given after --")
         if shutil.which(argv[0]) is None:
@@ -129,7 +135,7 @@ class LaunchedCommand:
         read_fd, self._release_fd = os.pipe()
         try:
             self.popen: subprocess.Popen[bytes] = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(read_fd), *argv],
+                [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(read_fd), ",".join(pid_env), *argv],
                 pass_fds=(read_fd,),
                 env={**inherited_environ(), **(extra_env or {})},
             )

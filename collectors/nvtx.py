@@ -35,6 +35,9 @@ log = logging.getLogger("moescope.nvtx")
 
 INJECTION_ENV = "NVTX_INJECTION64_PATH"
 RING_DIR_ENV = "MOESCOPE_NVTX_DIR"
+# The pid of a process the agent launched (`agent start -- CMD`): its ring records from its first
+# event, before the agent finds it (the library arms it; NvtxRing.attach takes it whole)
+ARMED_ENV = "MOESCOPE_NVTX_ARMED"
 RING_RECORDS_ENV = "MOESCOPE_NVTX_RING_RECORDS"
 DEFAULT_RING_DIR = "/dev/shm"
 RING_FILE_PREFIX = "moescope-nvtx."
@@ -872,10 +875,23 @@ class NvtxRing:
         values = self._counters.copy()
         return {name: int(values[i]) for i, name in enumerate(PRODUCER_COUNTERS)}
 
+    @property
+    def armed(self) -> bool:
+        """Raised by its producer at creation for the agent that launched it (`agent start --
+        CMD`: MOESCOPE_NVTX_ARMED, docs/nvtx-transport.md), and no agent attached since: every
+        record in it was made for that agent."""
+        return bool(self._attached.value) and self._consumer_pid.value == 0 and self._attach_count.value == 0
+
     def attach(self, *, now_ns: int) -> int:
         """Starts receiving: skips what a previous agent left, then raises the producers' flag.
-        Returns how many records were skipped."""
+        An armed ring is taken whole instead, and its generation kept: its producers' nesting
+        state holds the ranges they opened before this attach. Returns how many records were
+        skipped."""
         self._heartbeat.value = now_ns
+        if self.armed:
+            self._consumer_pid.value = os.getpid()
+            self.release_blob()
+            return 0
         head = self.head
         skipped = head - self.tail
         self._tail.value = head
@@ -1153,6 +1169,7 @@ class NvtxCollector:
         # the library names its file with the pid it sees: inside a pid namespace, not ours
         self._ring_pid = _namespace_pid(pid)
         self._directory = directory if directory is not None else self._find_directory(pid)
+        self._ring_file = ring_path(self._ring_pid, directory=self._directory)
         if self._ring_pid == pid:  # file names hold pids of our namespace: liveness is checkable
             self._stats["stale_rings_removed"] = cleanup_stale_rings(directory=self._directory)
         self._try_attach(now_ns if now_ns is not None else _monotonic_ns(), first=True)
@@ -1195,7 +1212,7 @@ class NvtxCollector:
         return directory
 
     def _try_attach(self, now_ns: int, *, first: bool = False) -> bool:
-        path = ring_path(self._ring_pid, directory=self._directory)
+        path = self._ring_file
         if not path.exists():
             if not pid_exists(self.pid):
                 self._finished = True
@@ -1207,9 +1224,11 @@ class NvtxCollector:
             ring.close()
             raise NvtxUnavailable(f"{path} belongs to pid {ring.pid}, not {self._ring_pid}")
         self._ring = ring
+        armed = ring.armed  # (before the attach, which takes it over)
         self._stats["skipped_at_attach"] += ring.attach(now_ns=now_ns)
         self._stats["attaches"] += 1
-        self._producer_base = ring.counters()
+        # an armed ring's counters are this agent's since the producer's first event
+        self._producer_base = {} if armed else ring.counters()
         self._read_strings()
         return True
 
@@ -1242,9 +1261,15 @@ class NvtxCollector:
 
     def backlogged(self) -> bool:
         """The ring past its early-drain marks (the quiet daemon's peek: a few header words read),
-        so that the round this brings forward does drain it."""
+        so that the round this brings forward does drain it; or, before the attach, the ring file
+        there now (one stat), so that the round this brings forward attaches. The library records
+        nothing until an agent is attached (docs/nvtx-transport.md), and a quiet loop's rounds are
+        up to 4 s apart: without this a process launched under `agent start -- CMD` lost the steps
+        it served in its first seconds, before the round that found its ring."""
         ring = self._ring
-        return ring is not None and not self._finished and _past_early_drain_marks(ring)
+        if ring is None:
+            return not self._finished and self._ring_file.exists()
+        return not self._finished and _past_early_drain_marks(ring)
 
     def _poll_once(self, now_ns: int, *, force: bool = False) -> int:
         self._stats["polls"] += 1

@@ -1022,6 +1022,26 @@ static void atfork_child(void) {
     munmap(old, old_bytes);
 }
 
+/* `agent start -- CMD` names the process it launched in MOESCOPE_NVTX_ARMED (its trampoline
+ * writes its own pid there just before exec). That process records from its first event, before
+ * the agent has found its ring, and the agent's first attach keeps what is there
+ * (collectors/nvtx.py NvtxRing.attach): without this, whatever it emitted between its first NVTX
+ * call and the agent's attach was never recorded. Another process that inherited the variable (a
+ * forked worker) is not armed: nobody is waiting for its ring. An agent that never comes is
+ * detached by the drop path's stale-heartbeat check, as a killed one is. */
+static void arm_if_launched(struct msring_header *h) {
+    const char *armed = getenv("MOESCOPE_NVTX_ARMED");
+    if (!armed || !*armed) return;
+    char *end = NULL;
+    errno = 0;
+    unsigned long long pid = strtoull(armed, &end, 10);
+    if (errno || !end || *end || pid != (unsigned long long)getpid()) return;
+    atomic_store_explicit((_Atomic uint64_t *)&h->consumer_heartbeat_ns, now_ns(), memory_order_relaxed);
+    uint32_t idle = 0; /* an agent that attached since the file became visible keeps its own state */
+    atomic_compare_exchange_strong_explicit((_Atomic uint32_t *)&h->consumer_attached, &idle, 1,
+                                            memory_order_release, memory_order_relaxed);
+}
+
 static void init_once(void) {
     g_stale_ns = env_u64("MOESCOPE_NVTX_STALE_MS", 5000, 10, 3600000) * 1000000ull;
     int err = ring_create(getpid());
@@ -1030,6 +1050,7 @@ static void init_once(void) {
                 strerror(-err));
         return;
     }
+    arm_if_launched(g_hdr);
     pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
     g_init_ok = 1;
 }

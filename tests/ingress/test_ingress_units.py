@@ -247,7 +247,8 @@ def test_launched_command_is_held_then_execs_in_the_same_pid(tmp_path: Path) -> 
 
     out = tmp_path / "out"
     command = LaunchedCommand(
-        ["sh", "-c", f'echo "$MOESCOPE_TEST_VAR $$" > {out}; kill -TERM $$'], extra_env={"MOESCOPE_TEST_VAR": "seen"}
+        ["sh", "-c", f'echo "$MOESCOPE_TEST_VAR $$ $MOESCOPE_TEST_PID" > {out}; kill -TERM $$'],
+        extra_env={"MOESCOPE_TEST_VAR": "seen"}, pid_env=("MOESCOPE_TEST_PID",),
     )
     try:
         # Held: still the trampoline (python), nothing of the command has run yet.
@@ -257,7 +258,8 @@ def test_launched_command_is_held_then_execs_in_the_same_pid(tmp_path: Path) -> 
         assert command.target.alive()
         command.release()
         assert command.exit_status() == 128 + 15  # killed by SIGTERM, shell style
-        assert out.read_text().split() == ["seen", str(command.popen.pid)]  # same pid after exec
+        # same pid after exec, and that pid in the pid_env variable (what arms its NVTX ring)
+        assert out.read_text().split() == ["seen", str(command.popen.pid), str(command.popen.pid)]
         assert not command.target.alive()
     finally:
         command.stop()

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from nvtx_helpers import Capture, Producer, drain_until_finished
+from nvtx_helpers import Capture, Producer, drain_until_finished, kill_group, producer_env
 
 from moescope.collectors.nvtx import EARLY_DRAIN_FRACTION, NvtxCollector, injection_library_path
 
@@ -114,3 +114,41 @@ def test_a_filling_payload_blob_is_drained_before_the_period_ends(ring_dir: Path
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
             proc.wait(timeout=10)
+
+
+# Started with the injection variable, its first NVTX call only after a line on stdin: the ring
+# file appears then (the library creates it on that call), while the collector already waits.
+_LATE_FIRST_CALL = """
+import sys
+sys.stdin.readline()
+import nvtx
+nvtx.mark(message="first")
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_the_peek_asks_for_the_round_that_attaches_a_ring_that_just_appeared(ring_dir: Path) -> None:
+    # The library records nothing before an agent attaches, so the round that attaches must come
+    # when the ring appears: not at the next quiet round, up to 4 s later (a process launched under
+    # `agent start -- CMD` lost the steps of its first seconds that way)
+    proc = subprocess.Popen([sys.executable, "-c", _LATE_FIRST_CALL], env=producer_env(ring_dir),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    collector = None
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        collector = NvtxCollector(proc.pid, sink=Capture(), directory=ring_dir, drain_period_ns=HOUR_NS)
+        assert not collector.attached
+        assert not collector.backlogged()  # no ring yet: nothing to attach
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "ready"
+        assert collector.backlogged()  # the ring is there: the daemon's peek brings the round forward ...
+        collector.poll(time.monotonic_ns())  # ... and that round attaches
+        assert collector.attached and collector.stats()["attaches"] == 1
+        assert not collector.backlogged()  # attached, its ring empty: no round asked for
+    finally:
+        if collector is not None:
+            collector.close()
+        kill_group(proc)
+
