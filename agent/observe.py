@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -99,7 +99,8 @@ class Observers:
         self._policy_pid: int | None = None  # the target the policy follows (built, or waiting for its socket)
         self._policy_retry_ns = 0
         self._policy_retry_hooked = False
-        self._closed_audit_records = 0
+        # the audit outcomes of policies closed before this one (a --port target's earlier servers)
+        self._closed_audit_outcomes: Counter[str] = Counter()
         self._telemetry_pid: int | None = None
         self._export_to_metrics: Any = None
         self._export_published_ns = 0
@@ -322,7 +323,7 @@ class Observers:
     def _stop_policy(self) -> None:
         self._stop_policy_loop()
         if self.policy is not None:
-            self._closed_audit_records += len(self.policy.audit.recent())
+            self._closed_audit_outcomes.update(_outcomes(self.policy.audit.counts()))
             self.policy.close()
             self.policy = None
         if self.runtime_stats is not None:
@@ -419,7 +420,8 @@ class Observers:
             log.warning("policy off: %s", exc)
             self._policy_pid = None
             return None
-        log.warning("policy: control socket found; %s", self.notes[-1])
+        # news, not a warning: the policy waited for a runtime still starting, as its start line said
+        print(f"agent: {self.notes[-1]} (its control socket found)", file=sys.stderr, flush=True)
         self._start_policy()
         return None
 
@@ -600,16 +602,20 @@ class Observers:
             drops = {k: v for k, v in s.items() if _is_drop(k) and v}
             anomalies = {k: v for k, v in parser.stats().items() if k in _PARSER_ANOMALIES and v}
             lines.append(
-                f"nvtx pid {collector.pid}: {s.get('records_received', 0)} records, drops {drops or 0}, "
-                f"anomalies {anomalies or 0}"
+                f"nvtx pid {collector.pid}: {s.get('records_received', 0)} records, drops {_counts_text(drops)}, "
+                f"anomalies {_counts_text(anomalies)}"
             )
         export = self.tracing.stats()
         lines.append(f"export: {_fmt_export(export)}")
-        if self.policy is not None or self._closed_audit_records:
-            current = len(self.policy.audit.recent()) if self.policy is not None else 0
+        if self.policy is not None or self._closed_audit_outcomes:
+            outcomes = self._closed_audit_outcomes.copy()
+            if self.policy is not None:
+                outcomes.update(_outcomes(self.policy.audit.counts()))
             loop = self.policy_loop
             failed = self._policy_failures + (loop.source_errors + loop.after_errors if loop is not None else 0)
-            lines.append(f"policy: {current + self._closed_audit_records} audit records, {failed} evaluations failed")
+            # by outcome: an action the runtime refused or never answered is as visible as one it took
+            lines.append(f"policy: {outcomes.total()} audit records{_by_outcome(outcomes)}, "
+                         f"{failed} evaluations failed")
         signals = self.stats_signals
         if signals is not None and signals.polls:
             page = f", {signals.page_errors} stats page errors" if signals.page_errors else ""
@@ -757,6 +763,29 @@ def _is_drop(counter: str) -> bool:
     in-kernel loss counters (ring full, connection evicted, in-flight table full), or an NVTX
     ring's records lost on the agent's side."""
     return "drop" in counter or counter in _INGRESS_DROPS or counter in _NVTX_LOSSES
+
+
+def _counts_text(counts: dict[str, int]) -> str:
+    """`0`, or `21 (orphans 21)`, or `5 (misplaced 3, unknown_names 2)`: a total and its parts."""
+    if not counts:
+        return "0"
+    parts = ", ".join(f"{name} {n}" for name, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    return f"{sum(counts.values())} ({parts})"
+
+
+def _outcomes(counts: Mapping[tuple[str, str, str], int]) -> Counter[str]:
+    """An audit log's (rule, decision, outcome) counts by outcome."""
+    out: Counter[str] = Counter()
+    for (_rule, _decision, outcome), n in counts.items():
+        out[outcome] += n
+    return out
+
+
+def _by_outcome(outcomes: Counter[str]) -> str:
+    """` (40 ok, 6 timeout)`: the audit records by outcome, most first; nothing when there are none."""
+    if not outcomes:
+        return ""
+    return " (" + ", ".join(f"{n} {outcome}" for outcome, n in outcomes.most_common()) + ")"
 
 
 _PARSER_ANOMALIES = (

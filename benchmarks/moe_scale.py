@@ -38,7 +38,6 @@ could not be carried out. How to read the numbers: docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import ast
 import ctypes
 import json
 import os
@@ -240,6 +239,19 @@ SUMMARY_PIPELINE = re.compile(r"^agent: pipeline: .*?, (\d+) steps \(")
 SUMMARY_NVTX = re.compile(r"^agent: nvtx pid (\d+): (\d+) records, drops (.+?), anomalies (.+)$")
 
 
+SUMMARY_PART = re.compile(r"([a-z_]+) (\d+)")
+
+
+def counts_from_text(text: str) -> dict[str, int]:
+    """The parts of a summary count: `0` -> {}, `21 (orphans 21, misplaced 3)` -> {"orphans": 21,
+    "misplaced": 3} (agent/observe.py writes them so)."""
+    total, _, parts = text.partition(" (")
+    counts = {name: int(n) for name, n in SUMMARY_PART.findall(parts)}
+    if int(total) != sum(counts.values()):
+        raise BenchError(f"a summary count that does not add up: {text!r}")
+    return counts
+
+
 def parse_summary(lines: list[str]) -> dict[str, Any]:
     """Steps seen, records and drops per pid from the agent's exit summary (agent/observe.py)."""
     steps: int | None = None
@@ -254,9 +266,8 @@ def parse_summary(lines: list[str]) -> dict[str, Any]:
             pids += 1
             records += int(m.group(2))
             for target, text in ((drops, m.group(3)), (anomalies, m.group(4))):
-                value = ast.literal_eval(text)
-                for key, count in (value.items() if isinstance(value, dict) else ()):
-                    target[key] = target.get(key, 0) + int(count)
+                for key, count in counts_from_text(text).items():
+                    target[key] = target.get(key, 0) + count
     if steps is None:
         raise BenchError(f"no pipeline line in the agent's summary: {lines[-8:]}")
     return {"steps_seen": steps, "records_seen": records, "drops": drops, "anomalies": anomalies, "pids": pids}

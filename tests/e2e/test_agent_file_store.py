@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from otlp_receiver import FlatSpan
 
+from moescope.agent.policy.audit import OUTCOMES
+
 from .harness import (
     WAIT_S,
     AgentSummary,
@@ -132,8 +134,13 @@ def test_files_hold_every_request_and_step(bpf: None, file_run: FileRun, file_re
     total, from_page, failed = map(int, reads.groups())
     assert failed == 0 and 0 < from_page < total, file_run.output
     # ... and no evaluation of the policy raised (one would be logged once and counted here)
-    evaluations = re.search(r"^agent: policy: \d+ audit records, (\d+) evaluations failed$", file_run.output, re.M)
-    assert evaluations is not None and evaluations.group(1) == "0", file_run.output
+    evaluations = re.search(r"^agent: policy: (\d+) audit records(?: \((.+)\))?, (\d+) evaluations failed$",
+                            file_run.output, re.M)
+    assert evaluations is not None and evaluations.group(3) == "0", file_run.output
+    # the records by outcome ("40 ok, 6 timeout"): a refused or unanswered action shows at exit
+    by_outcome = [part.split(" ", 1) for part in (evaluations.group(2) or "").split(", ") if part]
+    assert sum(int(n) for n, _ in by_outcome) == int(evaluations.group(1)), file_run.output
+    assert all(outcome in OUTCOMES for _, outcome in by_outcome), file_run.output
     print(f"\ne2e file store: {len(file_report.servers)} server spans ({len(file_report.completions)} joined, "
           f"{len(policy)} policy spans), {len(file_report.owner_steps)} owner steps, "
           f"{len(file_report.linked_steps)} step links, {len(file_run.spans)} spans")
