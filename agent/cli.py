@@ -29,7 +29,7 @@ exit codes: 0 ok, 1 internal error, 2 usage, 3 not permitted (root needed), 4 bc
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = errors.ArgumentParser(
         prog="agent",
         description="moescope: eBPF/NVTX observability and policy agent for MoE inference serving.",
         epilog=EPILOG,

@@ -17,6 +17,9 @@ Exit codes (also in README "Exit codes"):
 
 from __future__ import annotations
 
+import argparse
+from typing import NoReturn
+
 EXIT_OK = 0
 EXIT_INTERNAL = 1
 EXIT_USAGE = 2
@@ -100,3 +103,14 @@ class NvmlUnavailable(SourceUnavailable):
 
 class ControlError(SourceUnavailable):
     """The runtime's control socket is unreachable, refused a command, or timed out."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, as every other bad input here is:
+    `PROG: error: MESSAGE (see PROG --help)` and exit 2 (argparse prints its whole usage first,
+    which buries the one line that matters; --help still prints it). Sub-parsers are of this class
+    too (add_subparsers makes its parsers of the parent's type)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+

@@ -15,7 +15,7 @@ import logging
 import sys
 from typing import Any
 
-from moescope.errors import ConfigError, MoescopeError, UsageError
+from moescope.errors import ArgumentParser, ConfigError, MoescopeError, UsageError
 from moescope.examples.moe_runtime.server import Tokenizer, serve
 from moescope.examples.moe_runtime.tokenizer import EOS_ID, ByteTokenizer
 
@@ -37,7 +37,7 @@ class PretrainedTokenizer:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moescope.examples.hf_server", description=__doc__,
+    p = ArgumentParser(prog="python -m moescope.examples.hf_server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     what = p.add_argument_group("model")
     what.add_argument("--model", help="a local model directory or a Hugging Face id already in the local cache")

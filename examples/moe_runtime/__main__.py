@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from moescope.errors import MoescopeError, UsageError
+from moescope.errors import ArgumentParser, MoescopeError, UsageError
 from moescope.examples.moe_runtime.config import OVERFLOW_POLICIES, PRECISIONS, ModelConfig
 from moescope.examples.moe_runtime.runtime import Runtime, RuntimeOptions
 from moescope.examples.moe_runtime.server import serve
@@ -23,7 +23,7 @@ from moescope.moe_nvtx import CONVENTIONS, DEFAULT_CONVENTION, ROUTING_PLACES
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moescope.examples.moe_runtime", description=__doc__,
+    p = ArgumentParser(prog="python -m moescope.examples.moe_runtime", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     d = ModelConfig()
     net = p.add_argument_group("serving")
@@ -58,20 +58,29 @@ def build_parser() -> argparse.ArgumentParser:
                           "file that a policy reads without a control-socket call; docs/control-protocol.md)")
     net.add_argument("-v", "--verbose", action="count", default=0)
     model = p.add_argument_group("model")
-    model.add_argument("--layers", type=int, default=d.layers)
-    model.add_argument("--experts", type=int, default=d.experts)
-    model.add_argument("--top-k", type=int, default=d.top_k)
-    model.add_argument("--d-model", type=int, default=d.d_model)
-    model.add_argument("--d-ff", type=int, default=d.d_ff)
-    model.add_argument("--n-heads", type=int, default=d.n_heads)
-    model.add_argument("--vocab", type=int, default=d.vocab)
-    model.add_argument("--max-seq", type=int, default=d.max_seq)
-    model.add_argument("--capacity-factor", type=float, default=d.capacity_factor)
+    # the routing shape is what the agent sees; the widths only set the compute: production routing
+    # shapes run on CPU with small widths (e.g. --layers 58 --experts 256 --top-k 8 --d-model 32
+    # --d-ff 32: DeepSeek-V3's routing)
+    model.add_argument("--layers", type=int, default=d.layers, help=f"MoE layers (default {d.layers})")
+    model.add_argument("--experts", type=int, default=d.experts, help=f"experts per layer (default {d.experts})")
+    model.add_argument("--top-k", type=int, default=d.top_k,
+                       help=f"experts each token is routed to, 1..experts (default {d.top_k})")
+    model.add_argument("--d-model", type=int, default=d.d_model,
+                       help=f"hidden width, a multiple of --n-heads (default {d.d_model})")
+    model.add_argument("--d-ff", type=int, default=d.d_ff, help=f"each expert's FFN width (default {d.d_ff})")
+    model.add_argument("--n-heads", type=int, default=d.n_heads, help=f"attention heads (default {d.n_heads})")
+    model.add_argument("--vocab", type=int, default=d.vocab,
+                       help=f"vocabulary, >= 258: bytes, BOS and EOS (default {d.vocab})")
+    model.add_argument("--max-seq", type=int, default=d.max_seq,
+                       help=f"longest sequence, prompt and generation (default {d.max_seq})")
+    model.add_argument("--capacity-factor", type=float, default=d.capacity_factor,
+                       help=f"an expert's capacity: this x its even share of a step's routed tokens "
+                            f"(default {d.capacity_factor})")
     model.add_argument("--overflow", choices=OVERFLOW_POLICIES, default=d.overflow,
                        help="tokens over an expert's capacity: drop, or reroute to the next-best expert")
     model.add_argument("--gumbel-tau", type=float, default=d.gumbel_tau,
                        help="Gumbel noise temperature for expert selection (0 = off, deterministic)")
-    model.add_argument("--seed", type=int, default=d.seed)
+    model.add_argument("--seed", type=int, default=d.seed, help=f"weights and routing noise (default {d.seed})")
     res = p.add_argument_group("devices, residency, precision")
     res.add_argument("--device", default=None,
                      help="cpu or cuda (shorthand for --devices cpu / cuda:0); default cuda:0 if present else cpu")

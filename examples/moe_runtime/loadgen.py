@@ -45,7 +45,7 @@ import time
 import urllib.parse
 from typing import Any
 
-from moescope.errors import ControlError, MoescopeError, UsageError
+from moescope.errors import ArgumentParser, ControlError, MoescopeError, UsageError
 from moescope.latency import nearest_rank
 
 SCENARIOS = ("balanced", "uniform", "hotspot", "burst", "long", "memory")
@@ -460,7 +460,7 @@ def stream_summary(streamed: list[tuple[int, StreamedAnswer]]) -> dict[str, Any]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moescope.examples.moe_runtime.loadgen", description=__doc__,
+    p = ArgumentParser(prog="python -m moescope.examples.moe_runtime.loadgen", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--scenario", choices=SCENARIOS, default="balanced")
