@@ -228,6 +228,11 @@ METRICS: tuple[MetricSpec, ...] = (
                labels=("source",), max_series=_SOURCES),
     MetricSpec("moescope_agent_events_dropped", "counter", "Events dropped per source and reason.",
                labels=("source", "reason"), max_series=_SOURCES * _REASONS),
+    MetricSpec("moescope_nvtx_anomalies", "counter",
+               "NVTX events the moe convention's parser could not place, by reason (unknown_names, "
+               "malformed_payloads, malformed_categories, misplaced, orphans, pending_overflow): counted, "
+               "never raised.",
+               labels=("reason",), max_series=8),
     MetricSpec("moescope_agent_events_sampled_out", "counter",
                "Events a source's sampling rule left out (counted, not lost: the ingress probe's requests are "
                "all in moescope_requests_total).",

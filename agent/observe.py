@@ -225,6 +225,7 @@ class Observers:
         self._export_to_metrics(self.tracing.stats())
         self._sources_view = self._source_stats()
         self._rank_drops = self._nvtx_drops_per_pid()
+        self._publish_parser_anomalies()
         publish_source_health(self.metrics, self.daemon.sources)
         engine = self.policy
         if engine is not None:
@@ -671,6 +672,19 @@ class Observers:
         for pid, drops in out.items():
             self.metrics.set_counter_total("moescope_rank_nvtx_records_dropped", float(drops), pid=str(pid))
         return out
+
+    def _publish_parser_anomalies(self) -> None:
+        """The moe parsers' counts of events they could not place, summed over rings, every reason
+        (0 included) once a ring is watched: moescope_nvtx_anomalies_total{reason}."""
+        if not self.parsers:
+            return
+        totals = dict.fromkeys(_PARSER_ANOMALIES, 0)
+        for parser in self.parsers:  # (retired rings' parsers stay in the list: the sums never go down)
+            stats = parser.stats()
+            for reason in _PARSER_ANOMALIES:
+                totals[reason] += int(stats.get(reason, 0))
+        for reason, count in totals.items():
+            self.metrics.set_counter_total("moescope_nvtx_anomalies", float(count), reason=reason)
 
     def _source_stats(self) -> list[st.SourceStats]:
         out = []

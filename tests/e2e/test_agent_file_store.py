@@ -141,6 +141,14 @@ def test_files_hold_every_request_and_step(bpf: None, file_run: FileRun, file_re
     by_outcome = [part.split(" ", 1) for part in (evaluations.group(2) or "").split(", ") if part]
     assert sum(int(n) for n, _ in by_outcome) == int(evaluations.group(1)), file_run.output
     assert all(outcome in OUTCOMES for _, outcome in by_outcome), file_run.output
+    # the NVTX parser's unplaced events, by reason, in /metrics as at exit (the scrape came before
+    # the final drain, so it holds at most what the summary counts)
+    unplaced = metric_samples(file_run.scraped, "moescope_nvtx_anomalies_total")
+    assert {labels.split('"')[1] for labels in unplaced} == {"unknown_names", "malformed_payloads",
+                                                            "malformed_categories", "misplaced", "orphans",
+                                                            "pending_overflow"}, unplaced
+    at_exit = re.findall(r"^agent: nvtx pid \d+: .*, anomalies (\d+)", file_run.output, re.M)
+    assert at_exit and sum(unplaced.values()) <= sum(map(int, at_exit)), (unplaced, at_exit)
     print(f"\ne2e file store: {len(file_report.servers)} server spans ({len(file_report.completions)} joined, "
           f"{len(policy)} policy spans), {len(file_report.owner_steps)} owner steps, "
           f"{len(file_report.linked_steps)} step links, {len(file_run.spans)} spans")
