@@ -110,7 +110,6 @@ class Requests:
     latency_p99_ms: float | None = None
     errors_total: int | None = None
     errors_per_s: float | None = None
-    in_flight: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -100,11 +100,11 @@ class KernelRequestWindow:
         self._p99_cache = (found[0], p99)
         return p99
 
-    def panel(self, *, in_flight: int | None = None) -> st.Requests:
+    def panel(self) -> st.Requests:
         """The Requests panel of the live-state snapshot."""
         found = self._delta()
         if found is None:
-            return st.Requests(window_s=self.window_ns / 1e9, in_flight=in_flight)
+            return st.Requests(window_s=self.window_ns / 1e9)
         _, seconds, delta, last = found
 
         def ms(pct: float) -> float | None:
@@ -119,5 +119,4 @@ class KernelRequestWindow:
             latency_p99_ms=ms(99),
             errors_total=last.unanswered,
             errors_per_s=delta.unanswered / seconds if seconds > 0 else None,
-            in_flight=in_flight,
         )

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rich.cells import cell_len
+from rich.text import Text
+
 NA = "N/A"
+# A panel's title and subtitle sit in its top and bottom border between `╭─ ` and ` ─╮`.
+PANEL_TITLE_MARGIN = 6
 
 # Healthy bands for display (DESIGN.md): router entropy 8.2–8.7 bits at E=16384, scaled by log2 E,
 # i.e. normalised entropy H / log2(E) in [8.2/14, 8.7/14]; expert-load Gini 0.08–0.12.
@@ -45,6 +51,56 @@ def count(value: float | int | None) -> str:
         if abs(v) >= limit:
             return f"{v / limit:.1f}{unit}"
     return f"{v:.0f}" if float(v).is_integer() else f"{v:.1f}"
+
+
+def _three_digits(value: float) -> str | None:
+    """`value` to 3 significant digits, trailing zeros kept so the width holds still between frames
+    (0.80, 48.0, 212); None from 999.5 up, where it needs a bigger unit."""
+    for decimals in (2, 1, 0):
+        text = f"{value:.{decimals}f}"
+        if abs(float(text)) < 10.0 ** (3 - decimals):
+            return text
+    return None
+
+
+def latency(value_ms: float | None) -> str:
+    """A latency with its unit, at most 7 cells below 10^5 s: 0.80 ms, 48.0 ms, 212 ms, 8.86 s,
+    1234 s. From a second on in seconds: in ms, `8858.2` was cut to `885…` by a column sized for
+    `212.5`, which reads as another number."""
+    if missing(value_ms):
+        return NA
+    assert value_ms is not None
+    if math.isinf(value_ms):
+        return num(value_ms, suffix=" ms")
+    for scale, unit in ((1.0, "ms"), (1e3, "s")):
+        text = _three_digits(value_ms / scale)
+        if text is not None:
+            return f"{text} {unit}"
+    return f"{value_ms / 1e3:.0f} s"
+
+
+def join_parts(parts: Sequence[tuple[str, str | Text]]) -> Text:
+    """The parts, each after its separator, as one text."""
+    out = Text()
+    for sep, part in parts:
+        out.append(sep)
+        out.append_text(Text(part) if isinstance(part, str) else part)
+    return out
+
+
+def fit_parts(parts: Sequence[tuple[str, str | Text]], width: int) -> Text:
+    """The leading parts that fit in `width` cells; trailing parts are dropped whole, never cut: a
+    title cut mid-phrase reads as something else (`… · overflow` without its rate reads as an
+    alarm). The first part is kept whatever its width (the border crops it)."""
+    kept = 1
+    while kept < len(parts) and cell_len(join_parts(parts[: kept + 1]).plain) <= width:
+        kept += 1
+    return join_parts(parts[:kept])
+
+
+def panel_title(parts: Sequence[tuple[str, str | Text]], panel_width: int) -> Text:
+    """`fit_parts` for the title (or subtitle) of a panel `panel_width` cells wide."""
+    return fit_parts(parts, panel_width - PANEL_TITLE_MARGIN)
 
 
 def gib(value_bytes: float | int | None) -> str:

@@ -63,21 +63,22 @@ class HeaderBar:
         t.append_text(SelfCostText(self.self_cost).text())
         return t
 
-    def _line2(self) -> Text:
-        t = Text(no_wrap=True, overflow="ellipsis")
+    def _line2(self, width: int) -> Text:
+        """`probes N │ nvtx 4.9k/s drop 0 │ ...`: the sources that fit `width` whole; a source cut
+        short would cut its drop count (`drop…`), so the ones past the width are left out."""
         h = self.header
         probes = fmt.NA if h is None else str(len(h.probes_attached))
-        t.append(f"probes {probes}")
         if h is None or not h.sources:
+            t = Text(f"probes {probes}", no_wrap=True, overflow="ellipsis")
             t.append("  │ events N/A", style=fmt.STYLE_NA)
             return t
+        parts: list[tuple[str, str | Text]] = [("", f"probes {probes}")]
         for src in h.sources:
-            t.append("  │ ", style=fmt.STYLE_DIM)
-            t.append(f"{src.name} {fmt.count(src.events_per_s)}/s")
-            drops = src.drops_total
-            t.append(" drop ", style=fmt.STYLE_DIM)
-            t.append(fmt.count(drops), style=fmt.STYLE_WARN if drops else "")
-        return t
+            part = Text(f"{src.name} {fmt.count(src.events_per_s)}/s")
+            part.append(" drop ", style=fmt.STYLE_DIM)
+            part.append(fmt.count(src.drops_total), style=fmt.STYLE_WARN if src.drops_total else "")
+            parts.append(("  │ ", part))
+        return fmt.fit_parts(parts, width)
 
     def _status(self) -> Text:
         """Empty while the data is fresh; otherwise why it is not."""
@@ -97,7 +98,9 @@ class HeaderBar:
             # An error gets the whole second line: it matters more than the rates.
             rows = [(self._line1(), self._right1()), (status, Text(""))]
         else:
-            rows = [(self._line1(), self._right1()), (self._line2(), status)]
+            # (the grid below pads each side of the gap between the line and its status, empty or not)
+            line2 = self._line2(options.max_width - status.cell_len - 2)
+            rows = [(self._line1(), self._right1()), (line2, status)]
         for left, right in rows:
             # One grid per line so each line's right part takes only the room it needs.
             grid = Table.grid(expand=True, padding=(0, 1))

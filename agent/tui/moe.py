@@ -145,18 +145,18 @@ class MoePanel:
     def min_rows(self) -> int:
         return min(MIN_ROWS, self.natural_rows())
 
-    def _title(self) -> str:
+    def _title(self, width: int) -> Text:
         layers = self.moe.layers
-        title = f"MoE routing · {len(layers)} layers"
+        parts: list[tuple[str, str | Text]] = [("", "MoE routing"), (" · ", f"{len(layers)} layers")]
         experts = sorted({lay.num_experts for lay in layers})
         if experts:
-            title += " · E=" + "/".join(str(e) for e in experts)
+            parts.append((" · ", "E=" + "/".join(str(e) for e in experts)))
         if self.moe.window_s is not None:
-            title += f" · {fmt.num(self.moe.window_s, 'g')} s window"
+            parts.append((" · ", f"{fmt.num(self.moe.window_s, 'g')} s window"))
         tokens = [lay.tokens_total for lay in layers if lay.tokens_total is not None]
         if tokens:
-            title += f" · {fmt.count(sum(tokens))} tokens"
-        return title
+            parts.append((" · ", f"{fmt.count(sum(tokens))} tokens"))
+        return fmt.panel_title(parts, width)
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         inner_width = max(1, options.max_width - 4)
@@ -189,7 +189,7 @@ class MoePanel:
         body.overflow = "ellipsis"
         yield Panel(
             body,
-            title=self._title(),
+            title=self._title(options.max_width),
             title_align="left",
             box=box.ROUNDED,
             padding=(0, 1),

@@ -73,16 +73,16 @@ class PhasesPanel:
     def min_rows(self) -> int:
         return SUMMARY_ROWS
 
-    def _title(self) -> str:
+    def _title(self, width: int) -> Text:
         p = self.phases
-        title = "Where the time goes"
+        parts: list[tuple[str, str | Text]] = [("", "Where the time goes")]
         if p.window_s is not None:
-            title += f" · {fmt.num(p.window_s, 'g')} s window"
+            parts.append((" · ", f"{fmt.num(p.window_s, 'g')} s window"))
         if p.requests:
-            title += f" · {fmt.count(p.requests)} model requests"
+            parts.append((" · ", f"{fmt.count(p.requests)} model requests"))
             if p.ttft_wire:
-                title += f" ({fmt.count(p.ttft_wire)} streamed)"
-        return title
+                parts.append((" ", f"({fmt.count(p.ttft_wire)} streamed)"))
+        return fmt.panel_title(parts, width)
 
     def _tokens(self) -> str | None:
         p = self.phases
@@ -134,7 +134,7 @@ class PhasesPanel:
         body: Table | Text = self._table() if full else self._summary()
         yield Panel(
             body,
-            title=self._title(),
+            title=self._title(options.max_width),
             title_align="left",
             subtitle=self._tokens() if full else None,
             subtitle_align="right",

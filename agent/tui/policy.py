@@ -1,7 +1,10 @@
 """Policy panel: each rule's state (armed / pending / firing / cooling) with progress toward its
 window, last value and threshold; the most recent actions with outcome and latency.
 
-Narrow: rules above actions. Wide (`side_by_side`): rules left, actions right.
+Narrow: rules above actions. Wide (`side_by_side`): rules left, actions right. Where a row does not
+fit, free text goes first (signal, detail), then rule names are cut before their target (the
+`[layer,expert]` of a per-expert rule is what tells its rows apart), then whole columns; a number,
+a state or an outcome is never cut (agent/tui/columns.py).
 """
 
 from __future__ import annotations
@@ -14,12 +17,30 @@ from rich.text import Text
 
 from moescope.agent.state import ActionRecord, Policy, RuleStatus
 from moescope.agent.tui import fmt
+from moescope.agent.tui.columns import Column, FittedTable, ellipsize, ellipsize_words
 
 BORDER_ROWS = 2
 PROGRESS_WIDTH = 10
 STATE_STYLES = {"armed": fmt.STYLE_OK, "pending": fmt.STYLE_WARN, "firing": fmt.STYLE_BAD, "cooling": "cyan"}
 STATE_RANK = {"firing": 0, "pending": 1, "cooling": 2, "armed": 3}
-OUTCOME_STYLES = {"ok": fmt.STYLE_OK, "failed": fmt.STYLE_BAD, "timeout": fmt.STYLE_BAD, "dry-run": fmt.STYLE_DIM}
+OUTCOME_STYLES = {
+    "ok": fmt.STYLE_OK,
+    "failed": fmt.STYLE_BAD,
+    "timeout": fmt.STYLE_BAD,
+    "refused": fmt.STYLE_BAD,
+    "unreachable": fmt.STYLE_BAD,
+    "protocol-error": fmt.STYLE_BAD,
+    "internal-error": fmt.STYLE_BAD,
+    "rate-limited": fmt.STYLE_WARN,
+    "conflict": fmt.STYLE_WARN,
+    "dry-run": fmt.STYLE_DIM,
+}
+# The engine's decisions that sent nothing (agent/policy/audit.py DECISIONS), in a word that fits.
+OUTCOME_WORDS = {"suppressed-by-rate-limit": "rate-limited", "suppressed-by-conflict": "conflict"}
+# A rule name cut before its target keeps this many characters of the rule (`expert_que…[5,17]`):
+# enough to tell expert_queue_*, expert_load_* and expert_offload apart.
+RULE_NAME_MIN = 10
+FREE_TEXT_MIN = 10  # signal, detail and action: narrower than this, the column goes
 
 
 def value_text(value: float | None, unit: str | None) -> str:
@@ -34,6 +55,32 @@ def value_text(value: float | None, unit: str | None) -> str:
     else:
         s = f"{value:.3g}"
     return f"{s} {unit}" if unit else s
+
+
+def cut_name(name: Text, width: int) -> Text:
+    """A rule (instance) name cut to `width` before its target: `expert_queue_soft_limit[5,17]` →
+    `expert_queue_so…[5,17]` (agent/policy/publish.py names an instance `rule[target]`)."""
+    plain = name.plain
+    if name.cell_len <= width:
+        return name
+    rule, bracket, _ = plain.partition("[")
+    keep = width - (len(plain) - len(rule)) - 1
+    if not bracket or keep < 1:
+        return ellipsize(name, width)
+    return Text(rule[:keep] + "…" + plain[len(rule):], style=name.style)
+
+
+def name_floor(names: list[str]) -> int:
+    """How narrow a column of rule names may be cut: every target whole after RULE_NAME_MIN characters."""
+    widths = []
+    for name in names:
+        rule, bracket, _ = name.partition("[")
+        widths.append(min(len(name), RULE_NAME_MIN + 1 + len(name) - len(rule)) if bracket else RULE_NAME_MIN + 1)
+    return max(widths, default=RULE_NAME_MIN + 1)
+
+
+def outcome_word(outcome: str) -> str:
+    return OUTCOME_WORDS.get(outcome, outcome)
 
 
 def choose_rules(rules: list[RuleStatus], rows: int) -> list[RuleStatus]:
@@ -84,35 +131,37 @@ class PolicyPanel:
         rule_rows = max(1, min(n_rules, content - 3))
         return rule_rows, max(1, content - 2 - rule_rows)
 
-    def rules_table(self, rows: int | None) -> Table | Text:
+    def rules_table(self, rows: int | None) -> FittedTable | Text:
         rules = self.policy.rules
         if not rules:
             return Text("rules: N/A — policy engine not running", style=fmt.STYLE_NA, no_wrap=True, overflow="ellipsis")
         shown = rules if rows is None else choose_rules(rules, rows)
         hidden = len(rules) - len(shown)
         title = "rules" + (f" +{hidden}" if hidden else "")
-        table = Table(box=None, padding=(0, 1), pad_edge=False, show_edge=False, expand=True)
-        table.add_column(title, no_wrap=True, overflow="ellipsis", header_style="bold", max_width=24)
-        table.add_column("state", no_wrap=True, header_style="bold")
-        table.add_column("window", no_wrap=True, header_style="bold")
-        table.add_column("value", justify="right", no_wrap=True, header_style="bold")
-        table.add_column("fire", no_wrap=True, header_style="bold")
-        table.add_column("signal", no_wrap=True, overflow="ellipsis", header_style="bold", ratio=1)
+        names = [rule.name for rule in shown]
+        # Signal first (the rule's name mostly says it), then the name before its target, then the
+        # progress bar, then the threshold; name, state and value stay.
+        name = Column(title, rank=2, shrink_to=name_floor(names), cut=cut_name)
+        state = Column("state")
+        window = Column("window", rank=3, droppable=True)
+        value = Column("value", justify="right")
+        fire = Column("fire", rank=4, droppable=True)
+        signal = Column("signal", rank=1, shrink_to=FREE_TEXT_MIN, droppable=True, cut=ellipsize_words, stretch=True)
         for rule in shown:
             style = STATE_STYLES.get(rule.state, "")
             progress = rule.progress
             pct = fmt.num(None if progress is None else progress * 100, ".0f", suffix="%").rjust(4)
-            table.add_row(
-                rule.name,
-                Text(rule.state.upper() if rule.state == "firing" else rule.state, style=style),
-                Text(fmt.bar(progress, PROGRESS_WIDTH) + " " + pct, style=style),
-                value_text(rule.value, rule.unit),
-                f"{rule.comparison} {value_text(rule.threshold, rule.unit)}" if rule.threshold is not None else fmt.NA,
-                Text(rule.signal or "", style=fmt.STYLE_DIM),
-            )
-        return table
+            name.cells.append(Text(rule.name))
+            state.cells.append(Text(rule.state.upper() if rule.state == "firing" else rule.state, style=style))
+            window.cells.append(Text(fmt.bar(progress, PROGRESS_WIDTH) + " " + pct, style=style))
+            value.cells.append(Text(value_text(rule.value, rule.unit)))
+            fire.cells.append(Text(
+                f"{rule.comparison} {value_text(rule.threshold, rule.unit)}" if rule.threshold is not None else fmt.NA
+            ))
+            signal.cells.append(Text(rule.signal or "", style=fmt.STYLE_DIM))
+        return FittedTable([name, state, window, value, fire, signal], expand=False)
 
-    def actions_table(self, rows: int | None) -> Table | Text:
+    def actions_table(self, rows: int | None) -> FittedTable | Text:
         actions = self.policy.recent_actions
         if not actions:
             return Text("actions: none yet", style=fmt.STYLE_NA, no_wrap=True)
@@ -122,24 +171,24 @@ class PolicyPanel:
             shown = shown[:rows]
         hidden = len(actions) - len(shown)
         title = "actions" + (f" +{hidden}" if hidden else "")
-        table = Table(box=None, padding=(0, 1), pad_edge=False, show_edge=False, expand=True)
-        table.add_column(title, no_wrap=True, justify="right", header_style="bold")
-        table.add_column("rule", no_wrap=True, overflow="ellipsis", header_style="bold", max_width=22)
-        table.add_column("action", no_wrap=True, overflow="ellipsis", header_style="bold", max_width=28)
-        table.add_column("outcome", no_wrap=True, header_style="bold")
-        table.add_column("took", justify="right", no_wrap=True, header_style="bold")
-        table.add_column("detail", no_wrap=True, overflow="ellipsis", header_style="bold", ratio=1)
+        # Detail first, then the rule name before its target, then the action, then how long it took;
+        # when, rule and outcome stay.
+        when = Column(title, justify="right")
+        rule = Column("rule", rank=2, shrink_to=name_floor([a.rule for a in shown]), cut=cut_name)
+        action = Column("action", rank=3, shrink_to=FREE_TEXT_MIN, droppable=True, cut=ellipsize_words)
+        outcome = Column("outcome")
+        took = Column("took", justify="right", rank=4, droppable=True)
+        detail = Column("detail", rank=1, shrink_to=FREE_TEXT_MIN, droppable=True, cut=ellipsize_words, stretch=True)
         for a in shown:
             ago = None if self.taken_unix_s is None else self.taken_unix_s - a.at_unix_s
-            table.add_row(
-                f"{fmt.duration(ago)} ago",
-                a.rule,
-                a.action,
-                Text(a.outcome, style=OUTCOME_STYLES.get(a.outcome, "")),
-                fmt.num(a.latency_ms, ".0f", suffix=" ms"),
-                Text(a.detail or "", style=fmt.STYLE_DIM),
-            )
-        return table
+            word = outcome_word(a.outcome)
+            when.cells.append(Text(f"{fmt.duration(ago)} ago"))
+            rule.cells.append(Text(a.rule))
+            action.cells.append(Text(a.action))
+            outcome.cells.append(Text(word, style=OUTCOME_STYLES.get(word, "")))
+            took.cells.append(Text(fmt.latency(a.latency_ms)))
+            detail.cells.append(Text(a.detail or "", style=fmt.STYLE_DIM))
+        return FittedTable([when, rule, action, outcome, took, detail], expand=False)
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         rule_rows, action_rows = self._budgets()
@@ -154,6 +203,9 @@ class PolicyPanel:
         else:
             body = Group(rules, actions)
         states = [r.state for r in self.policy.rules]
-        summary = " · ".join(f"{states.count(s)} {s}" for s in ("firing", "pending", "cooling") if states.count(s))
-        title = "Policy" + (f" · {summary}" if summary else "")
+        title = fmt.panel_title(
+            [("", "Policy")]
+            + [(" · ", f"{states.count(s)} {s}") for s in ("firing", "pending", "cooling") if states.count(s)],
+            options.max_width,
+        )
         yield Panel(body, title=title, title_align="left", box=box.ROUNDED, padding=(0, 1), height=self.height)

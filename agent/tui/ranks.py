@@ -29,6 +29,12 @@ COLUMNS: tuple[tuple[str, int], ...] = (
 )
 
 
+def step_ms(value: float | None) -> str:
+    """Two decimals below a second, none above: at most 7 cells (the column's width, which would
+    otherwise cut `12345.67` to `12345.…`) up to 10^7 ms."""
+    return fmt.num(value, ".0f" if value is not None and abs(value) >= 1000 else ".2f")
+
+
 def shows_ranks(ranks: Ranks | None) -> bool:
     """The panel is worth its rows only with more than one producer."""
     return ranks is not None and len(ranks.ranks) > 1
@@ -54,14 +60,14 @@ class RanksPanel:
     def min_rows(self) -> int:
         return min(MIN_ROWS, self.natural_rows())
 
-    def _title(self) -> str:
+    def _title(self, width: int) -> Text:
         r = self.ranks
-        title = f"Ranks · {len(r.ranks)} producers"
+        parts: list[tuple[str, str | Text]] = [("", "Ranks"), (" · ", f"{len(r.ranks)} producers")]
         if r.window_s is not None:
-            title += f" · {fmt.num(r.window_s, 'g')} s window"
+            parts.append((" · ", f"{fmt.num(r.window_s, 'g')} s window"))
         if r.untracked_steps:
-            title += f" · {fmt.count(r.untracked_steps)} steps of pids past {r.max_ranks}"
-        return title
+            parts.append((" · ", f"{fmt.count(r.untracked_steps)} steps of pids past {r.max_ranks}"))
+        return fmt.panel_title(parts, width)
 
     def summary(self) -> Text:
         """One line: the slowest rank's rate, the worst p99 and its pid, every ring's drops."""
@@ -93,7 +99,7 @@ class RanksPanel:
             body = self.summary()
         else:
             body = self._table(rows, None if lines is None else lines - HEADER_ROWS)
-        yield Panel(body, title=self._title(), title_align="left", box=box.ROUNDED, padding=(0, 1),
+        yield Panel(body, title=self._title(options.max_width), title_align="left", box=box.ROUNDED, padding=(0, 1),
                     height=self.height)
 
     def _table(self, rows: list[Rank], budget: int | None) -> Table:
@@ -113,8 +119,8 @@ class RanksPanel:
                 str(rank.pid),
                 rank.comm or fmt.NA,
                 Text(fmt.num(rank.steps_per_s, ".1f"), style=rate_style),
-                fmt.num(rank.step_p50_ms, ".2f"),
-                fmt.num(rank.step_p99_ms, ".2f"),
+                step_ms(rank.step_p50_ms),
+                step_ms(rank.step_p99_ms),
                 fmt.count(rank.tokens_per_s),
                 fmt.count(rank.steps_total),
                 Text(fmt.count(drops), style=fmt.STYLE_WARN if drops else ""),

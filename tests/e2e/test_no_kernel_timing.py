@@ -84,7 +84,7 @@ def test_without_kernel_timing_the_steps_are_traced_on_their_own(tmp_path: Path)
     assert re.search(r"MoE routing · 2 layers · E=8", top.stdout), top.stdout
     assert lines[1].startswith("probes ") and "nvtx" in lines[1] and "ingress" not in lines[1], top.stdout
     row = next(i for i, line in enumerate(lines) if "req/s" in line)
-    assert lines[row + 1].count("N/A") == 7, top.stdout
+    assert lines[row + 1].count("N/A") == 6, top.stdout
     spans = spans_from_otlp_json(state / "traces")
     steps = [s for s in spans if s.name == "moe.step"]
     assert len(steps) == ran and not [s for s in spans if s.kind == SERVER_KIND]

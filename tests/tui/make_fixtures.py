@@ -172,7 +172,6 @@ def gpu_busy() -> Snapshot:
             latency_p99_ms=905.3,
             errors_total=12,
             errors_per_s=0.4,
-            in_flight=57,
         ),
         moe=Moe(window_s=10.0, layers=layers),
         devices=Devices(gpus=gpus),
@@ -265,7 +264,6 @@ def host_large_model() -> Snapshot:
             latency_p99_ms=None,
             errors_total=0,
             errors_per_s=0.0,
-            in_flight=2,
         ),
         moe=Moe(window_s=10.0, layers=layers),
         devices=Devices(

@@ -9,17 +9,21 @@ import os
 import termios
 import threading
 import time
+from typing import Any
 
 import pytest
 from rich.console import Console
 from rich.screen import Screen
+from rich.text import Text
 
 from moescope import errors
 from moescope.agent.state import HotExpert, MoeLayer, Snapshot
 from moescope.agent.tui import fmt
 from moescope.agent.tui.app import run_live
+from moescope.agent.tui.columns import GAP, Column, FittedTable, ellipsize_words, fit
 from moescope.agent.tui.layout import WIDE_MIN_COLUMNS, Dashboard, share_rows
 from moescope.agent.tui.moe import heat_cells, heat_text
+from moescope.agent.tui.policy import RULE_NAME_MIN, cut_name, name_floor
 from moescope.agent.tui.requests import RequestsPanel
 
 from .conftest import FIXTURE_NAMES, load_fixture, render
@@ -54,10 +58,10 @@ def test_missing_values_show_na() -> None:
     s = load_fixture("just_started")
     text = render(RequestsPanel(s.requests), width=80)
     values_row = text.splitlines()[2]
-    assert values_row.split("│")[1].split() == ["N/A"] * 7
+    assert values_row.split("│")[1].split() == ["N/A"] * 6
     nan_requests = dataclasses.replace(s.requests, rate_per_s=math.nan, latency_p50_ms=12.0)
     row = render(RequestsPanel(nan_requests), width=80).splitlines()[2].split("│")[1].split()
-    assert row[:2] == ["N/A", "12.0"]
+    assert row[:3] == ["N/A", "12.0", "ms"]
 
 
 def test_bands_follow_design_numbers() -> None:
@@ -198,3 +202,64 @@ def test_formatting_helpers() -> None:
     assert fmt.gib(int(139.8 * 2**30)) == "139.8" and fmt.gib(None) == "N/A"
     assert fmt.bar(0.5, 4) == "██░░" and fmt.bar(None, 5) == " N/A " and fmt.bar(1.7, 2) == "██"
     assert fmt.num(math.inf, ".1f") == "inf" and fmt.num(3, "d") == "3"
+    # three significant digits with the unit; seconds from 999.5 ms, so a column never holds `8858.2`
+    latencies = (None, math.nan, 0.0, 0.8, 9.996, 48.0, 212.5, 999.4, 999.6, 8858.2, 12_034.0, 99_960.0, 4_321_000.0)
+    assert [fmt.latency(v) for v in latencies] == [
+        "N/A", "N/A", "0.00 ms", "0.80 ms", "10.0 ms", "48.0 ms", "212 ms", "999 ms", "1.00 s", "8.86 s", "12.0 s",
+        "100 s", "4321 s",
+    ]
+    assert max(len(fmt.latency(10.0**k * 9.999)) for k in range(-2, 8)) <= 7 and fmt.latency(math.inf) == "inf ms"
+
+
+def test_title_parts_are_dropped_whole() -> None:
+    parts = [("", "Requests · kernel"), (" · ", "10 s window"), (" · ", "overflow 0.0/s")]
+    assert fmt.fit_parts(parts, 100).plain == "Requests · kernel · 10 s window · overflow 0.0/s"
+    assert fmt.fit_parts(parts, 42).plain == "Requests · kernel · 10 s window"  # not `… · overflow`
+    assert fmt.fit_parts(parts, 5).plain == "Requests · kernel"  # the first part whatever its width
+    assert fmt.panel_title(parts, 48).plain == fmt.fit_parts(parts, 48 - fmt.PANEL_TITLE_MARGIN).plain
+
+
+def test_rule_names_are_cut_before_their_target() -> None:
+    name = Text("expert_queue_soft_limit[57,190]")
+    assert cut_name(name, 40).plain == name.plain
+    assert cut_name(name, 20).plain == "expert_queu…[57,190]"
+    assert cut_name(Text("expert_queue_soft_limit"), 12).plain == "expert_queu…"
+    assert name_floor(["expert_queue_soft_limit[57,190]", "slo_latency"]) == RULE_NAME_MIN + 1 + len("[57,190]")
+
+
+def test_fitted_columns_give_up_room_in_rank_order() -> None:
+    def col(header: str, cell: str, **kw: Any) -> Column:
+        return Column(header, [Text(cell)], **kw)
+
+    columns = [
+        col("rule", "expert_queue_soft_limit[3,17]", rank=2, shrink_to=19, cut=cut_name),
+        col("took", "955 ms", justify="right", rank=3, droppable=True),
+        col("detail", "set_router_penalty L3 E17 0.3", rank=1, shrink_to=10, droppable=True, cut=ellipsize_words),
+    ]
+    natural = 29 + 6 + 29 + 2 * GAP
+    assert [w for _, w in fit(columns, natural)] == [29, 6, 29]
+    assert [w for _, w in fit(columns, natural - 4)] == [29, 6, 25]  # free text cut first
+    assert [c.header for c, _ in fit(columns, 29 + 6 + 9 + 2 * GAP)] == ["rule", "took"]  # under its floor: dropped
+    assert [w for _, w in fit(columns, 24 + 6 + GAP)] == [24, 6]  # then the name, down to its floor
+    assert [c.header for c, _ in fit(columns, 20)] == ["rule"]  # then the number goes whole, never cut
+    table = render(FittedTable(columns), width=24 + 6 + GAP)
+    assert "expert_queue_soft…[3,17]  955 ms" in table
+    assert ellipsize_words(Text("set_router_penalty L3 E201 0.3"), 29).plain == "set_router_penalty L3 E201 …"
+
+
+@pytest.mark.parametrize("width", [60, 80, 100, 120])
+def test_the_sources_line_leaves_out_a_source_rather_than_cut_its_drops(width: int) -> None:
+    from moescope.agent.state import Header, SourceStats
+    from moescope.agent.tui.header import HeaderBar
+
+    sources = [SourceStats("nvtx", 687.9, 0), SourceStats("host", 1.0, 0), SourceStats("ingress", 18.8, 0),
+               SourceStats("netsig", 1.0, 12345)]
+    header = Header(agent_pid=1, started_unix_s=0.0, probes_attached=["ingress", "netsig", "nvtx", "host"],
+                    sources=sources)
+    bar = HeaderBar(header, None, taken_unix_s=10.0, now_unix_s=10.0)
+    line = render(bar, width=width).splitlines()[1].rstrip()
+    assert "…" not in line, line
+    assert line.startswith("probes 4") and "drop" in line, line
+    shown = [part for part in line.split("│")[1:]]
+    assert all(part.strip().split()[-2] == "drop" for part in shown), line  # each source whole
+    assert ("netsig 1/s drop 12.3k" in line) == (width >= 120), line  # (100 cells with its separator)

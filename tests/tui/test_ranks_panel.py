@@ -1,10 +1,12 @@
 """The ranks panel (one row per producer process) and the per-pid window behind it: rows, order,
-"+K more", the straggler mark, 80-column fit, shown only with more than one producer; the window's
-rates and nearest-rank quantiles against numbers worked out here; its pid bound."""
+"+K more", the straggler mark, 80-column fit (step latencies of seconds whole), shown only with more
+than one producer; the window's rates and nearest-rank quantiles against numbers worked out here;
+its pid bound."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 
 from moescope.agent.outputs.windows import RankWindow
@@ -112,3 +114,14 @@ def test_rank_window_bound_counts_untracked_and_frees_stale_pids() -> None:
     idle = window.panel(112 * S).ranks
     assert [r.pid for r in idle] == [3] and idle[0].steps_per_s == 0.0 and idle[0].step_p99_ms is None
     assert idle[0].steps_total == 1  # its first step came while no slot was free: untracked
+
+
+def test_step_latencies_of_seconds_are_not_cut() -> None:
+    """A CPU-only step of 12 s fits the 7-cell column (with two decimals it showed as `12345.…`)."""
+    slow = Ranks(window_s=10.0, max_ranks=64, ranks=[
+        dataclasses.replace(r, step_p50_ms=p50, step_p99_ms=12_345.67)
+        for r, p50 in zip(three_ranks().ranks, (999.994, 12_345.0, 23_690.0), strict=True)
+    ])
+    text = render(RanksPanel(slow), width=80)
+    assert not re.search(r"\d…", text), text
+    assert text.count("12346") == 3 and "999.99" in text and "12345" in text and "23690" in text
