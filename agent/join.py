@@ -96,6 +96,10 @@ LAYER_TREE_OVERHEAD_BYTES = 160
 SHARED_GROUP_MAX_BYTES = 64 << 10
 SHARED_GROUP_BYTES_PER_STEP = 4 << 10
 DRAIN_ALL_NS = 2**63 - 1
+# At shutdown the buffered steps go out this many at a time, the outputs given a chance to drain
+# between (``expire(flush=True, between=...)``): 20,000 held steps retired at once made more spans
+# than the export queue holds, dropped in one burst at exit.
+FLUSH_CHUNK_STEPS = 64
 INT32_MAX = 2**31 - 1  # per-step token counts per expert fit (a bigger one is a bad payload, counted)
 
 
@@ -928,16 +932,27 @@ class RequestJoin:
             self._counts["steps_unjoined"] += 1
         return b
 
-    def expire(self, *, flush: bool = False) -> None:
-        """Retire buffered steps past retention (all with ``flush``); outputs see each retirement."""
+    def expire(self, *, flush: bool = False, between: Callable[[], object] | None = None) -> None:
+        """Retire buffered steps past retention (all with ``flush``); outputs see each retirement.
+        With ``flush`` and ``between``, the steps go out FLUSH_CHUNK_STEPS at a time and
+        ``between()`` runs after each chunk (the agent's close: the trace export drains)."""
         if flush:
             self.drain_requests(DRAIN_ALL_NS)  # the sources are closed: every request left is final
         now = self.clock()
-        retired: list[JoinEvent] = []
-        with self._lock:
-            while self._buffer and (flush or self._buffer[0].step.end_ns < now - self.step_retention_ns):
-                retired.append(StepRetired(self._retire_oldest_locked()))
-        self._export(retired)
+        chunk = FLUSH_CHUNK_STEPS if flush and between is not None else None
+        while True:
+            retired: list[JoinEvent] = []
+            with self._lock:
+                while self._buffer and (flush or self._buffer[0].step.end_ns < now - self.step_retention_ns):
+                    retired.append(StepRetired(self._retire_oldest_locked()))
+                    if chunk is not None and len(retired) == chunk:
+                        break
+                more = chunk is not None and bool(self._buffer)
+            self._export(retired)
+            if not more:
+                return
+            assert between is not None
+            between()
 
     # ------------------------------------------------------------------ reading
     @property

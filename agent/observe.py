@@ -577,7 +577,9 @@ class Observers:
             self.publisher.stop()
         if self.nvtx_records is not None:
             self.nvtx_records.close()
-        self.pipeline.shutdown()  # buffered steps out (unjoined ones as traces), outputs flushed
+        # buffered steps out (unjoined ones as traces), outputs flushed; the export drained between
+        # chunks while it keeps up, within a budget (a stalled backend then drops, counted)
+        self.pipeline.shutdown(between=ExportDrain(self.tracing.force_flush))
         final = self.tracing.shutdown()
         if self._export_to_metrics is not None:
             self._export_to_metrics(final)
@@ -728,6 +730,36 @@ class Observers:
         self._event_totals["export"] = (now, export.exported)
         out.append(st.SourceStats(name="export", events_per_s=rate, drops_total=export.failed + export.dropped))
         return out
+
+
+class ExportDrain:
+    """Called between the chunks of the closing flush: lets the trace export write what is queued
+    (``Tracing.force_flush``), FLUSH_DRAIN_CALL_S a call, until FLUSH_DRAIN_BUDGET_S in all or a
+    call that did not finish (the backend is slow or down: later chunks are queued as they come
+    and what does not fit is dropped and counted, as before)."""
+
+    def __init__(self, flush: Callable[[float], bool], *, budget_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._flush = flush
+        self._clock = clock
+        self._until = clock() + (FLUSH_DRAIN_BUDGET_S if budget_s is None else budget_s)
+        self.calls = 0
+        self.gave_up = False
+
+    def __call__(self) -> None:
+        if self.gave_up:
+            return
+        left = self._until - self._clock()
+        if left <= 0:
+            self.gave_up = True
+            return
+        self.calls += 1
+        if not self._flush(min(FLUSH_DRAIN_CALL_S, left)):
+            self.gave_up = True
+
+
+FLUSH_DRAIN_CALL_S = 2.0
+FLUSH_DRAIN_BUDGET_S = 10.0
 
 
 class HeldLogs(logging.Handler):

@@ -148,9 +148,11 @@ class Pipeline:
         out.setdefault("owner_subtrees", 0)
         return out
 
-    def shutdown(self, deadline_ns: int | None = None) -> None:
-        """Every buffered step out (unclaimed ones as their own traces), then each output's shutdown."""
-        self.join.expire(flush=True)
+    def shutdown(self, deadline_ns: int | None = None, *, between: Callable[[], object] | None = None) -> None:
+        """Every buffered step out (unclaimed ones as their own traces), then each output's shutdown.
+        ``between`` runs between chunks of the flush (``RequestJoin.expire``): the trace export's
+        drain, so that a run's held steps do not overflow its queue at exit."""
+        self.join.expire(flush=True, between=between)
         deadline = DRAIN_ALL_NS if deadline_ns is None else deadline_ns
         for output in self.join.outputs:
             output.shutdown(deadline)
