@@ -275,9 +275,13 @@ def _validate(args: argparse.Namespace) -> list[str]:
     if args.records and not kernel_timing(args):
         raise errors.UsageError("--records writes the kernel-timed requests: it needs the ingress collector "
                                 "(drop --no-collector.ingress)")
+    seen: set[int] = set()
     for pid in args.pid or []:
         if pid == os.getpid():
             raise errors.UsageError(f"--pid {pid} is the agent itself; the agent never traces its own process")
+        if pid in seen:  # (its NVTX ring was reported "drained by another agent": this one's other half)
+            raise errors.UsageError(f"--pid {pid} is given twice")
+        seen.add(pid)
     return command
 
 
@@ -296,6 +300,12 @@ def _drop_counts(daemon: Daemon, probe: IngressProbe) -> dict[str, int]:
     return counts
 
 
+def exited_line(exited: list[str], *, most: int = 8) -> str:
+    """`2 exited while observed: pid 7 (python), pid 9 (python)`, at most `most` named."""
+    named = ", ".join(exited[:most]) + (f", +{len(exited) - most} more" if len(exited) > most else "")
+    return f"{len(exited)} exited while observed: {named}"
+
+
 class TargetFollower:
     """Tick hook: notices targets that exited and, for --port targets, re-attaches to the next process
     listening on the port. Returns STOP_TARGETS_EXITED once nothing is traced and nothing awaited."""
@@ -309,6 +319,7 @@ class TargetFollower:
         self.follow_ports = follow_ports
         self.waiting: dict[int, int] = {}  # port -> monotonic ns its last target was seen gone
         self.reattached = 0
+        self.exited: list[str] = []  # the targets that exited while observed, described, in order
         self._last_scan_ns = 0
         self._last_alive_check_ns = 0
         observers.add_round_cap(self.round_cap)
@@ -331,6 +342,7 @@ class TargetFollower:
     def _reap(self, now_ns: int) -> None:
         for target in [t for t in self.live if not t.alive()]:
             self.live.remove(target)
+            self.exited.append(target.describe())
             if self.probe is not None:
                 self.probe.remove_target(target.pid)  # drains and flushes its last requests first
             if self.netsig is not None:
@@ -585,6 +597,9 @@ def _observe(
     if follower.reattached or follower.waiting:
         waiting = ", ".join(str(port) for port in sorted(follower.waiting)) or "none"
         print(f"agent: targets: re-attached {follower.reattached} times; still waiting on ports: {waiting}", flush=True)
+    if follower.exited and reason != STOP_TARGETS_EXITED:
+        # one rank of eight gone mid-run: said at exit too, not only in the line at the moment it went
+        print(f"agent: targets: {exited_line(follower.exited)}", flush=True)
 
     if reason == STOP_TARGETS_EXITED:
         if launched is not None:

@@ -89,6 +89,8 @@ def test_a_restarted_server_is_reattached_by_itself(lab: Lab) -> None:
     assert agent.stop(signal.SIGINT) == 0
     out = agent.stdout()
     assert "re-attached 1 times; still waiting on ports: none" in out
+    # the server that went is said at exit too, beside the one that replaced it
+    assert f"agent: targets: 1 exited while observed: pid {first.pid} (python)" in out, out
     nvtx = re.search(rf"^agent: nvtx pid {second.pid}: (\d+) records", out, re.M)
     assert nvtx and int(nvtx.group(1)) > 0, out
     # traced: request spans and NVTX step spans of the new pid reached the trace files

@@ -225,6 +225,8 @@ def test_usage_errors_are_exit_2(bpf: None, run_agent: Callable[..., AgentRun]) 
     assert "not both" in one_line_error(run, errors.EXIT_USAGE)
     run = run_agent("--", "no-such-command-xyz", wait_attach=False)
     assert "command not found" in one_line_error(run, errors.EXIT_USAGE)
+    run = run_agent("--pid", "1", "--pid", "1", wait_attach=False)
+    assert "--pid 1 is given twice" in one_line_error(run, errors.EXIT_USAGE)
     for value in ("0", "31", "nan"):
         run = run_agent("--pid", "1", "--quiet-drain-s", value, wait_attach=False)
         text = f"--quiet-drain-s must be 0.05 to 30 seconds, got {float(value)}"
