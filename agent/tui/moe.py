@@ -155,7 +155,9 @@ class MoePanel:
             parts.append((" · ", f"{fmt.num(self.moe.window_s, 'g')} s window"))
         tokens = [lay.tokens_total for lay in layers if lay.tokens_total is not None]
         if tokens:
-            parts.append((" · ", f"{fmt.count(sum(tokens))} tokens"))
+            # a layer's routed tokens (each token counted once per expert it went to), averaged over
+            # the layers: their sum counted every token layers x top-k times and read as tokens
+            parts.append((" · ", f"{fmt.count(sum(tokens) / len(tokens))} routed a layer"))
         return fmt.panel_title(parts, width)
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
