@@ -82,7 +82,10 @@ def serve_reset() -> None:
 
 
 def _serve_bulk_connection(conn: socket.socket, payload: bytes) -> None:
-    conn.settimeout(60)
+    # The whole life, not a shorter per-connection limit: the client reads the connections one after
+    # another, so one connection stalled in retransmit backoff under the drop rule delays every other
+    # server's "done" (a 60 s limit here once closed all four unanswered on a busy machine).
+    conn.settimeout(MAX_LIFE_S)
     try:
         if _read_line(conn) == b"get":
             conn.sendall(payload)
@@ -156,7 +159,7 @@ def client_resets(port: int, count: int) -> None:
 def client_bulk(port: int, conns: int, size: int) -> None:
     sockets = []
     for _ in range(conns):
-        sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+        sock = socket.create_connection(("127.0.0.1", port), timeout=MAX_LIFE_S)
         sock.sendall(b"get\n")
         sockets.append(sock)
     received = []
@@ -173,7 +176,7 @@ def client_bulk(port: int, conns: int, size: int) -> None:
     retrans = []
     for sock in sockets:
         sock.sendall(b"done\n")
-        retrans.append(int(_read_line(sock) or b"-1"))
+        retrans.append(int(_read_line(sock) or b"-1"))  # -1: the server closed without answering
         sock.close()
     print(json.dumps({"server_total_retrans": retrans}), flush=True)
 

@@ -1,6 +1,6 @@
 """Harness for the netsig tests: a network namespace of the test's own (loopback up, 1500-byte
 MTU, one segment per packet), TCP peers from net_peers.py run inside it, an
-nftables random-drop rule on its loopback, nstat read inside it, and the real probe."""
+nftables drop rule (every tenth packet) on its loopback, nstat read inside it, and the real probe."""
 
 from __future__ import annotations
 
@@ -29,11 +29,15 @@ _names = count()
 # its send back to TCP, which queues it again as new data (not a retransmit), so only a lost
 # tail ACK ever forced a resend; 4 x 256 KiB then retransmitted 0-5 segments and CI once saw 0.
 # Dropped on input, the sender believes it sent the segment: ~20 retransmits per connection.
+# Every tenth, not one in ten at random: a random rule can drop the same segment's resends (or
+# their ACKs) several times running, and each loss doubles the retransmit timeout (0.2 s, 0.4 s,
+# ... 8 in a row is 51 s): CI once stalled a connection past the peers' limits. Counted, the
+# packet after a dropped one always passes, so no resend is lost twice while its flow is alone.
 DROP_RULESET = """
 table inet moescope_netsig_test {
   chain in {
     type filter hook input priority 0; policy accept;
-    iif "lo" numgen random mod 10 0 drop
+    iif "lo" numgen inc mod 10 0 drop
   }
 }
 """
