@@ -114,6 +114,7 @@ class Observers:
         self._meter = st.SelfCostMeter()
         self._event_totals: dict[str, tuple[float, int]] = {}
         self._sources_view: list[st.SourceStats] = []
+        self._exited_comms: dict[int, str] = {}  # targets that exited while observed: pid -> comm
         self._rank_drops: dict[int, int] = {}  # pid -> NVTX records its ring lost (read on the daemon thread)
         self._seq = 0
         self._lock = threading.Lock()
@@ -261,6 +262,9 @@ class Observers:
         """The target `pid` exited: stop the telemetry and the policy that followed it. Its NVTX
         collector drains what is left and finishes by itself (it sees the exit), then leaves the
         daemon's sources. Counters stay for the summary."""
+        for target in self.targets:
+            if target.pid == pid:
+                self._exited_comms[pid] = target.comm  # the ranks panel keeps naming it, marked
         self.targets = [t for t in self.targets if t.pid != pid]
         if not self._retire_hooked:
             self._retire_hooked = True
@@ -654,8 +658,10 @@ class Observers:
             phases=self.pipeline.windows.phases_panel(),
             network=self.pipeline.windows.network_panel(),
             moe=moe,
-            ranks=self.pipeline.windows.ranks_panel(nvtx_drops=dict(self._rank_drops),
-                                                     comms={t.pid: t.comm for t in self.targets}),
+            ranks=self.pipeline.windows.ranks_panel(
+                nvtx_drops=dict(self._rank_drops),
+                comms={**self._exited_comms, **{t.pid: t.comm for t in self.targets}},
+                exited=self._exited_comms.keys() - {t.pid for t in self.targets}),
             devices=devices,
             policy=policy,
             self_cost=self._meter.sample(),

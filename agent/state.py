@@ -181,6 +181,7 @@ class Rank:
     tokens_per_s: float | None = None
     steps_total: int | None = None  # since the agent first saw it
     nvtx_drops_total: int | None = None  # records its ring lost, every reason; None: not known
+    exited: bool = False  # the process exited while observed (its row stays until RANK_RETENTION_NS)
 
 
 @dataclass(frozen=True, slots=True)

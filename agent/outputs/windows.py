@@ -240,7 +240,12 @@ class PhaseWindow:
 class RankWindow:
     """Per producer process (pid, one per expert-parallel rank): its steps over the window, for the
     live view's ranks panel. At most ``max_ranks`` pids are tracked; a new pid past that takes the
-    slot of a pid with no step for ``retention_ns``, else its steps are counted in ``untracked_steps``."""
+    slot of a pid with no step for ``retention_ns``, else its steps are counted in ``untracked_steps``.
+
+    A step is in the window by when the agent saw it (``seen_ns``, the export's clock), as the
+    header's steps/s counts them, not by when it ended: the steps of the last round's interval
+    arrive only at the next round, so counting ends over ``(now - window, now]`` read every rank
+    that share low (8 % at 25 steps/s, rounds up to 1 s apart, a 10 s window)."""
 
     def __init__(self, *, window_ns: int, max_ranks: int = MAX_RANKS, max_steps: int = MAX_RANK_STEPS,
                  retention_ns: int = RANK_RETENTION_NS) -> None:
@@ -248,14 +253,17 @@ class RankWindow:
         self.max_ranks = max_ranks
         self.retention_ns = retention_ns
         self._max_steps = max_steps
-        # pid -> (step end ns, duration ms, tokens) of its steps, oldest first
+        # pid -> (when seen ns, duration ms, tokens) of its steps, oldest first
         self._steps: dict[int, deque[tuple[int, float, int]]] = {}
         self._first_ns: dict[int, int] = {}  # when the pid's first step ended (rates over what was seen)
         self._last_ns: dict[int, int] = {}
         self._totals: dict[int, int] = {}
         self.untracked_steps = 0
 
-    def add(self, *, pid: int, end_ns: int, duration_ms: float, tokens: int | None) -> None:
+    def add(self, *, pid: int, end_ns: int, duration_ms: float, tokens: int | None,
+            seen_ns: int | None = None) -> None:
+        """One step that ended at ``end_ns`` and reached the agent at ``seen_ns`` (default: at its end)."""
+        seen = end_ns if seen_ns is None else seen_ns
         steps = self._steps.get(pid)
         if steps is None:
             if len(self._steps) >= self.max_ranks and not self._free_slot(end_ns):
@@ -263,7 +271,7 @@ class RankWindow:
                 return
             steps = self._steps[pid] = deque(maxlen=self._max_steps)
             self._first_ns[pid], self._totals[pid] = end_ns, 0
-        steps.append((end_ns, duration_ms, tokens if tokens is not None and tokens > 0 else 0))
+        steps.append((seen, duration_ms, tokens if tokens is not None and tokens > 0 else 0))
         self._last_ns[pid] = max(end_ns, self._last_ns.get(pid, end_ns))
         self._totals[pid] += 1
 
@@ -278,8 +286,9 @@ class RankWindow:
             table.pop(pid, None)
 
     def panel(self, now_ns: int, *, nvtx_drops: dict[int, int] | None = None,
-              comms: dict[int, str] | None = None) -> st.Ranks:
-        """One row per pid with a step in the last ``retention_ns``, sorted by pid."""
+              comms: dict[int, str] | None = None, exited: Collection[int] = ()) -> st.Ranks:
+        """One row per pid with a step in the last ``retention_ns``, sorted by pid; ``exited``: the
+        pids known to have exited (their rows are marked)."""
         self._free_slot(now_ns)
         horizon = now_ns - self.window_ns
         rows = []
@@ -306,6 +315,7 @@ class RankWindow:
                 tokens_per_s=tokens_per_s,
                 steps_total=self._totals[pid],
                 nvtx_drops_total=None if nvtx_drops is None else nvtx_drops.get(pid),
+                exited=pid in exited,
             ))
         return st.Ranks(window_s=self.window_ns / 1e9, ranks=rows, max_ranks=self.max_ranks,
                         untracked_steps=self.untracked_steps)
@@ -406,7 +416,7 @@ class WindowsOutput:
                         self._step_ms.add(step.end_ns, step.duration_ns / 1e6)
                         self._step_rate.add(now)
                         self._ranks.add(pid=step.pid, end_ns=step.end_ns, duration_ms=step.duration_ns / 1e6,
-                                        tokens=step.tokens)
+                                        tokens=step.tokens, seen_ns=now)
                         for load in step.expert_loads():
                             self._load_ms.add(load.end_ns, load.duration_ns / 1e6)
                         if changed:
@@ -545,10 +555,10 @@ class WindowsOutput:
         )
 
     def ranks_panel(self, *, nvtx_drops: dict[int, int] | None = None,
-                    comms: dict[int, str] | None = None) -> st.Ranks:
+                    comms: dict[int, str] | None = None, exited: Collection[int] = ()) -> st.Ranks:
         """The live view's ranks panel: steps per producer process (pid) over the window."""
         with self._lock:
-            return self._ranks.panel(self.clock(), nvtx_drops=nvtx_drops, comms=comms)
+            return self._ranks.panel(self.clock(), nvtx_drops=nvtx_drops, comms=comms, exited=exited)
 
     def phases_panel(self) -> Phases:
         """The live view's "where the time goes" panel: the phase window the policy reads."""

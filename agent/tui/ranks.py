@@ -1,8 +1,9 @@
 """Ranks panel: one row per producer process (an expert-parallel rank, each with its own NVTX ring),
 sorted by pid — steps/s, step p50/p99, tokens/s over the window, steps seen, ring drops. Shown only
 when more than one producer is seen. A rank stepping at under half the ranks' median rate is
-marked (a straggler holds every all-to-all back); when rows run short, the last says "+K more",
-and with room for one line only the panel is a summary (the slowest rank, the worst p99, drops)."""
+marked (a straggler holds every all-to-all back), a rank that exited says so in its steps/s cell;
+when rows run short, the last says "+K more", and with room for one line only the panel is a
+summary (the slowest live rank, the worst p99, drops, how many exited)."""
 
 from __future__ import annotations
 
@@ -41,12 +42,13 @@ def shows_ranks(ranks: Ranks | None) -> bool:
 
 
 def slow_ranks(ranks: list[Rank]) -> set[int]:
-    """Pids stepping at under SLOW_RANK_RATIO of the ranks' median step rate."""
-    rates = [r.steps_per_s for r in ranks if r.steps_per_s is not None]
-    if len(rates) < 2:
+    """Live pids stepping at under SLOW_RANK_RATIO of the live ranks' median step rate (a rank that
+    exited is not a straggler: its rate only runs down)."""
+    live = [r for r in ranks if r.steps_per_s is not None and not r.exited]
+    if len(live) < 2:
         return set()
-    floor = SLOW_RANK_RATIO * statistics.median(rates)
-    return {r.pid for r in ranks if r.steps_per_s is not None and r.steps_per_s < floor}
+    floor = SLOW_RANK_RATIO * statistics.median(r.steps_per_s or 0.0 for r in live)
+    return {r.pid for r in live if (r.steps_per_s or 0.0) < floor}
 
 
 class RanksPanel:
@@ -73,9 +75,12 @@ class RanksPanel:
         """One line: the slowest rank's rate, the worst p99 and its pid, every ring's drops."""
         rows = self.ranks.ranks
         t = Text(no_wrap=True, overflow="ellipsis")
-        rated = [r for r in rows if r.steps_per_s is not None]
+        rated = [r for r in rows if r.steps_per_s is not None and not r.exited]
+        exited = sum(1 for r in rows if r.exited)
         if not rated:
             t.append(fmt.NA, style=fmt.STYLE_NA)
+            if exited:
+                t.append(f" · {exited} exited", style=fmt.STYLE_BAD)
             return t
         slowest = min(rated, key=lambda r: (r.steps_per_s or 0.0, r.pid))
         style = fmt.STYLE_WARN if slowest.pid in slow_ranks(rows) else ""
@@ -89,6 +94,8 @@ class RanksPanel:
         drops = sum(known) if known else None
         t.append(" · drops ")
         t.append(fmt.count(drops), style=fmt.STYLE_WARN if drops else "")
+        if exited:
+            t.append(f" · {exited} exited", style=fmt.STYLE_BAD)
         return t
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
@@ -115,10 +122,12 @@ class RanksPanel:
         for rank in shown:
             rate_style = fmt.STYLE_WARN if rank.pid in slow else ""
             drops = rank.nvtx_drops_total
+            rate = Text("exited", style=fmt.STYLE_BAD) if rank.exited else \
+                Text(fmt.num(rank.steps_per_s, ".1f"), style=rate_style)
             table.add_row(
                 str(rank.pid),
                 rank.comm or fmt.NA,
-                Text(fmt.num(rank.steps_per_s, ".1f"), style=rate_style),
+                rate,
                 step_ms(rank.step_p50_ms),
                 step_ms(rank.step_p99_ms),
                 fmt.count(rank.tokens_per_s),

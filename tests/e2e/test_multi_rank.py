@@ -3,7 +3,8 @@
 own ring) under one real `agent start --pid A --pid B --pid C`. Each pid's
 moescope_rank_steps_total in /metrics equals the steps that producer says it emitted, the aggregate
 moescope_steps_total is their sum, and the state file's ranks panel lists the three pids with the
-same counts. Waits are bounded and generous; nothing asserts on speed."""
+same counts; a rank that exits keeps its row, named and marked exited. Waits are bounded and
+generous; nothing asserts on speed."""
 
 from __future__ import annotations
 
@@ -147,8 +148,24 @@ def test_three_ranks_counted_per_pid_in_metrics_and_the_ranks_panel(
             assert r.nvtx_drops_total == 0, r  # each ring's own drop counters, read per pid
             assert r.step_p50_ms is not None and r.step_p99_ms is not None and r.step_p50_ms <= r.step_p99_ms
             assert r.tokens_per_s is not None and r.tokens_per_s > 0
+            assert not r.exited and r.comm, r
+        gone = producers[0]  # one rank exits: its row stays, named and marked, the others unmarked
+        gone.tell("exit\n")
+        assert gone.popen.wait(timeout=WAIT_S) == 0
+        agent.wait_for_line(rf"agent: target pid {gone.pid} \(.*\) exited", stream="err")
+        marked: dict[int, bool] = {}
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            snapshot = latest_snapshot(tmp_path, agent.pid)
+            marked = {} if snapshot is None else {r.pid: r.exited for r in snapshot.ranks.ranks}
+            if marked.get(gone.pid):
+                break
+            time.sleep(0.25)
+        assert marked == {p.pid: p is gone for p in producers}, marked
+        assert snapshot is not None
+        assert {r.pid: r.comm for r in snapshot.ranks.ranks}[gone.pid] == ranks[0].comm
         assert agent.interrupt_and_wait() == 0, agent.text()
-        for p in producers:
+        for p in producers[1:]:
             p.tell("exit\n")
             assert p.popen.wait(timeout=WAIT_S) == 0
     finally:

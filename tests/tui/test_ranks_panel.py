@@ -1,7 +1,7 @@
 """The ranks panel (one row per producer process) and the per-pid window behind it: rows, order,
-"+K more", the straggler mark, 80-column fit (step latencies of seconds whole), shown only with more
-than one producer; the window's rates and nearest-rank quantiles against numbers worked out here;
-its pid bound."""
+"+K more", the straggler and exited marks, 80-column fit (step latencies of seconds whole), shown only with more
+than one producer; the window's rates (by when the agent saw each step) and nearest-rank quantiles
+against numbers worked out here; its pid bound."""
 
 from __future__ import annotations
 
@@ -63,6 +63,19 @@ def test_slow_rank_is_the_one_under_half_the_median_rate() -> None:
     assert slow_ranks(eight_ranks().ranks) == set()
 
 
+def test_an_exited_rank_says_so_and_is_not_a_straggler() -> None:
+    ranks = three_ranks()
+    gone = dataclasses.replace(ranks.ranks[2], steps_per_s=0.4, exited=True)
+    panel = dataclasses.replace(ranks, ranks=[*ranks.ranks[:2], gone])
+    assert slow_ranks(panel.ranks) == set()  # its rate only runs down: not a straggler
+    text = render(RanksPanel(panel), width=80, height=8)
+    row = next(line for line in text.splitlines() if "4107" in line)
+    assert "exited" in row and "0.4" not in row and "python3" in row
+    assert "exited" not in next(line for line in text.splitlines() if "4101" in line)
+    summary = render(RanksPanel(panel, height=3), width=80, height=3)
+    assert "slowest pid 4102 24.9/s" in summary and "1 exited" in summary
+
+
 def test_dashboard_shows_ranks_only_with_more_than_one_producer() -> None:
     base = load_fixture("gpu_busy")
     one = dataclasses.replace(base, ranks=Ranks(window_s=10.0, ranks=three_ranks().ranks[:1]))
@@ -98,6 +111,20 @@ def test_rank_window_rates_and_nearest_rank_quantiles() -> None:
     assert slow.step_p50_ms == slow.step_p99_ms == 2.5 and slow.tokens_per_s == 0.0
     assert busy.nvtx_drops_total is None
     assert window.panel(now, nvtx_drops={7: 4}).ranks[1].nvtx_drops_total == 4
+
+
+def test_rank_window_counts_steps_by_when_the_agent_saw_them() -> None:
+    """25 steps a second, each round (1 s apart, 10 ms past the second) bringing the steps that ended
+    since the last: read half a second after a round, the rate is 25. Counted by their ends it read
+    23.75 (the last half second's steps not yet seen): every rank ~5-8 % low in a user trial."""
+    window = RankWindow(window_ns=10 * S)
+    for i in range(30 * 25):
+        end_ns = (i + 1) * (S // 25)
+        round_ns = -(-end_ns // S) * S + S // 100  # the first round after the step ended
+        window.add(pid=9, end_ns=end_ns, duration_ms=4.0, tokens=8, seen_ns=round_ns)
+    (rank,) = window.panel(30 * S + S // 2).ranks
+    assert rank.steps_per_s == 25.0 and rank.tokens_per_s == 200.0
+    assert rank.steps_total == 750
 
 
 def test_rank_window_bound_counts_untracked_and_frees_stale_pids() -> None:
