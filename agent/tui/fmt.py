@@ -88,14 +88,23 @@ def join_parts(parts: Sequence[tuple[str, str | Text]]) -> Text:
     return out
 
 
-def fit_parts(parts: Sequence[tuple[str, str | Text]], width: int) -> Text:
+def fit_parts(parts: Sequence[tuple[str, str | Text]], width: int, *, more_sep: str | None = None) -> Text:
     """The leading parts that fit in `width` cells; trailing parts are dropped whole, never cut: a
     title cut mid-phrase reads as something else (`… · overflow` without its rate reads as an
-    alarm). The first part is kept whatever its width (the border crops it)."""
+    alarm). The first part is kept whatever its width (the border crops it). With `more_sep`, parts
+    left out are counted at the end (`<more_sep>+N more`, dim), fewer parts kept to make it fit."""
     kept = 1
     while kept < len(parts) and cell_len(join_parts(parts[: kept + 1]).plain) <= width:
         kept += 1
-    return join_parts(parts[:kept])
+    if more_sep is None or kept == len(parts):
+        return join_parts(parts[:kept])
+
+    def marker(n: int) -> Text:
+        return Text(f"+{n} more", style=STYLE_DIM)
+
+    while kept > 1 and cell_len(join_parts([*parts[:kept], (more_sep, marker(len(parts) - kept))]).plain) > width:
+        kept -= 1
+    return join_parts([*parts[:kept], (more_sep, marker(len(parts) - kept))])
 
 
 def panel_title(parts: Sequence[tuple[str, str | Text]], panel_width: int) -> Text:

@@ -65,7 +65,8 @@ class HeaderBar:
 
     def _line2(self, width: int) -> Text:
         """`probes N │ nvtx 4.9k/s drop 0 │ ...`: the sources that fit `width` whole; a source cut
-        short would cut its drop count (`drop…`), so the ones past the width are left out."""
+        short would cut its drop count (`drop…`), so the ones past the width are left out and
+        counted (`│ +2 more`)."""
         h = self.header
         probes = fmt.NA if h is None else str(len(h.probes_attached))
         if h is None or not h.sources:
@@ -78,7 +79,7 @@ class HeaderBar:
             part.append(" drop ", style=fmt.STYLE_DIM)
             part.append(fmt.count(src.drops_total), style=fmt.STYLE_WARN if src.drops_total else "")
             parts.append(("  │ ", part))
-        return fmt.fit_parts(parts, width)
+        return fmt.fit_parts(parts, width, more_sep="  │ ")
 
     def _status(self) -> Text:
         """Empty while the data is fresh; otherwise why it is not."""

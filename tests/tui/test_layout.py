@@ -217,6 +217,11 @@ def test_title_parts_are_dropped_whole() -> None:
     assert fmt.fit_parts(parts, 42).plain == "Requests · kernel · 10 s window"  # not `… · overflow`
     assert fmt.fit_parts(parts, 5).plain == "Requests · kernel"  # the first part whatever its width
     assert fmt.panel_title(parts, 48).plain == fmt.fit_parts(parts, 48 - fmt.PANEL_TITLE_MARGIN).plain
+    # counted when asked: parts left out make room for their count
+    assert fmt.fit_parts(parts, 100, more_sep=" · ").plain == "Requests · kernel · 10 s window · overflow 0.0/s"
+    assert fmt.fit_parts(parts, 42, more_sep=" · ").plain == "Requests · kernel · 10 s window · +1 more"
+    assert fmt.fit_parts(parts, 40, more_sep=" · ").plain == "Requests · kernel · +2 more"
+    assert fmt.fit_parts(parts, 5, more_sep=" · ").plain == "Requests · kernel · +2 more"
 
 
 def test_rule_names_are_cut_before_their_target() -> None:
@@ -261,5 +266,9 @@ def test_the_sources_line_leaves_out_a_source_rather_than_cut_its_drops(width: i
     assert "…" not in line, line
     assert line.startswith("probes 4") and "drop" in line, line
     shown = [part for part in line.split("│")[1:]]
+    more = 0
+    if shown and shown[-1].strip().endswith(" more"):  # the sources left out, counted
+        more = int(shown.pop().strip().removeprefix("+").removesuffix(" more"))
+    assert len(shown) + more == len(sources), line
     assert all(part.strip().split()[-2] == "drop" for part in shown), line  # each source whole
     assert ("netsig 1/s drop 12.3k" in line) == (width >= 120), line  # (100 cells with its separator)
