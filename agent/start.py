@@ -62,6 +62,7 @@ from moescope.agent.metrics import add_metrics_arguments
 from moescope.agent.observe import Observers
 from moescope.agent.outputs import DEFAULT_WINDOW_NS
 from moescope.agent.outputs.kernel_requests import KernelRequestWindow
+from moescope.agent.policy.config import load_policy
 from moescope.agent.policy.wiring import add_policy_arguments
 from moescope.agent.targets import LaunchedCommand, Target, successors_on_port, target_for_pid, targets_for_port
 from moescope.collectors.netsig import NetSignalSource, start_netsig
@@ -431,6 +432,11 @@ def privileges_to_keep(args: argparse.Namespace) -> tuple[str, ...]:
 def run(args: argparse.Namespace) -> int:
     command = _validate(args)
     export_config = resolve_export_config(flags_from_args(args))  # a bad flag fails before anything loads
+    if args.policy is not None and not args.no_policy:
+        # ... and a bad policy file: the engine is built only once the runtime's control socket is
+        # found (seconds later for a launched runtime, never for one without it), which left the
+        # agent running, exit 0, with only a warning that its policy was off
+        load_policy(args.policy)
     options = ingress_options(args)
     if args.ebpf:
         sys.stdout.write(loader.ebpf_listing(options))

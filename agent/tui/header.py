@@ -37,20 +37,38 @@ class HeaderBar:
         self.publish_interval_s = publish_interval_s
         self.error = error
 
-    def _line1(self) -> Text:
-        t = Text(no_wrap=True, overflow="ellipsis")
-        t.append("moescope", style="bold cyan")
+    def _line1(self, width: int) -> Text:
+        """`moescope  target 4101 python, 4102 python  up 1m22s  probes: ...` in `width` cells: the
+        uptime whole (it was cut to `up 1m0…` at 80 columns in dry-run); targets past the room are
+        counted (`+6 more`), then without the word `target`, then by pid alone; the probe list
+        only where it fits whole."""
         h = self.header
         if h is None:
+            t = Text(no_wrap=True, overflow="ellipsis")
+            t.append("moescope", style="bold cyan")
             t.append("  waiting for agent data", style=fmt.STYLE_DIM)
             return t
-        targets = ", ".join(f"{tg.pid} {tg.comm}" for tg in h.targets) or fmt.NA
-        t.append("  target ")
-        t.append(targets, style="bold")
         uptime = None if self.taken_unix_s is None else self.taken_unix_s - h.started_unix_s
-        t.append(f"  up {fmt.duration(uptime)}")
+        up = f"  up {fmt.duration(uptime)}"
+        targets = Text()
+        lead = "  target "
+        named = [f"{tg.pid} {tg.comm}" for tg in h.targets]
+        for lead, names in (("  target ", named), ("  ", named), ("  ", [str(tg.pid) for tg in h.targets])):
+            room = width - len("moescope") - len(lead) - len(up)
+            targets = fmt.fit_parts([("" if i == 0 else ", ", n) for i, n in enumerate(names or [fmt.NA])], room,
+                                    more_sep=", ")
+            if targets.cell_len <= room:
+                break
+        targets.stylize("bold")
+        t = Text(no_wrap=True, overflow="ellipsis")
+        t.append("moescope", style="bold cyan")
+        t.append(lead)
+        t.append_text(targets)
+        t.append(up)
         if h.probes_attached:
-            t.append("  probes: " + ",".join(h.probes_attached), style=fmt.STYLE_DIM)
+            probes = "  probes: " + ",".join(h.probes_attached)
+            if t.cell_len + len(probes) <= width:
+                t.append(probes, style=fmt.STYLE_DIM)
         return t
 
     def _right1(self) -> Text:
@@ -97,11 +115,13 @@ class HeaderBar:
         status = self._status()
         if self.error:
             # An error gets the whole second line: it matters more than the rates.
-            rows = [(self._line1(), self._right1()), (status, Text(""))]
+            right1 = self._right1()
+            rows = [(self._line1(options.max_width - right1.cell_len - 2), right1), (status, Text(""))]
         else:
             # (the grid below pads each side of the gap between the line and its status, empty or not)
             line2 = self._line2(options.max_width - status.cell_len - 2)
-            rows = [(self._line1(), self._right1()), (line2, status)]
+            right1 = self._right1()
+            rows = [(self._line1(options.max_width - right1.cell_len - 2), right1), (line2, status)]
         for left, right in rows:
             # One grid per line so each line's right part takes only the room it needs.
             grid = Table.grid(expand=True, padding=(0, 1))

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -177,3 +180,19 @@ def test_policy_show_bad_file_raises_config_error(tmp_path: Path, capsys: pytest
     policy_cmd.add_arguments(parser)
     with pytest.raises(ConfigError, match="key 'clear'"):
         policy_cmd.run(parser.parse_args(["show", "--config", str(path)]))
+
+
+@pytest.mark.parametrize("launch", [False, True])
+def test_agent_start_refuses_a_bad_policy_file_before_anything_starts(tmp_path: Path, launch: bool) -> None:
+    """The engine is built only once the runtime's control socket is found: a bad file used to be
+    found then (or never, for a target without a socket), with the agent running on, policy off,
+    exit 0. Now one line and exit 2 before any probe, target or launched command."""
+    path = write(tmp_path, '[rules.fp16_fallback]\nfire = "high"\n')
+    marker = tmp_path / "ran"
+    target = ["--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"] if launch else ["--pid", str(os.getpid())]
+    result = subprocess.run([sys.executable, "-m", "moescope.agent", "start", "--policy", str(path), "--duration", "3",
+                             *target], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result
+    assert result.stderr.strip().splitlines() == [
+        f"agent: error: {path}: rule 'fp16_fallback': key 'fire': expected a number, got string 'high'"], result.stderr
+    assert not marker.exists()  # the command was never launched

@@ -272,3 +272,19 @@ def test_the_sources_line_leaves_out_a_source_rather_than_cut_its_drops(width: i
     assert len(shown) + more == len(sources), line
     assert all(part.strip().split()[-2] == "drop" for part in shown), line  # each source whole
     assert ("netsig 1/s drop 12.3k" in line) == (width >= 120), line  # (100 cells with its separator)
+
+
+@pytest.mark.parametrize("width", [80, 100, 160])  # (the screens are laid out from 80 columns)
+def test_the_header_keeps_the_uptime_whole_and_counts_targets_it_leaves_out(width: int) -> None:
+    """A user trial at 80 columns in dry-run read `up 1m0…`: the targets and probes took the room."""
+    from moescope.agent.state import Header, Target
+    from moescope.agent.tui.header import HeaderBar
+
+    targets = [Target(pid=14541 + i, comm="python") for i in range(8)]
+    header = Header(agent_pid=14525, started_unix_s=0.0, targets=targets, dry_run=True,
+                    probes_attached=["ingress", "netsig", "nvtx", "telemetry"])
+    line = render(HeaderBar(header, None, taken_unix_s=65.0, now_unix_s=65.0), width=width).splitlines()[0]
+    assert "…" not in line and "up 1m05s" in line and "DRY-RUN" in line, line
+    shown = [part for part in line.split("up ")[0].split() if part.isdigit()]
+    more = int(line.split("+")[1].split(" more")[0]) if " more" in line else 0
+    assert len(shown) + more == len(targets), line
