@@ -92,7 +92,8 @@ def render_table(config: PolicyConfig) -> str:
     lines = [
         f"policy from {' + '.join(config.sources)}",
         f"sample period {config.sample_period_ms} ms; rate limit {config.max_actions} actions per "
-        f"{config.rate_window_s:g} s; command timeout {config.command_timeout_ms:g} ms; "
+        f"{config.rate_window_s:g} s; command timeout {config.command_timeout_ms:g} ms "
+        f"(late answers awaited {config.late_answer_ms:g} ms more); "
         f"at most {config.max_targets} targets a rule",
         "",
     ]
@@ -122,7 +123,7 @@ def decision_line(rec: AuditRecord) -> str:
 def run_loop(args: argparse.Namespace) -> int:
     config = load_policy(args.config)
     socket_path = Path(args.control_socket) if args.control_socket else find_control_socket(args.pid)
-    actuator = Actuator(socket_path, timeout_s=config.command_timeout_ms / 1000.0)
+    actuator = Actuator.for_config(socket_path, config)
     try:
         actuator.read_state()
     except CommandFailed as exc:
@@ -170,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
             "max_actions": config.max_actions,
             "rate_window_s": config.rate_window_s,
             "command_timeout_ms": config.command_timeout_ms,
+            "late_answer_ms": config.late_answer_ms,
             "max_targets": config.max_targets,
             "rules": [_rule_json(spec) for spec in config.rules],
         }

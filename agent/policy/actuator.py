@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from moescope.agent.policy.audit import CommandResult
 from moescope.agent.policy.rules import Intent, RuleSpec, Target
 from moescope.errors import ControlError
 from moescope.stats_page import PageSnapshot
+
+if TYPE_CHECKING:
+    from moescope.agent.policy.config import PolicyConfig
 
 PROTOCOL = "moescope-control/1"
 MAX_REPLY_BYTES = 64 * 1024 * 1024  # a stats reply grows with layers x experts
@@ -67,12 +70,25 @@ def find_control_socket(pid: int) -> Path:
 RECV_BYTES = 1 << 16
 
 
-class ControlConnection:
-    """One connection; every call is recorded in `results`, failed or not. Connects on first call."""
+# While a late answer is awaited, how often the wait looks at its cancel event (the agent closing).
+LATE_POLL_S = 0.25
 
-    def __init__(self, path: Path | str, *, timeout_s: float, on_send: Callable[[], None] | None = None) -> None:
+
+class ControlConnection:
+    """One connection; every call is recorded in `results`, failed or not. Connects on first call.
+
+    ``late_s``: a command that has no answer within ``timeout_s`` was sent and may still be carried
+    out (a runtime converting 14,848 experts to fp16 under load takes seconds): its answer is awaited
+    up to ``late_s`` longer (until ``cancel`` is set) and, when it comes, taken as the answer, the
+    command counted in ``late``. 0: a timeout is final (the policy's signal reads)."""
+
+    def __init__(self, path: Path | str, *, timeout_s: float, on_send: Callable[[], None] | None = None,
+                 late_s: float = 0.0, cancel: threading.Event | None = None) -> None:
         self.path = str(path)
         self.timeout_s = timeout_s
+        self.late_s = late_s
+        self._cancel = cancel
+        self.late = 0  # commands answered past timeout_s
         self.results: list[CommandResult] = []
         self._on_send = on_send
         self._sock: socket.socket | None = None
@@ -136,6 +152,22 @@ class ControlConnection:
         line, _, self._buf = self._buf.partition(b"\n")
         return line
 
+    def _late_line(self, deadline: float) -> bytes:
+        """The answer of a command past its deadline, awaited up to late_s more; TimeoutError when
+        it does not come (or the wait is cancelled)."""
+        late_deadline = deadline + self.late_s
+        while self.late_s > 0 and not (self._cancel is not None and self._cancel.is_set()):
+            now = time.monotonic()
+            if now >= late_deadline:
+                break
+            try:
+                line = self._read_line(min(late_deadline, now + LATE_POLL_S))
+            except TimeoutError:
+                continue
+            self.late += 1
+            return line
+        raise TimeoutError
+
     def call(self, cmd: str, args: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Send one command and return its `result`; raises CommandFailed (and records it) otherwise."""
         request: dict[str, Any] = {"id": self._next_id, "cmd": cmd}
@@ -154,7 +186,10 @@ class ControlConnection:
             if self._on_send is not None:
                 self._on_send()
             self._sock.sendall(json.dumps(request, separators=(",", ":")).encode() + b"\n")
-            line = self._read_line(deadline)
+            try:
+                line = self._read_line(deadline)
+            except TimeoutError:
+                line = self._late_line(deadline)
             record.latency_ms = (time.monotonic() - started) * 1000.0
             try:
                 answer = json.loads(line)
@@ -181,7 +216,8 @@ class ControlConnection:
             raise
         except TimeoutError:
             record.latency_ms = (time.monotonic() - started) * 1000.0
-            exc2 = CommandFailed(f"{cmd}: no answer within {self.timeout_s * 1000:.0f} ms", outcome="timeout")
+            waited = f" (nor {self.late_s * 1000:.0f} ms later)" if self.late_s > 0 else ""
+            exc2 = CommandFailed(f"{cmd}: no answer within {self.timeout_s * 1000:.0f} ms{waited}", outcome="timeout")
             record.error = str(exc2)
             self._broken = exc2
             self.close()
@@ -421,21 +457,38 @@ def describe_plan(intent: Intent, spec: RuleSpec, target: Target) -> str:
 
 
 class Actuator:
-    """Runs policy actions against one runtime. Thread-safe; each action uses its own connection."""
+    """Runs policy actions against one runtime. Thread-safe; each action uses its own connection.
 
-    def __init__(self, socket_path: Path | str, *, timeout_s: float) -> None:
+    A command past ``timeout_s`` has its answer awaited ``late_s`` longer (ControlConnection): the
+    action's outcome is then ``late`` and its effect known, so the engine's state follows what the
+    runtime did. Reading "timeout" as "nothing happened" left a rule firing over a runtime that had
+    reverted (a user trial: set_precision at 58 x 256 answered in 1.8 s against a 1 s timeout)."""
+
+    def __init__(self, socket_path: Path | str, *, timeout_s: float, late_s: float = 0.0) -> None:
         self.socket_path = Path(socket_path)
         self.timeout_s = timeout_s
+        self.late_s = late_s
+        self._cancel = threading.Event()
         self._lock = threading.Lock()
         self._last_tokens: dict[Expert, int] = {}
         self.commands_sent = 0
+
+    @classmethod
+    def for_config(cls, socket_path: Path | str, config: PolicyConfig) -> Actuator:
+        """The policy file's [engine] command_timeout_ms and late_answer_ms."""
+        return cls(socket_path, timeout_s=config.command_timeout_ms / 1000.0, late_s=config.late_answer_ms / 1000.0)
+
+    def cancel_late_waits(self) -> None:
+        """Stop awaiting late answers (the agent is closing): those commands end as timeouts."""
+        self._cancel.set()
 
     def _count_send(self) -> None:
         with self._lock:
             self.commands_sent += 1
 
     def connect(self) -> ControlConnection:
-        return ControlConnection(self.socket_path, timeout_s=self.timeout_s, on_send=self._count_send)
+        return ControlConnection(self.socket_path, timeout_s=self.timeout_s, on_send=self._count_send,
+                                 late_s=self.late_s, cancel=self._cancel)
 
     def _stats(self, conn: ControlConnection) -> tuple[RuntimeState, dict[Expert, int]]:
         """Read stats; also return tokens routed per expert since the previous read (recent heat)."""
@@ -465,6 +518,8 @@ class Actuator:
                 out.done = intent is Intent.FIRE and bool(exc.partial_context.get("offloaded"))
             except CommandFailed as exc:
                 out = ActionOutcome(outcome=exc.outcome, plan=plan, error=str(exc), context=dict(context))
+            if conn.late and out.outcome == "ok":
+                out.outcome = "late"  # done as the answers say, but past command_timeout_ms
             out.ack_mono_s = time.monotonic()
             out.commands = [_summarise_stats(c) for c in conn.results]
             return out

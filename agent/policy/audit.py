@@ -29,7 +29,8 @@ OUTCOMES = (
     "refused",  # the runtime answered ok=false
     "unsupported",  # the runtime answered "unsupported: ...": it cannot do this action; not retried
     "unreachable",  # no control socket / connection refused / runtime gone
-    "timeout",  # no answer within command_timeout_ms
+    "late",  # every command acknowledged, one or more after command_timeout_ms (within late_answer_ms)
+    "timeout",  # no answer within command_timeout_ms + late_answer_ms
     "protocol-error",  # the answer was not the protocol's JSON
     "not-sent",  # dry-run or suppressed
     "internal-error",  # a bug in the agent (logged with its traceback)

@@ -34,6 +34,8 @@ ENGINE_KEYS: Mapping[str, tuple[type, str]] = {
     "max_actions": (int, "at most this many command-sending actions per rate window"),
     "rate_window_s": (float, "rate-limit window"),
     "command_timeout_ms": (float, "deadline for one control-socket command"),
+    "late_answer_ms": (float, "past command_timeout_ms, how much longer a sent command's answer is awaited "
+                              "(outcome `late` when it comes): a timed-out command may still have been carried out"),
     "max_targets": (int, "a per-layer or per-expert rule follows at most this many targets at once, the "
                          "furthest past its fire threshold first"),
 }
@@ -72,6 +74,8 @@ class PolicyConfig:
     # per rule, at most this many per-target instances at once (the furthest past the fire threshold
     # first): at 58 x 256 experts a busy runtime has thousands of experts over the queue limit
     max_targets: int = 64
+    # past command_timeout_ms, a sent command's answer is still awaited this long (outcome "late")
+    late_answer_ms: float = 30_000.0
 
     @property
     def sample_period_s(self) -> float:
@@ -320,4 +324,5 @@ def _load_policy(path: Path | str | None) -> PolicyConfig:
         rules=rules,
         sources=tuple(sources),
         max_targets=checked["max_targets"],
+        late_answer_ms=checked["late_answer_ms"],
     )

@@ -26,7 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from moescope.agent.policy.actuator import ActionOutcome, Actuator, CommandFailed, RuntimeState, describe_plan
+from moescope.agent.policy.actuator import (
+    LATE_POLL_S,
+    ActionOutcome,
+    Actuator,
+    CommandFailed,
+    RuntimeState,
+    describe_plan,
+)
 from moescope.agent.policy.audit import AuditLog, AuditRecord, now_unix_s
 from moescope.agent.policy.config import PolicyConfig
 from moescope.agent.policy.rules import (
@@ -454,7 +461,11 @@ class PolicyEngine:
             wait_futures(pending, timeout=left)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        self.wait_idle(timeout_s)
+        if not self.wait_idle(timeout_s) and self.actuator is not None:
+            # commands still awaiting a late answer end as timeouts now (their workers would hold
+            # the interpreter's exit for up to late_answer_ms)
+            self.actuator.cancel_late_waits()
+            self.wait_idle(2 * LATE_POLL_S)
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 

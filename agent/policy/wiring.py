@@ -52,7 +52,7 @@ def build_policy(args: argparse.Namespace, *, runtime_pid: int | None) -> Policy
     if socket_path is None and not args.dry_run:
         raise ControlError("the policy needs the runtime's control socket: pass --control-socket PATH, "
                            "--pid of the runtime, --dry-run or --no-policy")
-    actuator = Actuator(socket_path, timeout_s=config.command_timeout_ms / 1000.0) if socket_path else None
+    actuator = Actuator.for_config(socket_path, config) if socket_path else None
     # Keyed by runtime pid: a restarted runtime starts clean, so an older agent's record must not apply.
     key = str(runtime_pid) if runtime_pid is not None else (socket_path.name if socket_path else "none")
     state_path = Path(args.policy_state_dir) / f"policy-state-{key}.json"

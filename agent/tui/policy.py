@@ -25,6 +25,7 @@ STATE_STYLES = {"armed": fmt.STYLE_OK, "pending": fmt.STYLE_WARN, "firing": fmt.
 STATE_RANK = {"firing": 0, "pending": 1, "cooling": 2, "armed": 3}
 OUTCOME_STYLES = {
     "ok": fmt.STYLE_OK,
+    "late": fmt.STYLE_WARN,  # done, but answered past the command timeout
     "failed": fmt.STYLE_BAD,
     "timeout": fmt.STYLE_BAD,
     "refused": fmt.STYLE_BAD,

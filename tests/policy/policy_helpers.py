@@ -31,6 +31,7 @@ class EngineKeys(TypedDict, total=False):
     rate_window_s: float
     command_timeout_ms: float
     max_targets: int
+    late_answer_ms: float
 
 
 class SignalValues(TypedDict, total=False):

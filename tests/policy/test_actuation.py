@@ -8,6 +8,7 @@ import json
 import math
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Unpack
@@ -42,7 +43,7 @@ def make_engine() -> Iterator[MakeEngine]:
         **engine_keys: Unpack[EngineKeys],
     ) -> tuple[PolicyEngine, AuditLog, Actuator]:
         config = dataclasses.replace(DEFAULTS, rules=tuple(DEFAULTS.rule(r) for r in rules), **engine_keys)
-        actuator = Actuator(rt.socket_path, timeout_s=config.command_timeout_ms / 1000.0)
+        actuator = Actuator.for_config(rt.socket_path, config)
         audit = AuditLog()
         engine = PolicyEngine(config, audit=audit, actuator=actuator, dry_run=dry_run, state_path=state_path)
         engines.append(engine)
@@ -238,7 +239,7 @@ def test_hung_runtime_times_out_without_blocking_evaluation(
     start_runtime: StartRuntime, make_engine: MakeEngine
 ) -> None:
     rt = start_runtime()
-    engine, audit, _ = make_engine(rt, "fp16_fallback", command_timeout_ms=3000.0)
+    engine, audit, _ = make_engine(rt, "fp16_fallback", command_timeout_ms=3000.0, late_answer_ms=1000.0)
     assert engine.start() is True
     os.kill(rt.proc.pid, signal.SIGSTOP)  # alive, socket open, never answers
     try:
@@ -250,7 +251,7 @@ def test_hung_runtime_times_out_without_blocking_evaluation(
         assert engine.wait_idle(60)
         (rec,) = audit.recent()
         assert (rec.decision, rec.outcome) == ("fire", "timeout")
-        assert rec.error is not None and "no answer within 3000 ms" in rec.error
+        assert rec.error is not None and "no answer within 3000 ms (nor 1000 ms later)" in rec.error
         f.sync = True
         f.feed([lv.hi] * 150)  # 30 s: one more attempt when the cooldown ends, not one per evaluation
         assert [r.outcome for r in audit.recent()] == ["timeout", "timeout"]
@@ -258,6 +259,43 @@ def test_hung_runtime_times_out_without_blocking_evaluation(
         os.kill(rt.proc.pid, signal.SIGCONT)
     f.feed([lv.hi] * 150)  # the runtime answers again: the next attempt succeeds
     assert [r.outcome for r in audit.recent()] == ["timeout", "timeout", "ok"]
+    assert rt.stats()["precision"]["default"] == "fp16"
+
+
+def test_a_revert_answered_past_the_timeout_is_late_and_the_rule_follows_the_runtime(
+    start_runtime: StartRuntime, make_engine: MakeEngine
+) -> None:
+    """A user trial (58 x 256 experts, a 1 s command timeout): set_precision back to fp32 answered
+    in 1.8 s, the audit said `timeout`, the runtime had reverted and the rule stayed firing over
+    it, never to fire again. Here the runtime is stopped while the revert is sent and let go after
+    the timeout: its answer is awaited, the outcome is `late`, and the rule is no longer firing."""
+    rt = start_runtime()
+    engine, audit, actuator = make_engine(rt, "fp16_fallback", command_timeout_ms=1000.0, late_answer_ms=30000.0)
+    assert engine.start() is True
+    f = Feeder(engine, engine.config.rule("fp16_fallback"), sync=True)
+    lv = levels(f.spec)
+    f.feed([lv.hi] * 3 + [lv.lo] * (f.spec.clear_window_evals - 1))
+    assert rt.stats()["precision"]["default"] == "fp16"
+    f.sync = False
+    os.kill(rt.proc.pid, signal.SIGSTOP)
+    try:
+        f.feed([lv.lo])  # the revert: its stats read waits on the stopped runtime
+        assert engine.in_flight() == 1
+        time.sleep(2.5)  # past the 1 s timeout
+        assert engine.in_flight() == 1  # still awaiting the answer
+    finally:
+        os.kill(rt.proc.pid, signal.SIGCONT)
+    assert engine.wait_idle(60)
+    revert = audit.recent()[-1]
+    assert (revert.intent, revert.decision, revert.outcome, revert.error) == ("revert", "revert", "late", None)
+    assert [c.request["cmd"] for c in revert.commands] == ["stats", "set_precision"]
+    assert revert.commands[0].latency_ms > 1000.0 and revert.commands[0].error is None
+    assert rt.stats()["precision"]["default"] == "fp32"
+    (view,) = engine.views()
+    assert view.state not in ("firing", "clearing") and not view.applied  # as the runtime is
+    f.sync = True
+    f.feed([lv.lo] * 10 + [lv.hi] * 3 * 60)  # and it fires again when the step p99 does
+    assert [r.outcome for r in audit.recent()] == ["ok", "late", "ok"]
     assert rt.stats()["precision"]["default"] == "fp16"
 
 

@@ -160,8 +160,8 @@ def run_show(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 def test_policy_show_prints_effective_rules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = run_show(["show"], capsys)
     lines = out.splitlines()
-    assert lines[1] == ("sample period 200 ms; rate limit 8 actions per 10 s; command timeout 2000 ms; "
-                        "at most 64 targets a rule")
+    assert lines[1] == ("sample period 200 ms; rate limit 8 actions per 10 s; command timeout 2000 ms "
+                        "(late answers awaited 30000 ms more); at most 64 targets a rule")
     row = next(line for line in lines if line.startswith("fp16_fallback"))
     assert row.split() == [
         "fp16_fallback", "step_p99_ms", "[global]", ">", "430", "3", "evaluations",

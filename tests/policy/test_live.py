@@ -51,7 +51,7 @@ def live_engine(
     path.write_text(f"[engine]\ncommand_timeout_ms = {TIMEOUT_MS}\n\n{policy_text}")
     config = load_policy(path)
     engine = PolicyEngine(config, audit=AuditLog(path=tmp_path / "audit.jsonl"),
-                          actuator=Actuator(rt.socket_path, timeout_s=config.command_timeout_ms / 1000.0))
+                          actuator=Actuator.for_config(rt.socket_path, config))
     assert engine.start()
     # the queues the rules can act on, as `agent start` reads them
     source = RuntimeStatsSignals(rt.socket_path, timeout_s=TIMEOUT_MS / 1000.0,
