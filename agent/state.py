@@ -257,6 +257,7 @@ class ActionRecord:
 class Policy:
     rules: list[RuleStatus] = field(default_factory=list)
     recent_actions: list[ActionRecord] = field(default_factory=list)
+    actions_total: int | None = None  # audit records since the engine started (recent_actions: the last few)
 
 
 @dataclass(frozen=True, slots=True)

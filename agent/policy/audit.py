@@ -152,6 +152,11 @@ class AuditLog:
             items = list(self._recent)
         return items if limit is None else items[-limit:]
 
+    def total(self) -> int:
+        """Records since the start (recent() keeps the last few)."""
+        with self._lock:
+            return sum(self._counts.values())
+
     def counts(self) -> Mapping[tuple[str, str, str], int]:
         """(rule, decision, outcome) -> records: the source of the actions metric."""
         with self._lock:

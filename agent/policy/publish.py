@@ -108,7 +108,8 @@ def recent_actions(engine: PolicyEngine, *, limit: int = 20) -> list[ActionRecor
 
 
 def policy_snapshot(engine: PolicyEngine, *, actions: int = 20) -> Policy:
-    return Policy(rules=rule_statuses(engine), recent_actions=recent_actions(engine, limit=actions))
+    return Policy(rules=rule_statuses(engine), recent_actions=recent_actions(engine, limit=actions),
+                  actions_total=engine.audit.total())
 
 
 def metrics_hook(metrics: MetricsSink) -> AuditHook:

@@ -170,8 +170,11 @@ class PolicyPanel:
         shown: list[ActionRecord] = sorted(actions, key=lambda a: -a.at_unix_s)
         if rows is not None:
             shown = shown[:rows]
-        hidden = len(actions) - len(shown)
-        title = "actions" + (f" +{hidden}" if hidden else "")
+        # the records not shown since the start, not only of the last few the snapshot carries (a
+        # user trial read `actions +19` over 130 records)
+        total = self.policy.actions_total if self.policy.actions_total is not None else len(actions)
+        hidden = max(0, total - len(shown))
+        title = "actions" + (f" +{fmt.count(hidden)}" if hidden else "")
         # Detail first, then the rule name before its target, then the action, then how long it took;
         # when, rule and outcome stay.
         when = Column(title, justify="right")

@@ -43,6 +43,9 @@ def test_policy_snapshot_for_the_tui() -> None:
         ("expert_queue_soft_limit[2,7]", "fire router_penalty", "dry-run", None),
         ("fp16_fallback", "fire set_precision", "dry-run", None),
     ]
+    assert snap.actions_total == 2
+    assert len(policy_snapshot(engine, actions=1).recent_actions) == 1
+    assert policy_snapshot(engine, actions=1).actions_total == 2  # every record, not the last few
 
 
 def test_metrics_and_spans_per_record() -> None:

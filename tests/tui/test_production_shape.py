@@ -170,3 +170,14 @@ def test_every_action_row_whole_in_a_stacked_policy_panel(width: int) -> None:
         strict=False,
     ):
         assert re.search(rf"\[{layer},{expert}\] .* {outcome} +{took} ", row + " "), row
+
+
+def test_the_actions_title_counts_every_record_not_only_the_snapshot_s() -> None:
+    """The snapshot carries the last 20 actions: a trial read `actions +19` over 130 records."""
+    s = production()
+    policy = dataclasses.replace(s.policy, actions_total=130)
+    text = render(PolicyPanel(policy, taken_unix_s=s.taken_unix_s), width=120)
+    assert re.search(r"│ +actions \+126  +rule ", text), text  # 4 rows shown of 130
+    old = dataclasses.replace(s.policy, actions_total=None)  # a snapshot from before the field
+    text = render(PolicyPanel(old, taken_unix_s=s.taken_unix_s), width=120)
+    assert re.search(r"│ +actions  +rule ", text), text
