@@ -406,8 +406,8 @@ class Observers:
         try:
             self._build_policy(pid)
         except errors.ControlError as exc:
-            if self.args.control_socket:
-                raise  # asked for explicitly: not finding it is an error
+            if self.args.control_socket and not self.args.command:
+                raise  # asked for explicitly beside a running server: not finding it is an error
             # A runtime the agent launched (or one still starting) creates its socket later.
             self.notes.append(f"policy waiting: {exc} (looking again every {POLICY_RETRY_S:.0f} s)")
             self._policy_pid = pid
@@ -436,7 +436,12 @@ class Observers:
         from moescope.agent.policy.stats_source import RuntimeStatsSignals, queue_floor_for
         from moescope.agent.policy.wiring import build_policy
 
-        if not self.args.control_socket and pid is not None:
+        if self.args.control_socket:
+            # (a runtime launched after `--` makes it seconds later: the policy waits for it, where
+            # it once started at once and warned that it could not read the runtime's state)
+            if not Path(self.args.control_socket).is_socket():
+                raise errors.ControlError(f"no control socket at {self.args.control_socket}")
+        elif pid is not None:
             find_control_socket(pid)  # ControlError until the runtime has made it (also in --dry-run)
         engine = build_policy(self.args, runtime_pid=pid)
         if engine is None:

@@ -295,9 +295,13 @@ class PolicyEngine:
         self.decisions["skipped-target-cap"] += skipped
         if not self._target_cap_logged:
             self._target_cap_logged = True
-            log.warning("policy: %s would follow more than %d targets (max_targets): %d new ones started, the "
-                        "furthest past its threshold, %d skipped (counted as skipped-target-cap; logged once)",
-                        spec.name, self.config.max_targets, room, skipped)
+            # (a user trial read "0 new ones started, the furthest past its threshold, 8 skipped":
+            # with every slot taken, say that instead)
+            started_text = (f"{room} more started (the furthest past its threshold)" if room
+                            else f"all {len(following)} slots taken")
+            log.warning("policy: %s has %d new targets past its threshold and room for %d (max_targets %d): %s, "
+                        "%d skipped (counted as skipped-target-cap; logged once)",
+                        spec.name, len(new), room, self.config.max_targets, started_text, skipped)
         return [target for target in firing if target in following] + started
 
     def _rate_limited(self, t_s: float) -> bool:

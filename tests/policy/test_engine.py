@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import random
 import threading
@@ -237,12 +238,17 @@ def test_a_vouched_per_expert_mapping_is_read_without_its_type_check() -> None:
     assert got == {(0, 1): 1.0} and got is not odd and type(got[(0, 1)]) is float
 
 
-def test_a_per_target_rule_follows_at_most_max_targets_the_furthest_past_its_threshold_first() -> None:
+def test_a_per_target_rule_follows_at_most_max_targets_the_furthest_past_its_threshold_first(
+        caplog: pytest.LogCaptureFixture) -> None:
     # Thousands of experts over the queue limit at DeepSeek-V3's shape: a rule follows max_targets of
     # them, the deepest queues first; the others are counted, and start once the rule has room.
     f, audit = feeder("expert_queue_soft_limit", max_targets=3)
     queues = {(0, e): 60.0 + e for e in range(8)} | {(1, 0): 99.0, (1, 1): 10.0}
-    f.engine.evaluate(Signals(t_s=f.t_s, expert_queue_tokens=queues))
+    with caplog.at_level(logging.WARNING, logger="moescope.agent.policy.engine"):
+        f.engine.evaluate(Signals(t_s=f.t_s, expert_queue_tokens=queues))
+    assert [r.getMessage() for r in caplog.records] == [
+        "policy: expert_queue_soft_limit has 9 new targets past its threshold and room for 3 (max_targets 3): "
+        "3 more started (the furthest past its threshold), 6 skipped (counted as skipped-target-cap; logged once)"]
     followed = {tuple(v.target) for v in f.engine.views()}
     assert followed == {(1, 0), (0, 7), (0, 6)}  # 99, 67, 66 tokens
     assert sorted(r.target for r in records(audit)) == [[0, 6], [0, 7], [1, 0]]  # (dry-run penalties)
