@@ -6,9 +6,10 @@ signals, comparisons and actions are names looked up in fixed tables (agent/poli
 
 from __future__ import annotations
 
+import difflib
 import math
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -219,6 +220,19 @@ def _rule_signal(where: str, values: Mapping[str, Any]) -> str:
     return str(signal)
 
 
+def _validate_named_rule(name: str, body: Mapping[str, Any], source: str, period_ms: int,
+                         default_names: Sequence[str]) -> RuleSpec:
+    """_validate_rule; a new rule missing keys whose name is close to a default rule's is likely that
+    rule misspelt (`[rules.fp16_fallbak]` said only "missing key 'signal'"): the error says so."""
+    try:
+        return _validate_rule(name, body, source, period_ms)
+    except ConfigError as exc:
+        close = difflib.get_close_matches(name, default_names, n=1) if name not in default_names else []
+        if close and "missing key" in exc.message:
+            raise ConfigError(f"{exc.message} (a new rule needs every key; did you mean [rules.{close[0]}]?)") from None
+        raise
+
+
 def _validate_rule(name: str, body: Mapping[str, Any], source: str, period_ms: int) -> RuleSpec:
     where = f"{source}: rule '{name}'"
     for key in body:
@@ -289,6 +303,7 @@ def _load_policy(path: Path | str | None) -> PolicyConfig:
     tree = _parse(default_policy_text(), default_source)
     sources = [default_source]
     rule_sources = {name: default_source for name in tree.get("rules", {})}
+    default_names = tuple(rule_sources)
     if path is not None:
         user_source = str(path)
         try:
@@ -314,7 +329,8 @@ def _load_policy(path: Path | str | None) -> PolicyConfig:
             raise ConfigError(f"{engine_source}: [engine]: key '{key}': must be > 0, got {value!r}")
     period_ms = checked["sample_period_ms"]
     rules = tuple(
-        _validate_rule(name, body, rule_sources[name], period_ms) for name, body in tree.get("rules", {}).items()
+        _validate_named_rule(name, body, rule_sources[name], period_ms, default_names)
+        for name, body in tree.get("rules", {}).items()
     )
     return PolicyConfig(
         sample_period_ms=period_ms,

@@ -127,6 +127,8 @@ enabled = false
             "cooldown_s = 1\nwindow_s = 1\nwindow_evals = 2\nclear_window_evals = 1\n",
             "rule 'my_rule': give 'window_s' or 'window_evals', not both",
         ),
+        ("[rules.fp16_fallbak]\nfire = 500.0\n",
+         "rule 'fp16_fallbak': missing key 'signal' (a new rule needs every key; did you mean [rules.fp16_fallback]?)"),
         ("[engine]\nsample_period_ms = 0\n", "[engine]: key 'sample_period_ms': must be > 0"),
         ("[engine]\nmax_targets = 0\n", "[engine]: key 'max_targets': must be > 0"),
         ("[engine]\nturbo = true\n", "[engine]: unknown key 'turbo'"),
