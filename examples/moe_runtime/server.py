@@ -140,6 +140,17 @@ class CompletionHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive
     server: MoeHTTPServer
 
+    def setup(self) -> None:
+        """TCP_NODELAY on every connection: a JSON answer is two writes (the headers, then the body),
+        and with Nagle's algorithm the body waited for the client's delayed ACK of the headers: 40-48
+        ms added to every non-streamed answer on a kept-alive connection (a user trial: the client
+        measured 162 ms p50 where the kernel-timed request took 118)."""
+        super().setup()
+        try:
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass  # not TCP (a test's socketpair): nothing to turn off
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         log.debug("%s " + format, self.address_string(), *args)
 
@@ -285,12 +296,9 @@ class CompletionHandler(BaseHTTPRequestHandler):
                 return
 
     def _stream_head(self) -> bytes:
-        """Status line and headers of a streamed answer; TCP_NODELAY so each event leaves at once."""
+        """Status line and headers of a streamed answer (TCP_NODELAY, set in setup(), sends each
+        event at once)."""
         self.log_request(HTTPStatus.OK)
-        try:
-            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
-            pass  # not TCP (a test's socketpair): nothing to turn off
         return (f"{self.protocol_version} 200 OK\r\n"
                 f"Server: {self.version_string()}\r\n"
                 f"Date: {self.date_time_string()}\r\n"

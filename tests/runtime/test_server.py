@@ -1,5 +1,5 @@
 """The HTTP front end as a real process on loopback: 200/400/404 paths, keep-alive, concurrency,
-and dynamic batching observed through /stats."""
+and dynamic batching observed through /stats; and its connections' TCP_NODELAY (in process)."""
 
 from __future__ import annotations
 
@@ -83,3 +83,23 @@ def test_concurrent_clients_are_batched(start_server: Callable[..., RunningServe
     # Fewer steps than serving one request at a time would take (26 requests x 4 tokens).
     assert counters["steps"] < 26 * 4
     assert json.dumps(alone)  # the solo results were well-formed
+
+
+def test_every_connection_sends_without_waiting_for_acks() -> None:
+    """A JSON answer is two writes (headers, then body): with Nagle's algorithm on, the body waited
+    for the client's delayed ACK, 40-48 ms on every non-streamed answer of a kept-alive connection
+    (76 against 33 ms a request, measured by a scratch client). The handler's setup turns it off."""
+    import socket
+
+    from moescope.examples.moe_runtime.server import CompletionHandler
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        conn, _ = listener.accept()
+        with client, conn:
+            assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 0  # the kernel's default
+            handler = CompletionHandler.__new__(CompletionHandler)
+            handler.request = conn
+            handler.setup()
+            assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+            handler.finish()
