@@ -119,6 +119,7 @@ class Observers:
         self._seq = 0
         self._lock = threading.Lock()
         self._round_caps: list[Callable[[], int | None]] = []  # add_round_cap
+        self._metrics_serving = False
 
     # ------------------------------------------------------------------ build
     @classmethod
@@ -535,13 +536,16 @@ class Observers:
                 source.set_period(period_s)
 
     # ------------------------------------------------------------------ run
+    def serve_metrics(self) -> None:
+        """Bind and serve /metrics (UsageError if the address cannot be bound): `agent start` does it
+        before it lets a launched command run, so a port in use never leaves that command running."""
+        if self.metrics_server is not None and not self._metrics_serving:
+            port = self.metrics_server.start()
+            self._metrics_serving = True
+            print(f"agent: metrics: http://{self.args.metrics_addr}:{port}/metrics", file=sys.stderr, flush=True)
+
     def start(self) -> None:
-        if self.metrics_server is not None:
-            try:
-                port = self.metrics_server.start()
-                print(f"agent: metrics: http://{self.args.metrics_addr}:{port}/metrics", file=sys.stderr, flush=True)
-            except OSError as exc:
-                log.warning("metrics server off: %s", exc)
+        self.serve_metrics()
         if self.policy is not None:
             self._start_policy()
         if self.publisher is not None:

@@ -540,6 +540,7 @@ def _observe(
             _use_kernel_totals(observers, probe, daemon)
         observers.attach([t.pid for t in targets],
                          probe_names=(["ingress"] if probe else []) + (["netsig"] if netsig else []))
+        observers.serve_metrics()  # a port that cannot be bound ends the agent before the command runs
         if launched is not None:
             launched.release()
         for line in observers.describe():

@@ -165,13 +165,20 @@ class LaunchedCommand:
         return 128 - code if code < 0 else code
 
     def stop(self, *, timeout_s: float = 5.0) -> None:
-        """SIGTERM, then SIGKILL after timeout_s; never leaves it running or unreaped."""
-        self.release()
-        if self.popen.poll() is not None:
-            return
-        self.popen.send_signal(signal.SIGTERM)
+        """SIGTERM, then SIGKILL after timeout_s; never leaves it running or unreaped. A command
+        still held (the agent failed before its release, e.g. /metrics could not bind) is stopped
+        in the trampoline: it never runs (releasing it first ran it for a moment, or for good when
+        the agent exited before it died: a user trial found the server orphaned)."""
         try:
-            self.popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()
+            if self.popen.poll() is not None:
+                return
+            self.popen.send_signal(signal.SIGTERM)  # the trampoline, or the command it became
+            try:
+                self.popen.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        finally:
+            if self._release_fd >= 0:  # never released: closed unwritten (its reader is gone)
+                os.close(self._release_fd)
+                self._release_fd = -1

@@ -19,6 +19,7 @@ LOADGEN = [sys.executable, "-m", "moescope.examples.moe_runtime.loadgen"]
 @pytest.mark.parametrize(("argv", "prog", "words"), [
     (AGENT + ["start", "--duration", "abc", "--", "true"], "agent start", "invalid float value: 'abc'"),
     (AGENT + ["top", "--interval", "soon"], "agent top", "invalid float value: 'soon'"),
+    (AGENT + ["start", "--metrics-port", "99999", "--", "true"], "agent start", "a port is 0 to 65535, got 99999"),
     (AGENT + ["strat"], "agent", "invalid choice: 'strat'"),
     (RUNTIME + ["--layers", "many"], "python -m moescope.examples.moe_runtime", "invalid int value: 'many'"),
     (LOADGEN + ["--concurrency", "x"], "python -m moescope.examples.moe_runtime.loadgen", "invalid int value: 'x'"),

@@ -1,12 +1,15 @@
-"""`agent start --control-socket PATH -- RUNTIME --control-socket PATH`: the runtime the agent
-launches makes its socket seconds later, so the policy waits for it (as it does for the socket it
-finds by pid) and then starts with the runtime's state read. It used to start at once and warn
+"""A command `agent start -- CMD` launches. `--control-socket PATH -- RUNTIME --control-socket PATH`:
+the runtime makes its socket seconds later, so the policy waits for it (as it does for the socket it
+finds by pid) and then starts with the runtime's state read; it used to start at once and warn
 twice that the runtime was unreachable (a user trial). Beside a running server a missing explicit
-socket stays an error."""
+socket stays an error. A /metrics port that cannot be bound ends the agent before the command
+ever runs (a trial found the server orphaned, running on after the agent's error)."""
 
 from __future__ import annotations
 
 import re
+import socket
+import sys
 from pathlib import Path
 
 from moescope import errors
@@ -41,3 +44,14 @@ def test_a_running_server_s_missing_explicit_socket_is_an_error(tmp_path: Path) 
         sleeper.kill_group()
     assert result.returncode == errors.ControlError.exit_code, result
     assert f"no control socket at {tmp_path / 'none.sock'}" in result.stderr, result.stderr
+
+
+def test_a_metrics_port_in_use_stops_the_command_before_it_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = run_cli(["start", "--no-collector.ingress", "--no-policy", "--metrics-port", str(port),
+                          "--duration", "5", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"])
+    assert result.returncode == errors.EXIT_USAGE, result
+    assert f"agent: error: cannot serve /metrics on 127.0.0.1:{port}: Address already in use" in result.stderr, result
+    assert not marker.exists()  # held until the release, and stopped without it
