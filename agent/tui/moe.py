@@ -182,7 +182,7 @@ class MoePanel:
             lines.append(self._column_header(layers, label_width, heat_width))
             for lay in shown:
                 lines.append(self._row(lay, label_width, heat_width))
-            lines.append(self._legend(layers, shown))
+            lines.append(self._legend(layers, shown, inner_width))
         for line in lines:
             line.no_wrap = True
             line.overflow = "ellipsis"
@@ -240,23 +240,26 @@ class MoePanel:
         t.append(residency_text(lay).rjust(9)[:9])
         return t
 
-    def _legend(self, layers: list[MoeLayer], shown: list[MoeLayer]) -> Text:
-        t = Text(style=fmt.STYLE_DIM)
+    def _legend(self, layers: list[MoeLayer], shown: list[MoeLayer], width: int) -> Text:
+        """The hidden layers, the healthy bands and the heat scale, in `width` cells: parts that do
+        not fit are left out whole (cut, the Gini band read `Gini 0.…` at 80 columns)."""
         shown_ids = {id(lay) for lay in shown}
         hidden = [lay for lay in layers if id(lay) not in shown_ids]
+        parts: list[tuple[str, str | Text]] = []
         if hidden:
             out_of_band = sum(1 for lay in hidden if layer_severity(lay))
-            t.append(
-                f"+{len(hidden)} hidden ({out_of_band} out of band) · ",
-                style=fmt.STYLE_WARN if out_of_band else fmt.STYLE_DIM,
-            )
+            parts.append(("", Text(f"+{len(hidden)} hidden ({out_of_band} out of band)",
+                                   style=fmt.STYLE_WARN if out_of_band else fmt.STYLE_DIM)))
         lo, hi = fmt.ENTROPY_NORM_HEALTHY
-        t.append(f"band H/log2E {lo:.3f}–{hi:.3f}")
+        band = f"band H/log2E {lo:.3f}–{hi:.3f}"
         experts = {lay.num_experts for lay in layers}
         if len(experts) == 1:
             (e,) = experts
             if e >= 2:
-                t.append(f" ({lo * math.log2(e):.2f}–{hi * math.log2(e):.2f} b)")
+                band += f" ({lo * math.log2(e):.2f}–{hi * math.log2(e):.2f} b)"
         glo, ghi = fmt.GINI_HEALTHY
-        t.append(f", Gini {glo:.2f}–{ghi:.2f} · load ×uniform ·<¼ ░<¾ ▒<1½ ▓<3 █≥3")
+        parts += [(" · " if parts else "", band), (", ", f"Gini {glo:.2f}–{ghi:.2f}"),
+                  (" · ", "load ×uniform ·<¼ ░<¾ ▒<1½ ▓<3 █≥3")]
+        t = fmt.fit_parts(parts, width)
+        t.stylize(fmt.STYLE_DIM)
         return t

@@ -91,17 +91,19 @@ class PhasesPanel:
         inbound = f"in {fmt.count(p.input_tokens_per_s)}" if p.input_tokens_per_s is not None else "in N/A"
         return f"tokens/s {inbound} · out {fmt.count(p.output_tokens_per_s)}"
 
-    def _summary(self) -> Text:
+    def _summary(self, width: int) -> Text:
+        """One line in `width` cells; its parts left out whole (cut, it read `out 38.4…`)."""
         p = self.phases
         if not p.requests:
             return Text("no model requests yet (requests a moe.step carried appear here)", style=fmt.STYLE_NA)
         inference = p.row("inference") or PhaseStat("inference")
-        t = Text(no_wrap=True, overflow="ellipsis")
-        t.append("inference p99 ")
-        t.append_text(p99_cell("inference", inference.p99_ms))
-        t.append(f" ms ({share_text(inference.share)})  TTFT p99 {ms(p.ttft_p99_ms)} ms  "
-                 f"TPOT p99 {ms(p.tpot_p99_ms)} ms")
-        t.append(f"  out {fmt.count(p.output_tokens_per_s)} tok/s", style=fmt.STYLE_DIM)
+        first = Text("inference p99 ")
+        first.append_text(p99_cell("inference", inference.p99_ms))
+        first.append(f" ms ({share_text(inference.share)})")
+        t = fmt.fit_parts([("", first), ("  ", f"TTFT p99 {ms(p.ttft_p99_ms)} ms"),
+                           ("  ", f"TPOT p99 {ms(p.tpot_p99_ms)} ms"),
+                           ("  ", Text(f"out {fmt.count(p.output_tokens_per_s)} tok/s", style=fmt.STYLE_DIM))], width)
+        t.no_wrap, t.overflow = True, "ellipsis"
         return t
 
     def _table(self) -> Table:
@@ -131,7 +133,7 @@ class PhasesPanel:
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         full = self.phases.requests > 0 and (self.height is None or self.height >= FULL_ROWS)
-        body: Table | Text = self._table() if full else self._summary()
+        body: Table | Text = self._table() if full else self._summary(max(1, options.max_width - 4))
         yield Panel(
             body,
             title=self._title(options.max_width),

@@ -109,6 +109,18 @@ def test_empty_and_short() -> None:
                                f"TTFT p99 {ms(table.ttft_p99_ms)} ms")
 
 
+@pytest.mark.parametrize("width", [60, 80, 100])
+def test_the_one_line_summary_leaves_parts_out_whole(width: int) -> None:
+    """A trial at 80x24 read `out 38.4…` (seconds-long CPU requests): no number is cut."""
+    import dataclasses
+
+    table = dataclasses.replace(window_table(), ttft_p99_ms=12_345.6, tpot_p99_ms=1_234.5, output_tokens_per_s=38_400.0)
+    line = render(PhasesPanel(table, height=SUMMARY_ROWS), width=width).splitlines()[1]
+    assert "…" not in line and line.startswith("│ inference p99 "), line
+    for part in ("TTFT p99 12346 ms", "TPOT p99 1234 ms", "out 38.4k tok/s"):
+        assert part in line or part.split()[0] not in line, line  # whole, or not there at all
+
+
 @pytest.mark.parametrize(("width", "height"), SIZES)
 def test_screen_with_the_panel_fills_exactly(width: int, height: int) -> None:
     base = load_fixture("gpu_busy")
