@@ -1004,7 +1004,7 @@ class _Delegate(Collector):
 
 def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
     """``--metrics-port`` / ``--metrics-addr`` / ``--metrics-experts`` for subcommands that serve /metrics."""
-    parser.add_argument("--metrics-port", type=tcp_port, default=DEFAULT_METRICS_PORT, metavar="PORT",
+    parser.add_argument("--metrics-port", type=errors.tcp_port, default=DEFAULT_METRICS_PORT, metavar="PORT",
                         help=f"serve Prometheus /metrics on this port (default {DEFAULT_METRICS_PORT}; 0 = off)")
     parser.add_argument("--metrics-addr", default=DEFAULT_METRICS_ADDR, metavar="ADDR",
                         help=f"address to bind /metrics to (default {DEFAULT_METRICS_ADDR})")
@@ -1013,17 +1013,6 @@ def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{DEFAULT_MAX_EXPERTS_PER_LAYER}; the rest sum into expert=\"other\"; the per-layer "
                              "Gini/entropy gauges cover every expert); N = E for full per-expert series, 0 for "
                              "per-layer totals only")
-
-
-def tcp_port(text: str) -> int:
-    """A TCP port number, 0 to 65535 (argparse type: 99999 was a traceback from bind())."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {value}")
-    return value
 
 
 def _experts_bound(text: str) -> int:

@@ -114,3 +114,14 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+
+def tcp_port(text: str) -> int:
+    """argparse type for a TCP port, 0 to 65535 (0: any free one). A number past it was a
+    traceback from bind() after the program had started (agent --metrics-port, the servers' --port)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {value}")
+    return value

@@ -13,14 +13,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
-from moescope.errors import ArgumentParser, ConfigError, MoescopeError, UsageError
+from moescope.errors import ArgumentParser, ConfigError, MoescopeError, UsageError, tcp_port
 from moescope.examples.moe_runtime.server import Tokenizer, serve
 from moescope.examples.moe_runtime.tokenizer import EOS_ID, ByteTokenizer
 
 TINY_ARCHS = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")  # moescope.hf.tiny builds each
 TINY_VOCAB = 512  # the byte tokenizer needs ids 0..257
+TINY_HEADS = 4  # moescope.hf.tiny: num_attention_heads
 
 
 class PretrainedTokenizer:
@@ -51,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--device", default="cpu", help="torch device (default cpu)")
     net = p.add_argument_group("serving")
     net.add_argument("--host", default="127.0.0.1")
-    net.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one (printed)")
+    net.add_argument("--port", type=tcp_port, default=8000, help="HTTP port; 0 picks a free one (printed)")
     net.add_argument("--max-batch-size", type=int, default=16)
     net.add_argument("--max-wait-ms", type=float, default=5.0)
     net.add_argument("--max-waiting", type=int, default=1024)
@@ -68,9 +70,19 @@ def load(args: argparse.Namespace) -> tuple[Any, Tokenizer, str, int]:
     """(model, tokenizer, description, pad id)."""
     import torch
 
+    if args.device != "cpu" and args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {args.device}: CUDA is not available to this torch")
     if args.tiny:
         if not args.arch or args.model:
             raise UsageError("--tiny needs --arch (and no --model)")
+        for flag, value in (("--layers", args.layers), ("--experts", args.experts), ("--top-k", args.top_k)):
+            if value < 1:
+                raise UsageError(f"{flag} must be >= 1, got {value}")
+        if args.top_k > args.experts:  # (it served, then answered every request 500)
+            raise UsageError(f"--top-k {args.top_k} is more than --experts {args.experts}")
+        if args.hidden < 2 * TINY_HEADS or args.hidden % (2 * TINY_HEADS):  # (--hidden 3: a ZeroDivisionError)
+            raise UsageError(f"--hidden must be a multiple of {2 * TINY_HEADS} ({TINY_HEADS} attention heads of an "
+                             f"even width), got {args.hidden}")
         from moescope.hf.tiny import tiny_model
 
         model = tiny_model(args.arch, seed=args.seed, vocab=TINY_VOCAB, layers=args.layers, experts=args.experts,
@@ -80,6 +92,11 @@ def load(args: argparse.Namespace) -> tuple[Any, Tokenizer, str, int]:
         raise UsageError("give --model ID_OR_PATH, or --arch NAME --tiny")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # A path, not a hub id ("org/name"): say so when it is missing (transformers said "Repo id must be
+    # in the form 'repo_name' or 'namespace/repo_name'" for /nonexistent/x)
+    looks_like_path = args.model.startswith((".", "/", "~")) or args.model.count("/") > 1
+    if looks_like_path and not Path(args.model).expanduser().is_dir():
+        raise ConfigError(f"--model {args.model}: no such directory")
     try:
         model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True, dtype="auto")
     except (OSError, ValueError) as exc:

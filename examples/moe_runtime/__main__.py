@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from moescope.errors import ArgumentParser, MoescopeError, UsageError
+from moescope.errors import ArgumentParser, MoescopeError, UsageError, tcp_port
 from moescope.examples.moe_runtime.config import OVERFLOW_POLICIES, PRECISIONS, ModelConfig
 from moescope.examples.moe_runtime.runtime import Runtime, RuntimeOptions
 from moescope.examples.moe_runtime.server import serve
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = ModelConfig()
     net = p.add_argument_group("serving")
     net.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    net.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one (printed)")
+    net.add_argument("--port", type=tcp_port, default=8000, help="HTTP port; 0 picks a free one (printed)")
     net.add_argument("--max-batch-size", type=int, default=16, help="requests per step (default 16)")
     net.add_argument("--max-wait-ms", type=float, default=5.0,
                      help="an idle engine waits this long to gather a batch (default 5)")
