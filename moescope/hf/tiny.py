@@ -37,8 +37,12 @@ def tiny_config(arch: str, *, vocab: int = 128, hidden: int = 64, layers: int = 
     if arch == "qwen2_moe":
         fields["shared_expert_intermediate_size"] = hidden
     if arch == "deepseek_v3":
+        # MLA expands its latent KV to every head: no grouped KV heads. With 2 the attention repeated
+        # the 4 expanded heads to 8 wherever a mask was given, so every padded batch failed (a user
+        # trial: HTTP 500 for every batched request; single requests, unmasked, worked)
         fields.update(first_k_dense_replace=0, n_group=2, topk_group=1, n_shared_experts=1, kv_lora_rank=16,
-                      q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+                      q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                      num_key_value_heads=4)
     fields.update(overrides)
     return getattr(transformers, class_name)(**fields)
 

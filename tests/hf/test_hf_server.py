@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from moescope.examples.hf_server.__main__ import TINY_VOCAB
+from moescope.examples.hf_server.__main__ import TINY_ARCHS, TINY_VOCAB
 from moescope.examples.hf_server.backend import HfSequence
 from moescope.examples.hf_server.runtime import CAPABILITIES, HfOptions, HfRuntime
 from moescope.examples.moe_runtime.batcher import Request
@@ -122,9 +122,18 @@ def test_a_model_without_moe_blocks_is_refused_with_the_reason() -> None:
         HfRuntime(model=dense, tokenizer=ByteTokenizer(vocab=TINY_VOCAB), options=HfOptions(), description="dense")
 
 
-def test_batched_left_padded_steps_give_each_request_its_own_greedy_tokens(runtime: HfRuntime) -> None:
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_batched_left_padded_steps_give_each_request_its_own_greedy_tokens(arch: str) -> None:
+    """Every family the server builds (deepseek_v3's tiny config once failed every padded batch:
+    HTTP 500 for each request that shared a step)."""
+    runtime = HfRuntime(model=tiny_model(arch, vocab=TINY_VOCAB, layers=2), tokenizer=ByteTokenizer(vocab=TINY_VOCAB),
+                        options=HfOptions(max_wait_ms=0.0), description=f"tiny {arch}", pad_id=EOS_ID)
+    runtime.engine.start()
     prompts = ("a", "a longer prompt")
-    alone = [complete(runtime, p, 2).generated for p in prompts]
+    try:
+        alone = [complete(runtime, p, 2).generated for p in prompts]
+    finally:
+        runtime.engine.stop()
     model = runtime.backend.model
     batched = HfRuntime(model=model, tokenizer=runtime.tokenizer, description="batched", pad_id=EOS_ID,
                         options=HfOptions(max_wait_ms=60_000.0, max_batch_size=2))  # waits for both
@@ -167,4 +176,8 @@ def test_model_from_local_files_is_served_and_a_missing_one_is_one_line(tmp_path
                                                                                  "model.layers.1.mlp"]
     with pytest.raises(ConfigError) as missing:
         load(build_parser().parse_args(["--model", str(tmp_path / "nothing-here")]))
-    assert "cannot load" in str(missing.value) and "\n" not in str(missing.value)
+    assert str(missing.value) == f"--model {tmp_path / 'nothing-here'}: no such directory"
+    (tmp_path / "empty").mkdir()  # a directory without a model: transformers' own reason, one line
+    with pytest.raises(ConfigError) as empty:
+        load(build_parser().parse_args(["--model", str(tmp_path / "empty")]))
+    assert "cannot load" in str(empty.value) and "\n" not in str(empty.value)
