@@ -27,7 +27,11 @@ def _memory(t: Text, used: int | None, total: int | None, bar_width: int) -> Non
     style = fmt.fraction_style(frac, warn=MEM_WARN, bad=MEM_BAD)
     t.append("mem ")
     t.append(fmt.bar(frac, bar_width), style=style)
-    t.append(f" {fmt.gib(used).rjust(5)}/{fmt.gib(total)} GiB ")
+    if total is not None and 0 < total < 2**30:  # a small pool read `0.0/0.0 GiB` (the transformers trial)
+        t.append(f" {fmt.num(None if used is None else used / 2**20, '.1f').rjust(5)}/"
+                 f"{fmt.num(total / 2**20, '.1f')} MiB ")
+    else:
+        t.append(f" {fmt.gib(used).rjust(5)}/{fmt.gib(total)} GiB ")
     t.append(fmt.num(None if frac is None else frac * 100, ".0f", suffix="%").rjust(4), style=style)
 
 

@@ -288,3 +288,14 @@ def test_the_header_keeps_the_uptime_whole_and_counts_targets_it_leaves_out(widt
     shown = [part for part in line.split("up ")[0].split() if part.isdigit()]
     more = int(line.split("+")[1].split(" more")[0]) if " more" in line else 0
     assert len(shown) + more == len(targets), line
+
+
+def test_a_memory_pool_under_a_gib_is_shown_in_mib() -> None:
+    """The transformers server's ~1 MiB expert pool read `0.0/0.0 GiB 80%`."""
+    from moescope.agent.state import HostBudget
+    from moescope.agent.tui.devices import host_line
+
+    small = render(host_line(HostBudget(source="runtime", used_bytes=880_000, total_bytes=1_100_000), 100), width=100)
+    assert " 0.8/1.0 MiB  80%" in small, small
+    big = render(host_line(HostBudget(source="cgroup", used_bytes=3 * 2**30, total_bytes=24 * 2**30), 100), width=100)
+    assert "  3.0/24.0 GiB  12%" in big, big
