@@ -974,6 +974,10 @@ class MetricsServer:
         return self.port
 
     @property
+    def serving(self) -> bool:
+        return self._server is not None
+
+    @property
     def port(self) -> int:
         if self._server is None:
             raise RuntimeError("MetricsServer not started")

@@ -119,7 +119,6 @@ class Observers:
         self._seq = 0
         self._lock = threading.Lock()
         self._round_caps: list[Callable[[], int | None]] = []  # add_round_cap
-        self._metrics_serving = False
 
     # ------------------------------------------------------------------ build
     @classmethod
@@ -539,9 +538,8 @@ class Observers:
     def serve_metrics(self) -> None:
         """Bind and serve /metrics (UsageError if the address cannot be bound): `agent start` does it
         before it lets a launched command run, so a port in use never leaves that command running."""
-        if self.metrics_server is not None and not self._metrics_serving:
+        if self.metrics_server is not None and not self.metrics_server.serving:
             port = self.metrics_server.start()
-            self._metrics_serving = True
             print(f"agent: metrics: http://{self.args.metrics_addr}:{port}/metrics", file=sys.stderr, flush=True)
 
     def start(self) -> None:

@@ -50,8 +50,6 @@ class HeaderBar:
             return t
         uptime = None if self.taken_unix_s is None else self.taken_unix_s - h.started_unix_s
         up = f"  up {fmt.duration(uptime)}"
-        targets = Text()
-        lead = "  target "
         named = [f"{tg.pid} {tg.comm}" for tg in h.targets]
         for lead, names in (("  target ", named), ("  ", named), ("  ", [str(tg.pid) for tg in h.targets])):
             room = width - len("moescope") - len(lead) - len(up)

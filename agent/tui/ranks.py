@@ -79,9 +79,14 @@ class RanksPanel:
         exited = sum(1 for r in rows if r.exited)
         if not rated:
             t.append(fmt.NA, style=fmt.STYLE_NA)
-            if exited:
-                t.append(f" · {exited} exited", style=fmt.STYLE_BAD)
-            return t
+        else:
+            self._summary_rates(t, rows, rated)
+        if exited:
+            t.append(f" · {exited} exited", style=fmt.STYLE_BAD)
+        return t
+
+    @staticmethod
+    def _summary_rates(t: Text, rows: list[Rank], rated: list[Rank]) -> None:
         slowest = min(rated, key=lambda r: (r.steps_per_s or 0.0, r.pid))
         style = fmt.STYLE_WARN if slowest.pid in slow_ranks(rows) else ""
         t.append(f"slowest pid {slowest.pid} ")
@@ -94,9 +99,6 @@ class RanksPanel:
         drops = sum(known) if known else None
         t.append(" · drops ")
         t.append(fmt.count(drops), style=fmt.STYLE_WARN if drops else "")
-        if exited:
-            t.append(f" · {exited} exited", style=fmt.STYLE_BAD)
-        return t
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         rows = self.ranks.ranks

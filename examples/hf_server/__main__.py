@@ -22,7 +22,6 @@ from moescope.examples.moe_runtime.tokenizer import EOS_ID, ByteTokenizer
 
 TINY_ARCHS = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")  # moescope.hf.tiny builds each
 TINY_VOCAB = 512  # the byte tokenizer needs ids 0..257
-TINY_HEADS = 4  # moescope.hf.tiny: num_attention_heads
 
 
 class PretrainedTokenizer:
@@ -70,9 +69,11 @@ def load(args: argparse.Namespace) -> tuple[Any, Tokenizer, str, int]:
     """(model, tokenizer, description, pad id)."""
     import torch
 
-    if args.device != "cpu" and args.device.startswith("cuda") and not torch.cuda.is_available():
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: CUDA is not available to this torch")
     if args.tiny:
+        from moescope.hf.tiny import TINY_HEADS, tiny_model
+
         if not args.arch or args.model:
             raise UsageError("--tiny needs --arch (and no --model)")
         for flag, value in (("--layers", args.layers), ("--experts", args.experts), ("--top-k", args.top_k)):
@@ -83,7 +84,6 @@ def load(args: argparse.Namespace) -> tuple[Any, Tokenizer, str, int]:
         if args.hidden < 2 * TINY_HEADS or args.hidden % (2 * TINY_HEADS):  # (--hidden 3: a ZeroDivisionError)
             raise UsageError(f"--hidden must be a multiple of {2 * TINY_HEADS} ({TINY_HEADS} attention heads of an "
                              f"even width), got {args.hidden}")
-        from moescope.hf.tiny import tiny_model
 
         model = tiny_model(args.arch, seed=args.seed, vocab=TINY_VOCAB, layers=args.layers, experts=args.experts,
                            top_k=args.top_k, hidden=args.hidden, max_positions=args.max_seq)

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+TINY_HEADS = 4  # attention heads of every tiny model (hidden must split into them, each of an even width)
+
 # arch name -> (config class name in transformers, its expert-count field)
 TINY_ARCHS: dict[str, tuple[str, str]] = {
     "qwen3_moe": ("Qwen3MoeConfig", "num_experts"),
@@ -26,14 +28,14 @@ def tiny_config(arch: str, *, vocab: int = 128, hidden: int = 64, layers: int = 
         raise ValueError(f"unknown tiny arch {arch!r}; known: {sorted(TINY_ARCHS)}")
     class_name, experts_field = TINY_ARCHS[arch]
     fields: dict[str, Any] = {
-        "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": 4,
+        "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": TINY_HEADS,
         "num_key_value_heads": 2, "intermediate_size": 2 * hidden, "max_position_embeddings": max_positions,
         "num_experts_per_tok": top_k, experts_field: experts,
     }
     if arch in ("qwen3_moe", "qwen2_moe", "deepseek_v3"):
         fields["moe_intermediate_size"] = hidden
     if arch == "qwen3_moe":
-        fields["head_dim"] = hidden // 4
+        fields["head_dim"] = hidden // TINY_HEADS
     if arch == "qwen2_moe":
         fields["shared_expert_intermediate_size"] = hidden
     if arch == "deepseek_v3":
@@ -42,7 +44,7 @@ def tiny_config(arch: str, *, vocab: int = 128, hidden: int = 64, layers: int = 
         # trial: HTTP 500 for every batched request; single requests, unmasked, worked)
         fields.update(first_k_dense_replace=0, n_group=2, topk_group=1, n_shared_experts=1, kv_lora_rank=16,
                       q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                      num_key_value_heads=4)
+                      num_key_value_heads=TINY_HEADS)
     fields.update(overrides)
     return getattr(transformers, class_name)(**fields)
 
